@@ -1,0 +1,66 @@
+"""Gated full attention: per-head QK RMSNorm, partial NEOX RoPE, KV cache, causal GQA, sigmoid gate."""
+import torch
+
+from .norm_quant import write_activation
+
+
+def split_qgkv(qgkv, num_kv_heads: int, head_dim: int):
+    """qgkv rows = [query_0 | gate_0 | query_1 | gate_1 | ... | k | v]: q_proj keeps the checkpoint's
+    per-head interleave of query and gate (not two halves)."""
+    num_tokens = qgkv.shape[0]
+    kv_dim = num_kv_heads * head_dim
+    qg = qgkv[:, : qgkv.shape[1] - 2 * kv_dim].reshape(num_tokens, -1, 2 * head_dim)
+    k = qgkv[:, qgkv.shape[1] - 2 * kv_dim : qgkv.shape[1] - kv_dim].reshape(num_tokens, num_kv_heads, head_dim)
+    v = qgkv[:, qgkv.shape[1] - kv_dim :].reshape(num_tokens, num_kv_heads, head_dim)
+    return qg[..., :head_dim], qg[..., head_dim:], k, v
+
+
+def _rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_cos_sin(positions, rope_theta: float, rotary_dim: int, dtype):
+    # Frequencies over the rotary width (not the head dim), angles formed in the compute dtype like HF.
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=dtype, device=positions.device) / rotary_dim))
+    angles = positions.to(dtype)[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def _rope(x, cos, sin, rotary_dim):
+    half = rotary_dim // 2
+    rot = x[..., :rotary_dim]
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, x[..., rotary_dim:]], dim=-1)
+
+
+def attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, eps, rope_theta, rotary_dim, q_out, k_cache,
+                            v_cache) -> None:
+    dtype = q_out.dtype
+    q, _, k, v = split_qgkv(qgkv.to(dtype), k_cache.shape[1], q_norm.shape[0])
+    cos, sin = rope_cos_sin(positions, rope_theta, rotary_dim, dtype)
+    q_out.copy_(_rope(_rms(q, q_norm, eps), cos, sin, rotary_dim))
+    rows = positions.long()
+    k_cache.index_copy_(0, rows, _rope(_rms(k, k_norm, eps), cos, sin, rotary_dim).to(k_cache.dtype))
+    v_cache.index_copy_(0, rows, v.to(v_cache.dtype))
+
+
+def attention(q, k_cache, v_cache, positions, scale, out, workspace) -> None:
+    """Query t sees cache rows 0..positions[t]; the workspace only serves the CUDA kernel's split-K."""
+    num_heads = q.shape[1]
+    length = int(positions.max()) + 1
+    dtype = out.dtype
+    group = num_heads // k_cache.shape[1]
+    k = k_cache[:length].to(dtype).repeat_interleave(group, dim=1)  # [L, Hq, hd]
+    v = v_cache[:length].to(dtype).repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,lhd->thl", q.to(dtype), k) * scale
+    visible = torch.arange(length, device=q.device)[None, :] <= positions.long()[:, None]  # [T, L]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    out.copy_(torch.einsum("thl,lhd->thd", torch.softmax(scores, dim=-1), v))
+
+
+def attn_output_gate(attn, qgkv, out, out_q=None, out_q_lo=None, out_d=None) -> None:
+    num_tokens, num_heads, head_dim = attn.shape
+    gate = qgkv[:, : 2 * num_heads * head_dim].reshape(num_tokens, num_heads, 2 * head_dim)[..., head_dim:]
+    y = attn.to(out.dtype) * torch.sigmoid(gate.to(out.dtype))
+    write_activation(y.reshape(out.shape), out, out_q, out_q_lo, out_d)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The one script for the device machine (H200): build the extension, run the CUDA tests, run benchmarks,
+# leave logs and JSON under $OUT. Run through the device tool from the repo root with carry
+# [".whl", ".oracle"] (scripts/prepare_device.sh fills both here; the device has no network and does not
+# see ../shared):
+#   bash scripts/device_check.sh [-k PYTEST_EXPR] [BENCH_MODULE ...]
+# e.g. bash scripts/device_check.sh -k gemv benchmarks.ops.bench_q8_gemv
+# At most 8 files come back from $OUT: build.log, tests.log, bench.log, benchmarks.json.
+set -uo pipefail
+OUT=${OUT:-$PWD/.device_out}
+mkdir -p "$OUT" "$OUT/bench"
+expr=""
+if [ "${1:-}" = "-k" ]; then expr=$2; shift 2; fi
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONUNBUFFERED=1 QWEN38_ORACLE=$PWD/.oracle/mini
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/build.log"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/build.log"
+start=$(date +%s)
+if ! python3 setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; then
+  grep -E "error|Error" "$OUT/build.log" | head -40; exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+
+test_args=(-m cuda tests -q -rf --durations=10)
+[ -n "$expr" ] && test_args+=(-k "$expr")
+python3 -m pytest "${test_args[@]}" 2>&1 | tee "$OUT/tests.log"
+test_rc=${PIPESTATUS[0]}
+
+for bench in "$@"; do
+  echo "== $bench" | tee -a "$OUT/bench.log"
+  python3 -m "$bench" --json "$OUT/bench/${bench##*.}.json" 2>&1 | tee -a "$OUT/bench.log"
+done
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+parts = {p.stem: json.loads(p.read_text()) for p in sorted((out / "bench").glob("*.json"))}
+if parts:
+    (out / "benchmarks.json").write_text(json.dumps(parts, indent=1))
+for p in (out / "bench").glob("*.json"):
+    p.unlink()
+(out / "bench").rmdir()
+PY
+exit $test_rc
