@@ -46,10 +46,12 @@ def attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, eps, rope_theta, ro
 
 
 def attention(q, k_cache, v_cache, positions, scale, out, workspace) -> None:
-    """Query t sees cache rows 0..positions[t]; the workspace only serves the CUDA kernel's split-K."""
+    """Query t sees cache rows 0..positions[t]; the workspace only serves the CUDA kernel's split-K.
+    Computed in float64 whatever the inputs, so a query's result does not depend on how many queries
+    share the call (prefill vs decode) and the kernels are measured against the exact value."""
     num_heads = q.shape[1]
     length = int(positions.max()) + 1
-    dtype = out.dtype
+    dtype = torch.float64
     group = num_heads // k_cache.shape[1]
     k = k_cache[:length].to(dtype).repeat_interleave(group, dim=1)  # [L, Hq, hd]
     v = v_cache[:length].to(dtype).repeat_interleave(group, dim=1)

@@ -1,0 +1,84 @@
+"""GGUF (llama.cpp, arch qwen35): metadata and tensor directory through the gguf package's reader; each
+tensor's bytes read on demand, one at a time (tensors.read_bytes)."""
+from __future__ import annotations
+
+import os
+
+import gguf
+import torch
+
+from ..config import Qwen38Config
+from ..errors import CheckpointError
+from .tensors import Q8Tensor, read_bytes
+
+T = gguf.GGMLQuantizationType
+DENSE_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict:
+    """Every key as a plain Python value (strings, numbers, lists)."""
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str):
+        self.path = str(path)
+        try:
+            reader = gguf.GGUFReader(self.path, "r")
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no such file") from None
+        except Exception as e:  # the reader raises ValueError/IndexError/... on a malformed header
+            raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        self.metadata = read_metadata(reader)
+        size = os.path.getsize(self.path)
+        self._tensors = {}
+        for t in reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size:
+                raise CheckpointError(f"{path}: tensor {t.name!r} is truncated: it ends at byte {end}, the file "
+                                      f"has {size}")
+            self._tensors[t.name] = t
+        if "token_embd.weight" not in self._tensors:
+            raise CheckpointError(f"{path}: missing tensor 'token_embd.weight'")
+        vocab = int(self._tensors["token_embd.weight"].shape[1])
+        self.config = Qwen38Config.from_gguf_metadata(self.metadata, vocab_size=vocab, source=self.path)
+        if "output.weight" not in self._tensors:
+            # A GGUF without output.weight ties the head to the embedding (llama.cpp's fallback).
+            self.config = _replace(self.config, tie_word_embeddings=True)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self._entry(name).shape))  # ggml ne is fastest-first
+
+    def dtype_name(self, name: str) -> str:
+        return self._entry(name).tensor_type.name
+
+    def read(self, name: str, device: torch.device) -> torch.Tensor | Q8Tensor:
+        t = self._entry(name)
+        shape = self.shape(name)
+        raw = read_bytes(self.path, int(t.data_offset), int(t.n_bytes), name).to(device)
+        if t.tensor_type == T.Q8_0:
+            if len(shape) != 2:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is Q8_0 with shape {shape}, expected 2-D")
+            return Q8Tensor.from_ggml_bytes(raw, shape)
+        if t.tensor_type in DENSE_TYPES:
+            return raw.view(DENSE_TYPES[t.tensor_type]).reshape(shape)
+        raise CheckpointError(f"{self.path}: tensor {name!r} has ggml type {t.tensor_type.name}; supported: "
+                              "F32, F16, BF16, Q8_0")
+
+    def _entry(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}") from None
+
+
+def _replace(config: Qwen38Config, **changes) -> Qwen38Config:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)

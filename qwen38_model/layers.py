@@ -1,0 +1,189 @@
+"""The hybrid stack's modules: Linear (dense or Q8_0), GatedDeltaNet, GatedAttention, MLP, DecoderLayer.
+Every computation is a torch.ops.qwen38 call (a CUDA kernel on the GPU, the reference elsewhere)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from qwen38_ops.attention import workspace_numel
+
+from .checkpoint import Q8Tensor
+from .config import Qwen38Config
+from .state import GDNState, KVCache
+
+LANES = ("f32", "int8", "int8x2")
+QK = 32
+ops = torch.ops.qwen38
+
+
+@dataclass
+class Activation:
+    """A GEMV input: float32 x, plus its int8 form when the consumer reads an int8 lane."""
+
+    x: torch.Tensor
+    q: torch.Tensor | None = None
+    q_lo: torch.Tensor | None = None
+    d: torch.Tensor | None = None
+
+    @staticmethod
+    def empty(rows: int, width: int, lane: str | None, device) -> "Activation":
+        x = torch.empty(rows, width, dtype=torch.float32, device=device)
+        if lane in (None, "f32"):
+            return Activation(x)
+        q = torch.empty(rows, width, dtype=torch.int8, device=device)
+        q_lo = torch.empty_like(q) if lane == "int8x2" else None
+        return Activation(x, q, q_lo, torch.empty(rows, width // QK, dtype=torch.float32, device=device))
+
+    def outs(self):
+        return self.x, self.q, self.q_lo, self.d
+
+
+class Linear(nn.Module):
+    """y = x W^T. Dense weights (float32/bfloat16/float16) go through F.linear (cuBLAS); Q8_0 weights
+    through our GEMV in the model's activation lane."""
+
+    def __init__(self, weight: torch.Tensor | Q8Tensor, lane: str):
+        super().__init__()
+        if isinstance(weight, Q8Tensor):
+            self.register_buffer("weight_q", weight.q)
+            self.register_buffer("weight_d", weight.d)
+            self.lane = lane
+        else:
+            self.register_buffer("weight", weight)
+            self.lane = None  # dense: reads the float32 activation
+
+    @property
+    def out_features(self) -> int:
+        return (self.weight_q if self.lane else self.weight).shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return (self.weight_q if self.lane else self.weight).shape[1]
+
+    def forward(self, act: Activation) -> torch.Tensor:
+        if self.lane is None:
+            if self.weight.device.type == "cpu":
+                # CPU BLAS picks different kernels for one row and for many, so float32 prefill and decode
+                # would disagree by float32 rounding per layer; float64 accumulation makes every row's
+                # result independent of T (and the CPU path a reference).
+                return F.linear(act.x.double(), self.weight.double()).float()
+            return F.linear(act.x.to(self.weight.dtype), self.weight).float()
+        out = torch.empty(act.x.shape[0], self.out_features, dtype=torch.float32, device=act.x.device)
+        if self.lane == "f32":
+            ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
+        elif self.lane == "int8":
+            ops.q8_0_gemv_int8(act.q, act.d, self.weight_q, self.weight_d, out)
+        else:
+            ops.q8_0_gemv_int8x2(act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out)
+        return out
+
+
+def input_lane(*consumers: Linear) -> str | None:
+    """The lane a producer must emit: the quantized one if any consumer reads Q8_0 weights."""
+    return next((c.lane for c in consumers if c.lane is not None), None)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: Qwen38Config, w: dict, lane: str):
+        super().__init__()
+        self.config = config
+        self.qkvz = Linear(w["qkvz"], lane)  # rows [q | k | v | z]
+        self.ba = Linear(w["ba"], lane)  # rows [b (beta) | a (decay)]
+        self.out_proj = Linear(w["ssm_out"], lane)
+        self.register_buffer("conv_weight", w["ssm_conv1d"])
+        self.register_buffer("a_neg", w["ssm_a"])
+        self.register_buffer("dt_bias", w["ssm_dt"])
+        self.register_buffer("norm_weight", w["ssm_norm"])
+
+    def forward(self, act: Activation, state: GDNState, positions: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        rows, device = act.x.shape[0], act.x.device
+        qkvz = self.qkvz(act)
+        ba = self.ba(act)
+        conv = torch.empty(rows, c.conv_dim, device=device)
+        ops.gdn_conv(qkvz[:, : c.conv_dim], state.conv, self.conv_weight, c.linear_num_key_heads,
+                     c.linear_key_head_dim, conv)
+        beta = torch.empty(rows, c.linear_num_value_heads, device=device)
+        decay = torch.empty_like(beta)
+        ops.gdn_gates(ba, self.a_neg, self.dt_bias, beta, decay)
+        core = torch.empty(rows, c.linear_num_value_heads, c.linear_value_head_dim, device=device)
+        ops.gdn_recurrent(conv, beta, decay, state.recurrent, core)
+        out = Activation.empty(rows, c.linear_value_dim, input_lane(self.out_proj), device)
+        ops.gated_rms_norm(core.view(rows, -1), qkvz[:, c.conv_dim:], self.norm_weight, c.rms_norm_eps, *out.outs())
+        return self.out_proj(out)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: Qwen38Config, w: dict, lane: str):
+        super().__init__()
+        self.config = config
+        self.qgkv = Linear(w["qgkv"], lane)  # rows [query_0 | gate_0 | ... | k | v]
+        self.o_proj = Linear(w["attn_output"], lane)
+        self.register_buffer("q_norm", w["attn_q_norm"])
+        self.register_buffer("k_norm", w["attn_k_norm"])
+
+    def forward(self, act: Activation, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        rows, device = act.x.shape[0], act.x.device
+        qgkv = self.qgkv(act)
+        q = torch.empty(rows, c.num_attention_heads, c.head_dim, device=device)
+        ops.attn_qk_norm_rope_store(qgkv, self.q_norm, self.k_norm, positions, c.rms_norm_eps, c.rope_theta,
+                                    c.rotary_dim, q, cache.k, cache.v)
+        attn = torch.empty_like(q)
+        workspace = torch.empty(workspace_numel(rows, c.num_attention_heads, c.head_dim), device=device)
+        ops.attention(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)
+        out = Activation.empty(rows, c.num_attention_heads * c.head_dim, input_lane(self.o_proj), device)
+        ops.attn_output_gate(attn, qgkv, *out.outs())
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Qwen38Config, w: dict, lane: str):
+        super().__init__()
+        self.gate_up = Linear(w["gate_up"], lane)  # rows [gate | up]
+        self.down = Linear(w["ffn_down"], lane)
+
+    def forward(self, act: Activation) -> torch.Tensor:
+        hidden = Activation.empty(act.x.shape[0], self.down.in_features, input_lane(self.down), act.x.device)
+        ops.silu_mul(self.gate_up(act), *hidden.outs())
+        return self.down(hidden)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block. The residual add of the previous block is fused into this block's norm
+    (add_rms_norm), so the stream is read and written once per norm."""
+
+    def __init__(self, config: Qwen38Config, mixer: nn.Module, mlp: MLP, w: dict):
+        super().__init__()
+        self.mixer = mixer
+        self.mlp = mlp
+        self.register_buffer("input_norm", w["attn_norm"])
+        self.register_buffer("post_norm", w["post_attention_norm"])
+        self.eps = config.rms_norm_eps
+
+    def mixer_lane(self) -> str | None:
+        if isinstance(self.mixer, GatedDeltaNet):
+            return input_lane(self.mixer.qkvz, self.mixer.ba)
+        return input_lane(self.mixer.qgkv)
+
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, state, positions) -> torch.Tensor:
+        act = Activation.empty(*residual.shape, self.mixer_lane(), residual.device)
+        if delta is None:
+            ops.rms_norm(residual, self.input_norm, self.eps, *act.outs())
+        else:
+            ops.add_rms_norm(residual, delta, self.input_norm, self.eps, *act.outs())
+        delta = self.mixer(act, state, positions)
+        act = Activation.empty(*residual.shape, input_lane(self.mlp.gate_up), residual.device)
+        ops.add_rms_norm(residual, delta, self.post_norm, self.eps, *act.outs())
+        return self.mlp(act)
+
+
+def check_lane(lane: str) -> str:
+    if lane not in LANES:
+        raise ValueError(f"lane must be one of {LANES}, found {lane!r}")
+    return lane
+

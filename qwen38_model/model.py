@@ -1,0 +1,128 @@
+"""Qwen38ForCausalLM: the hybrid GDN + gated-attention stack as an nn.Module, loaded from GGUF or HF."""
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import qwen38_ops
+
+from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
+from .config import ATTENTION, Qwen38Config
+from .layers import MLP, Activation, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, input_lane
+from .state import Qwen38State
+
+ops = torch.ops.qwen38
+
+# Matrices that read the same activation are concatenated at load so one GEMV serves them.
+FUSED_GROUPS = {
+    "qkvz": ("attn_qkv", "attn_gate"),
+    "ba": ("ssm_beta", "ssm_alpha"),
+    "qgkv": ("attn_q", "attn_k", "attn_v"),
+    "gate_up": ("ffn_gate", "ffn_up"),
+}
+GDN_SINGLE = ("ssm_out", "ssm_conv1d", "ssm_a", "ssm_dt", "ssm_norm")
+ATTENTION_SINGLE = ("attn_output", "attn_q_norm", "attn_k_norm")
+COMMON_SINGLE = ("attn_norm", "post_attention_norm", "ffn_down")
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # float32 [B, T', V]
+    state: Qwen38State | None = None
+
+
+class Qwen38ForCausalLM(nn.Module):
+    def __init__(self, config: Qwen38Config, checkpoint: Checkpoint, device, dtype, quantize, lane):
+        super().__init__()
+        self.config = config
+        self.lane = check_lane(lane)
+        self.checkpoint_path = checkpoint.path
+
+        def load(part, layer=None):
+            return checkpoint.load(part, layer, device, dtype, quantize)
+
+        embed = load("token_embd")
+        if isinstance(embed, Q8Tensor):
+            self.register_buffer("embed_q", embed.q)
+            self.register_buffer("embed_d", embed.d)
+        else:
+            self.register_buffer("embed", embed)
+        self.layers = nn.ModuleList(self._load_layer(checkpoint, i, device, dtype, quantize)
+                                    for i in range(config.num_layers))
+        self.register_buffer("norm", load("output_norm"))
+        self.lm_head = Linear(load("output"), lane)
+
+    def _load_layer(self, checkpoint: Checkpoint, i: int, device, dtype, quantize) -> DecoderLayer:
+        attention = self.config.layer_types[i] == ATTENTION
+        groups = ("qgkv", "gate_up") if attention else ("qkvz", "ba", "gate_up")
+        singles = COMMON_SINGLE + (ATTENTION_SINGLE if attention else GDN_SINGLE)
+        w = {g: checkpoint.load_fused(FUSED_GROUPS[g], i, device, dtype, quantize) for g in groups}
+        w.update({p: checkpoint.load(p, i, device, dtype, quantize) for p in singles})
+        mixer = (GatedAttention if attention else GatedDeltaNet)(self.config, w, self.lane)
+        return DecoderLayer(self.config, mixer, MLP(self.config, w, self.lane), w)
+
+    @classmethod
+    def from_pretrained(cls, path: str | pathlib.Path, device=None, dtype: torch.dtype | None = None,
+                        quantize: str | None = None, lane: str = "f32") -> "Qwen38ForCausalLM":
+        """path: a .gguf file or an HF folder. device: default CUDA when available. dtype: storage and
+        compute dtype of dense large matrices (default float32 on CPU, bfloat16 on CUDA); activations,
+        states and small weights are float32 always. quantize="q8_0": quantize dense matrices at load
+        exactly as llama.cpp's converter does. lane: activation lane of the Q8_0 GEMVs (f32, int8, int8x2)."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if quantize not in (None, "q8_0"):
+            raise ValueError(f"quantize must be None or 'q8_0', found {quantize!r}")
+        if device.type == "cuda":
+            qwen38_ops.warn_if_no_cuda_kernels()
+        checkpoint = open_checkpoint(path)
+        with torch.no_grad():
+            model = cls(checkpoint.config, checkpoint, device, dtype, quantize, lane)
+        return model.eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
+    def new_state(self, max_seq_len: int, kv_dtype: torch.dtype = torch.float32) -> Qwen38State:
+        return Qwen38State(self.config, max_seq_len, self.device, kv_dtype)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "embed_q"):
+            out = torch.empty(ids.shape[0], self.config.hidden_size, device=self.device)
+            ops.q8_0_embedding(ids.to(torch.int32), self.embed_q, self.embed_d, out)
+            return out
+        return self.embed[ids.long()].float()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, state: Qwen38State | None = None,
+                logits_to_keep: int = 0) -> CausalLMOutput:
+        """input_ids [B, T]. With a state, the tokens continue it (B must be 1) and the state advances;
+        without one, each row is an independent sequence. logits_to_keep=k > 0 keeps the last k rows."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], found shape {tuple(input_ids.shape)}")
+        if input_ids.shape[0] != 1 and state is not None:
+            raise ValueError(f"a state holds one sequence; input_ids has batch {input_ids.shape[0]}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids has no tokens")
+        bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
+        if bool(bad.any()):
+            raise ValueError(f"token id {int(input_ids[bad][0])} out of range [0, {self.config.vocab_size})")
+        rows = [self._forward_one(ids.to(self.device), state, logits_to_keep) for ids in input_ids]
+        return CausalLMOutput(torch.stack([r[0] for r in rows]), rows[-1][1])
+
+    def _forward_one(self, ids: torch.Tensor, state: Qwen38State | None, logits_to_keep: int):
+        state = state or self.new_state(ids.shape[0])
+        positions = state.reserve(ids.shape[0])
+        residual = self.embed_tokens(ids)
+        delta = None
+        for layer, layer_state in zip(self.layers, state.layers):
+            delta = layer(residual, delta, layer_state, positions)
+        keep = slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
+        residual, delta = residual[keep], delta[keep]
+        act = Activation.empty(*residual.shape, input_lane(self.lm_head), self.device)
+        ops.add_rms_norm(residual, delta, self.norm, self.config.rms_norm_eps, *act.outs())
+        return self.lm_head(act), state
