@@ -2,9 +2,8 @@
 tensor's bytes read on demand, one at a time (tensors.read_bytes)."""
 from __future__ import annotations
 
-import os
-
 import gguf
+import numpy as np
 import torch
 
 from ..config import Qwen38Config
@@ -13,6 +12,26 @@ from .tensors import Q8Tensor, read_bytes
 
 T = gguf.GGMLQuantizationType
 DENSE_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+
+
+class _BoundsCheckedReader(gguf.GGUFReader):
+    """The reader maps every tensor while it opens the file, and on a truncated file fails with a bare
+    numpy reshape error; check the directory against the file size first so the error names the tensor."""
+
+    def __init__(self, path: str):
+        self.path = path
+        super().__init__(path, "r")
+
+    def _build_tensors(self, start_offs, fields):
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+            end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise CheckpointError(f"{self.path}: tensor {bytes(name).decode()!r} is truncated: it ends at byte "
+                                      f"{end}, the file has {size}")
+        super()._build_tensors(start_offs, fields)
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict:
@@ -24,20 +43,15 @@ class GGUFCheckpoint:
     def __init__(self, path: str):
         self.path = str(path)
         try:
-            reader = gguf.GGUFReader(self.path, "r")
+            reader = _BoundsCheckedReader(self.path)
         except FileNotFoundError:
             raise CheckpointError(f"{path}: no such file") from None
+        except CheckpointError:
+            raise
         except Exception as e:  # the reader raises ValueError/IndexError/... on a malformed header
             raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
         self.metadata = read_metadata(reader)
-        size = os.path.getsize(self.path)
-        self._tensors = {}
-        for t in reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise CheckpointError(f"{path}: tensor {t.name!r} is truncated: it ends at byte {end}, the file "
-                                      f"has {size}")
-            self._tensors[t.name] = t
+        self._tensors = {t.name: t for t in reader.tensors}
         if "token_embd.weight" not in self._tensors:
             raise CheckpointError(f"{path}: missing tensor 'token_embd.weight'")
         vocab = int(self._tensors["token_embd.weight"].shape[1])
