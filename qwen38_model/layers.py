@@ -2,8 +2,6 @@
 Every computation is a torch.ops.qwen38 call (a CUDA kernel on the GPU, the reference elsewhere)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,33 +11,11 @@ from qwen38_ops.attention import workspace_numel
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
+from .scratch import Activation, Scratch
 from .state import GDNState, KVCache
 
 LANES = ("f32", "int8", "int8x2")
-QK = 32
 ops = torch.ops.qwen38
-
-
-@dataclass
-class Activation:
-    """A GEMV input: float32 x, plus its int8 form when the consumer reads an int8 lane."""
-
-    x: torch.Tensor
-    q: torch.Tensor | None = None
-    q_lo: torch.Tensor | None = None
-    d: torch.Tensor | None = None
-
-    @staticmethod
-    def empty(rows: int, width: int, lane: str | None, device) -> "Activation":
-        x = torch.empty(rows, width, dtype=torch.float32, device=device)
-        if lane in (None, "f32"):
-            return Activation(x)
-        q = torch.empty(rows, width, dtype=torch.int8, device=device)
-        q_lo = torch.empty_like(q) if lane == "int8x2" else None
-        return Activation(x, q, q_lo, torch.empty(rows, width // QK, dtype=torch.float32, device=device))
-
-    def outs(self):
-        return self.x, self.q, self.q_lo, self.d
 
 
 class Linear(nn.Module):
@@ -64,22 +40,31 @@ class Linear(nn.Module):
     def in_features(self) -> int:
         return (self.weight_q if self.lane else self.weight).shape[1]
 
-    def forward(self, act: Activation) -> torch.Tensor:
+    def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
+        out = scratch.empty(self, "out", (act.x.shape[0], self.out_features))
         if self.lane is None:
-            if self.weight.device.type == "cpu":
-                # CPU BLAS picks different kernels for one row and for many, so float32 prefill and decode
-                # would disagree by float32 rounding per layer; float64 accumulation makes every row's
-                # result independent of T (and the CPU path a reference).
-                return F.linear(act.x.double(), self.weight.double()).float()
-            return F.linear(act.x.to(self.weight.dtype), self.weight).float()
-        out = torch.empty(act.x.shape[0], self.out_features, dtype=torch.float32, device=act.x.device)
-        if self.lane == "f32":
+            self._dense(act.x, out, scratch)
+        elif self.lane == "f32":
             ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
         elif self.lane == "int8":
             ops.q8_0_gemv_int8(act.q, act.d, self.weight_q, self.weight_d, out)
         else:
             ops.q8_0_gemv_int8x2(act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out)
         return out
+
+    def _dense(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
+        if self.weight.device.type == "cpu":
+            # CPU BLAS picks different kernels for one row and for many, so float32 prefill and decode
+            # would disagree by float32 rounding per layer; float64 accumulation makes every row's
+            # result independent of T (and the CPU path a reference).
+            out.copy_(F.linear(x.double(), self.weight.double()))
+            return
+        # cuBLAS in the weight's dtype, into fixed buffers (the decode graph replays on them).
+        x_w = scratch.empty(self, "x_w", x.shape, self.weight.dtype)
+        y_w = scratch.empty(self, "y_w", out.shape, self.weight.dtype)
+        x_w.copy_(x)
+        torch.mm(x_w, self.weight.t(), out=y_w)
+        out.copy_(y_w)
 
 
 def input_lane(*consumers: Linear) -> str | None:
@@ -99,22 +84,25 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("dt_bias", w["ssm_dt"])
         self.register_buffer("norm_weight", w["ssm_norm"])
 
-    def forward(self, act: Activation, state: GDNState, positions: torch.Tensor) -> torch.Tensor:
+    def input_lane(self) -> str | None:
+        return input_lane(self.qkvz, self.ba)
+
+    def forward(self, act: Activation, state: GDNState, positions: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         c = self.config
-        rows, device = act.x.shape[0], act.x.device
-        qkvz = self.qkvz(act)
-        ba = self.ba(act)
-        conv = torch.empty(rows, c.conv_dim, device=device)
+        rows = act.x.shape[0]
+        qkvz = self.qkvz(act, scratch)
+        ba = self.ba(act, scratch)
+        conv = scratch.empty(self, "conv", (rows, c.conv_dim))
         ops.gdn_conv(qkvz[:, : c.conv_dim], state.conv, self.conv_weight, c.linear_num_key_heads,
                      c.linear_key_head_dim, conv)
-        beta = torch.empty(rows, c.linear_num_value_heads, device=device)
-        decay = torch.empty_like(beta)
+        beta = scratch.empty(self, "beta", (rows, c.linear_num_value_heads))
+        decay = scratch.empty(self, "decay", (rows, c.linear_num_value_heads))
         ops.gdn_gates(ba, self.a_neg, self.dt_bias, beta, decay)
-        core = torch.empty(rows, c.linear_num_value_heads, c.linear_value_head_dim, device=device)
+        core = scratch.empty(self, "core", (rows, c.linear_num_value_heads, c.linear_value_head_dim))
         ops.gdn_recurrent(conv, beta, decay, state.recurrent, core)
-        out = Activation.empty(rows, c.linear_value_dim, input_lane(self.out_proj), device)
+        out = scratch.activation(self, "normed", rows, c.linear_value_dim, input_lane(self.out_proj))
         ops.gated_rms_norm(core.view(rows, -1), qkvz[:, c.conv_dim:], self.norm_weight, c.rms_norm_eps, *out.outs())
-        return self.out_proj(out)
+        return self.out_proj(out, scratch)
 
 
 class GatedAttention(nn.Module):
@@ -126,19 +114,22 @@ class GatedAttention(nn.Module):
         self.register_buffer("q_norm", w["attn_q_norm"])
         self.register_buffer("k_norm", w["attn_k_norm"])
 
-    def forward(self, act: Activation, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+    def input_lane(self) -> str | None:
+        return input_lane(self.qgkv)
+
+    def forward(self, act: Activation, cache: KVCache, positions: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         c = self.config
-        rows, device = act.x.shape[0], act.x.device
-        qgkv = self.qgkv(act)
-        q = torch.empty(rows, c.num_attention_heads, c.head_dim, device=device)
+        rows = act.x.shape[0]
+        qgkv = self.qgkv(act, scratch)
+        q = scratch.empty(self, "q", (rows, c.num_attention_heads, c.head_dim))
         ops.attn_qk_norm_rope_store(qgkv, self.q_norm, self.k_norm, positions, c.rms_norm_eps, c.rope_theta,
                                     c.rotary_dim, q, cache.k, cache.v)
-        attn = torch.empty_like(q)
-        workspace = torch.empty(workspace_numel(rows, c.num_attention_heads, c.head_dim), device=device)
+        attn = scratch.empty(self, "attn", q.shape)
+        workspace = scratch.empty(self, "workspace", (workspace_numel(rows, c.num_attention_heads, c.head_dim),))
         ops.attention(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)
-        out = Activation.empty(rows, c.num_attention_heads * c.head_dim, input_lane(self.o_proj), device)
+        out = scratch.activation(self, "gated", rows, c.num_attention_heads * c.head_dim, input_lane(self.o_proj))
         ops.attn_output_gate(attn, qgkv, *out.outs())
-        return self.o_proj(out)
+        return self.o_proj(out, scratch)
 
 
 class MLP(nn.Module):
@@ -147,10 +138,10 @@ class MLP(nn.Module):
         self.gate_up = Linear(w["gate_up"], lane)  # rows [gate | up]
         self.down = Linear(w["ffn_down"], lane)
 
-    def forward(self, act: Activation) -> torch.Tensor:
-        hidden = Activation.empty(act.x.shape[0], self.down.in_features, input_lane(self.down), act.x.device)
-        ops.silu_mul(self.gate_up(act), *hidden.outs())
-        return self.down(hidden)
+    def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
+        hidden = scratch.activation(self, "hidden", act.x.shape[0], self.down.in_features, input_lane(self.down))
+        ops.silu_mul(self.gate_up(act, scratch), *hidden.outs())
+        return self.down(hidden, scratch)
 
 
 class DecoderLayer(nn.Module):
@@ -165,21 +156,18 @@ class DecoderLayer(nn.Module):
         self.register_buffer("post_norm", w["post_attention_norm"])
         self.eps = config.rms_norm_eps
 
-    def mixer_lane(self) -> str | None:
-        if isinstance(self.mixer, GatedDeltaNet):
-            return input_lane(self.mixer.qkvz, self.mixer.ba)
-        return input_lane(self.mixer.qgkv)
-
-    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, state, positions) -> torch.Tensor:
-        act = Activation.empty(*residual.shape, self.mixer_lane(), residual.device)
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, state, positions,
+                scratch: Scratch) -> torch.Tensor:
+        rows, width = residual.shape
+        act = scratch.activation(self, "mixer_in", rows, width, self.mixer.input_lane())
         if delta is None:
             ops.rms_norm(residual, self.input_norm, self.eps, *act.outs())
         else:
             ops.add_rms_norm(residual, delta, self.input_norm, self.eps, *act.outs())
-        delta = self.mixer(act, state, positions)
-        act = Activation.empty(*residual.shape, input_lane(self.mlp.gate_up), residual.device)
+        delta = self.mixer(act, state, positions, scratch)
+        act = scratch.activation(self, "mlp_in", rows, width, input_lane(self.mlp.gate_up))
         ops.add_rms_norm(residual, delta, self.post_norm, self.eps, *act.outs())
-        return self.mlp(act)
+        return self.mlp(act, scratch)
 
 
 def check_lane(lane: str) -> str:

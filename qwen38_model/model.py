@@ -11,7 +11,8 @@ import qwen38_ops
 
 from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
 from .config import ATTENTION, Qwen38Config
-from .layers import MLP, Activation, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, input_lane
+from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, input_lane
+from .scratch import Scratch
 from .state import Qwen38State
 
 ops = torch.ops.qwen38
@@ -90,12 +91,16 @@ class Qwen38ForCausalLM(nn.Module):
     def new_state(self, max_seq_len: int, kv_dtype: torch.dtype = torch.float32) -> Qwen38State:
         return Qwen38State(self.config, max_seq_len, self.device, kv_dtype)
 
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(self, ids: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        """ids int32 [T] on the model's device (read by the kernel: no host round trip)."""
+        out = scratch.empty(self, "residual", (ids.shape[0], self.config.hidden_size))
         if hasattr(self, "embed_q"):
-            out = torch.empty(ids.shape[0], self.config.hidden_size, device=self.device)
-            ops.q8_0_embedding(ids.to(torch.int32), self.embed_q, self.embed_d, out)
-            return out
-        return self.embed[ids.long()].float()
+            ops.q8_0_embedding(ids, self.embed_q, self.embed_d, out)
+        else:
+            rows = scratch.empty(self, "embed_rows", out.shape, self.embed.dtype)
+            torch.index_select(self.embed, 0, ids, out=rows)
+            out.copy_(rows)
+        return out
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: Qwen38State | None = None,
@@ -111,18 +116,24 @@ class Qwen38ForCausalLM(nn.Module):
         bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
         if bool(bad.any()):
             raise ValueError(f"token id {int(input_ids[bad][0])} out of range [0, {self.config.vocab_size})")
-        rows = [self._forward_one(ids.to(self.device), state, logits_to_keep) for ids in input_ids]
-        return CausalLMOutput(torch.stack([r[0] for r in rows]), rows[-1][1])
+        logits = []
+        for ids in input_ids.to(self.device, torch.int32):
+            seq_state = state or self.new_state(ids.shape[0])
+            positions = seq_state.reserve(ids.shape[0])
+            logits.append(self.run(ids, positions, seq_state, Scratch(self.device), logits_to_keep))
+        return CausalLMOutput(torch.stack(logits), state)
 
-    def _forward_one(self, ids: torch.Tensor, state: Qwen38State | None, logits_to_keep: int):
-        state = state or self.new_state(ids.shape[0])
-        positions = state.reserve(ids.shape[0])
-        residual = self.embed_tokens(ids)
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen38State, scratch: Scratch,
+            logits_to_keep: int = 0) -> torch.Tensor:
+        """The stack over ids int32 [T] at positions int32 [T] (both on the device), updating state's
+        caches; returns logits float32 [T', V] in a scratch buffer. The decode step is this with T = 1,
+        the token and position tensors held on the device and one Scratch kept across steps."""
+        residual = self.embed_tokens(ids, scratch)
         delta = None
         for layer, layer_state in zip(self.layers, state.layers):
-            delta = layer(residual, delta, layer_state, positions)
-        keep = slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
-        residual, delta = residual[keep], delta[keep]
-        act = Activation.empty(*residual.shape, input_lane(self.lm_head), self.device)
+            delta = layer(residual, delta, layer_state, positions, scratch)
+        if 0 < logits_to_keep < residual.shape[0]:
+            residual, delta = residual[-logits_to_keep:], delta[-logits_to_keep:]
+        act = scratch.activation(self, "final_norm", *residual.shape, input_lane(self.lm_head))
         ops.add_rms_norm(residual, delta, self.norm, self.config.rms_norm_eps, *act.outs())
-        return self.lm_head(act), state
+        return self.lm_head(act, scratch)

@@ -1,0 +1,48 @@
+"""Output buffers for the model's ops, found by (owner, name).
+
+A forward over a prompt uses a fresh Scratch (buffers allocated as the ops need them). The decode step
+keeps one Scratch for its lifetime: the warm-up step allocates every buffer once, and a captured CUDA
+graph then replays on exactly those addresses, with no allocation inside the step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QK = 32  # activation quantization block
+
+
+@dataclass
+class Activation:
+    """A GEMV input: float32 x, plus its int8 form when the consumer reads an int8 lane."""
+
+    x: torch.Tensor
+    q: torch.Tensor | None = None
+    q_lo: torch.Tensor | None = None
+    d: torch.Tensor | None = None
+
+    def outs(self):
+        return self.x, self.q, self.q_lo, self.d
+
+
+class Scratch:
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def empty(self, owner, name: str, shape, dtype=torch.float32) -> torch.Tensor:
+        key = (id(owner), name)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            self._buffers[key] = buf
+        return buf
+
+    def activation(self, owner, name: str, rows: int, width: int, lane: str | None) -> Activation:
+        """Buffers for a producer whose consumer reads `lane` (None: a dense matrix, float32 only)."""
+        x = self.empty(owner, name, (rows, width))
+        if lane in (None, "f32"):
+            return Activation(x)
+        q = self.empty(owner, name + ".q", (rows, width), torch.int8)
+        q_lo = self.empty(owner, name + ".q_lo", (rows, width), torch.int8) if lane == "int8x2" else None
+        return Activation(x, q, q_lo, self.empty(owner, name + ".d", (rows, width // QK)))
