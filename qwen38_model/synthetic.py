@@ -28,8 +28,7 @@ import torch
 from tokenizers import pre_tokenizers
 
 from .errors import CheckpointError
-from .tokenizer import QWEN35_SPLIT_REGEX, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED
-from .tokenizer import byte_level_bpe
+from .tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED, byte_level_bpe
 
 # ---------------------------------------------------------------------------------------------------------
 # Configuration
@@ -167,7 +166,8 @@ def visual_tensor_specs(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...], t
 
 def random_tensor(name: str, shape: tuple[int, ...], distribution: tuple, seed: int) -> torch.Tensor:
     """float32 values that depend only on (seed, name): every form and shard layout holds the same model."""
-    generator = torch.Generator().manual_seed((seed << 32) | zlib.crc32(name.encode()))
+    # One 32-bit hash of both: the CPU generator (mt19937) keeps only the low 32 bits of a seed.
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     if distribution[0] == "normal":
         return torch.randn(shape, generator=generator) * distribution[1]
     low, high = distribution[1:]
@@ -260,10 +260,11 @@ def _write_safetensors(path: pathlib.Path, weights: dict[str, torch.Tensor], num
     names = sorted(weights)
     if not 1 < num_shards <= len(names):
         raise ValueError(f"num_shards must be between 1 and {len(names)}, not {num_shards}")
+    bounds = [round(i * len(names) / num_shards) for i in range(num_shards + 1)]  # contiguous, near-equal
     weight_map = {}
-    for i, shard_names in enumerate(np.array_split(np.array(names), num_shards)):
+    for i in range(num_shards):
         file_name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        shard = {str(name): weights[str(name)] for name in shard_names}
+        shard = {name: weights[name] for name in names[bounds[i]:bounds[i + 1]]}
         safetensors.torch.save_file(shard, path / file_name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file_name))
     total_size = sum(t.numel() * t.element_size() for t in weights.values())

@@ -94,7 +94,7 @@ def hf_to_internal(part: str, t: torch.Tensor, config: Qwen38Config) -> torch.Te
     if part in PLUS_ONE_PARTS:
         return t.to(torch.float32) + 1
     if part == "ssm_a":
-        t = -torch.exp(t.to(torch.float32))
+        t = (-torch.exp(t.to(torch.float64))).to(torch.float32)  # correctly rounded, as the oracle GGUF holds
     if part == "ssm_conv1d":
         t = t.to(torch.float32).reshape(t.shape[0], t.shape[-1])
     if part in ("ssm_dt", "ssm_norm"):

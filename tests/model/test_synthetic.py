@@ -27,6 +27,10 @@ def differing_q8_0_blocks(ours: np.ndarray, theirs: np.ndarray) -> int:
     return int((blocks_a != blocks_b).any(axis=1).sum())
 
 
+def load_hf(hf_dir: pathlib.Path) -> dict[str, np.ndarray]:
+    return safetensors.numpy.load_file(hf_dir / "model.safetensors")
+
+
 @pytest.fixture(scope="module")
 def small_checkpoints(tmp_path_factory):
     """The same seed in every form: text, text in 3 shards, VLM, VLM in 2 shards."""
@@ -72,7 +76,7 @@ def test_gguf_conventions_on_a_synthetic_checkpoint(small_checkpoints, tmp_path)
     hf_dir = small_checkpoints["text"]
     reader, fields = read_gguf(synthetic.hf_to_gguf(hf_dir, tmp_path / "m.gguf", "f32"))
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
-    hf = _load_hf(hf_dir)
+    hf = load_hf(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
     Hk, Hv, dv = config["linear_num_key_heads"], config["linear_num_value_heads"], config["linear_value_head_dim"]
     qk_rows = 2 * Hk * config["linear_key_head_dim"]
@@ -115,10 +119,6 @@ def test_gguf_conventions_on_a_synthetic_checkpoint(small_checkpoints, tmp_path)
     assert fields["tokenizer.chat_template"] == synthetic.SYNTHETIC_CHAT_TEMPLATE
 
 
-def _load_hf(hf_dir: pathlib.Path) -> dict[str, np.ndarray]:
-    return safetensors.numpy.load_file(hf_dir / "model.safetensors")
-
-
 def test_vlm_form_converts_like_text_form(small_checkpoints, tmp_path):
     """model.language_model.* renamed, model.visual.* and mtp.* dropped (--no-mtp), shards joined."""
     files = {key: synthetic.hf_to_gguf(path, tmp_path / f"{key}.gguf", "q8_0", model_name="same")
@@ -126,6 +126,18 @@ def test_vlm_form_converts_like_text_form(small_checkpoints, tmp_path):
     reference = files["text"].read_bytes()
     for key, path in files.items():
         assert path.read_bytes() == reference, key
+
+
+def test_q8_0_falls_back_to_f16_for_rows_not_a_multiple_of_32(tmp_path):
+    odd = {**SMALL, "hidden_size": 48, "num_hidden_layers": 2}
+    hf_dir = synthetic.write_hf_checkpoint(tmp_path / "hf", odd, dtype=torch.float16)
+    reader, _ = read_gguf(synthetic.hf_to_gguf(hf_dir, tmp_path / "m.gguf", "q8_0"))
+    matrices = {t.name: t for t in reader.tensors if len(t.shape) == 2 and "conv1d" not in t.name}
+    for name, t in matrices.items():  # ne0 (t.shape[0]) is the row length that Q8_0 blocks split
+        expected = gguf.GGMLQuantizationType.Q8_0 if t.shape[0] % 32 == 0 else gguf.GGMLQuantizationType.F16
+        assert t.tensor_type == expected, name
+    assert {t.tensor_type for t in matrices.values()} == {gguf.GGMLQuantizationType.Q8_0,
+                                                          gguf.GGMLQuantizationType.F16}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,7 +160,7 @@ def test_every_form_loads_in_transformers_as_the_same_model(small_checkpoints):
 
 
 def test_every_parameter_is_randomized(small_checkpoints):
-    weights = _load_hf(small_checkpoints["text"])
+    weights = load_hf(small_checkpoints["text"])
     for name, value in weights.items():
         assert value.std() > 0.05, name
     norm = weights["model.layers.0.input_layernorm.weight"]
