@@ -11,7 +11,9 @@ import qwen38_ops
 
 from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
 from .config import ATTENTION, Qwen38Config
+from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
 from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, input_lane
+from .sampling import SamplingConfig
 from .scratch import Scratch
 from .state import Qwen38State
 
@@ -67,11 +69,12 @@ class Qwen38ForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path, device=None, dtype: torch.dtype | None = None,
-                        quantize: str | None = None, lane: str = "f32") -> "Qwen38ForCausalLM":
+                        quantize: str | None = None, lane: str = "f32", progress=None) -> "Qwen38ForCausalLM":
         """path: a .gguf file or an HF folder. device: default CUDA when available. dtype: storage and
         compute dtype of dense large matrices (default float32 on CPU, bfloat16 on CUDA); activations,
         states and small weights are float32 always. quantize="q8_0": quantize dense matrices at load
-        exactly as llama.cpp's converter does. lane: activation lane of the Q8_0 GEMVs (f32, int8, int8x2)."""
+        exactly as llama.cpp's converter does. lane: activation lane of the Q8_0 GEMVs (f32, int8, int8x2).
+        progress: optional callable(bytes_read, bytes_total), called as tensors arrive."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -79,10 +82,13 @@ class Qwen38ForCausalLM(nn.Module):
             raise ValueError(f"quantize must be None or 'q8_0', found {quantize!r}")
         if device.type == "cuda":
             qwen38_ops.warn_if_no_cuda_kernels()
-        checkpoint = open_checkpoint(path)
+        checkpoint = open_checkpoint(path, progress)
         with torch.no_grad():
             model = cls(checkpoint.config, checkpoint, device, dtype, quantize, lane)
         return model.eval()
+
+    def weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     @property
     def device(self) -> torch.device:
@@ -113,9 +119,7 @@ class Qwen38ForCausalLM(nn.Module):
             raise ValueError(f"a state holds one sequence; input_ids has batch {input_ids.shape[0]}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids has no tokens")
-        bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
-        if bool(bad.any()):
-            raise ValueError(f"token id {int(input_ids[bad][0])} out of range [0, {self.config.vocab_size})")
+        self._check_ids(input_ids)
         logits = []
         for ids in input_ids.to(self.device, torch.int32):
             seq_state = state or self.new_state(ids.shape[0])
@@ -137,3 +141,59 @@ class Qwen38ForCausalLM(nn.Module):
         act = scratch.activation(self, "final_norm", *residual.shape, input_lane(self.lm_head))
         ops.add_rms_norm(residual, delta, self.norm, self.config.rms_norm_eps, *act.outs())
         return self.lm_head(act, scratch)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, min_new_tokens: int = 0,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int = 50, top_p: float = 1.0,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 seed: int | None = None, generator: torch.Generator | None = None,
+                 eos_token_id: int | list[int] | None = None, stop_strings: str | list[str] | None = None,
+                 tokenizer=None, streamer=None, max_seq_len: int | None = None,
+                 kv_dtype: torch.dtype = torch.float32, use_graph: bool | None = None) -> torch.Tensor:
+        """transformers' generate() for one sequence: returns prompt + new ids [1, T + n] (stop token
+        included). Sampling is reproducible for a seed (or a torch.Generator to draw one from). eos_token_id
+        defaults to the checkpoint's; stop_strings need the tokenizer. On CUDA each step is a graph replay
+        (use_graph=False for eager launches); statistics of the last call are in self.last_generation_stats."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"generate() takes input_ids of shape [1, T] (batched decode is not supported yet), "
+                             f"found {tuple(input_ids.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need tokenizer= to decode the generated text")
+        self._check_ids(input_ids)
+        eos = self.config.eos_token_ids if eos_token_id is None else eos_token_id
+        eos = (eos,) if isinstance(eos, int) else tuple(eos)
+        stops = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
+        cfg = SamplingConfig(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                             min_new_tokens, eos)
+        engine = self._decode_engine(input_ids.shape[1] + max_new_tokens, max_seq_len, kv_dtype, use_graph)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        prompt = input_ids[0].to(self.device, torch.int32)
+        tokens, self.last_generation_stats = run_generation(
+            engine, prompt, cfg, max_new_tokens, resolve_seed(seed, generator),
+            StopCondition(frozenset(eos), stops, tokenizer), streamer)
+        if streamer is not None:
+            streamer.end()
+        new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+        return torch.cat([input_ids, new], dim=1)
+
+    def _decode_engine(self, needed: int, max_seq_len: int | None, kv_dtype, use_graph) -> DecodeEngine:
+        """The engine (static buffers, captured graphs) is kept between calls while it fits."""
+        limit = self.config.max_position_embeddings
+        if needed > limit:
+            raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the model's context of {limit}")
+        size = max_seq_len or min(max(needed, 4096), limit)
+        engine = getattr(self, "_engine", None)
+        if (engine is None or engine.max_seq_len < needed or engine.kv_dtype != kv_dtype
+                or (max_seq_len and engine.max_seq_len != max_seq_len)
+                or (use_graph is not None and engine.use_graph != use_graph)):
+            self._engine = engine = None  # free the old buffers before allocating the new ones
+            self._engine = engine = DecodeEngine(self, size, kv_dtype, use_graph)
+        return engine
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
+        if bool(bad.any()):
+            raise ValueError(f"token id {int(input_ids[bad][0])} out of range [0, {self.config.vocab_size})")

@@ -211,3 +211,13 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
+    """The tokenizer of a checkpoint: an HF folder's tokenizer.json, or a GGUF's tokenizer.ggml.* metadata."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        return Tokenizer.from_hf_folder(path)
+    from .checkpoint import open_checkpoint
+
+    return Tokenizer.from_gguf_metadata(open_checkpoint(path).source.metadata)

@@ -22,11 +22,13 @@ class Checkpoint:
     small tensors float32; large matrices in `dtype`, or Q8_0 when stored so (GGUF) or asked for
     (quantize="q8_0", the converter's quantization)."""
 
-    def __init__(self, source: GGUFCheckpoint | HFCheckpoint):
+    def __init__(self, source: GGUFCheckpoint | HFCheckpoint, progress=None):
         self.source = source
         self.config = source.config
         self.path = source.path
         self.is_gguf = isinstance(source, GGUFCheckpoint)
+        self.progress = progress  # called with (bytes read so far, bytes in the checkpoint)
+        self.bytes_read = 0
 
     def load(self, part: str, layer: int | None, device, dtype: torch.dtype, quantize: str | None) -> Weight:
         if part == "output" and (self.config.tie_word_embeddings or not self._has("output", None)):
@@ -66,20 +68,24 @@ class Checkpoint:
         return self.source.has(self._name(part, layer))
 
     def _read_internal(self, part: str, layer: int | None, device) -> Weight:
-        t = self.source.read(self._name(part, layer), device)
+        name = self._name(part, layer)
+        t = self.source.read(name, device)
+        self.bytes_read += self.source.nbytes(name)
+        if self.progress is not None:
+            self.progress(self.bytes_read, self.source.total_bytes())
         if self.is_gguf:
             return t
         return hf_to_internal(part, t, self.config)
 
 
-def open_checkpoint(path: str | pathlib.Path) -> Checkpoint:
+def open_checkpoint(path: str | pathlib.Path, progress=None) -> Checkpoint:
     p = pathlib.Path(path)
     if p.is_dir():
-        return Checkpoint(HFCheckpoint(str(p)))
+        return Checkpoint(HFCheckpoint(str(p)), progress)
     if not p.exists():
         raise CheckpointError(f"{path}: no such file or folder")
     with open(p, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF') and not an HF folder")
-    return Checkpoint(GGUFCheckpoint(str(p)))
+    return Checkpoint(GGUFCheckpoint(str(p)), progress)

@@ -69,6 +69,12 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(n) for n in reversed(self._entry(name).shape))  # ggml ne is fastest-first
 
+    def nbytes(self, name: str) -> int:
+        return int(self._entry(name).n_bytes)
+
+    def total_bytes(self) -> int:
+        return sum(int(t.n_bytes) for t in self._tensors.values())
+
     def dtype_name(self, name: str) -> str:
         return self._entry(name).tensor_type.name
 

@@ -81,6 +81,12 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name)[4]
 
+    def nbytes(self, name: str) -> int:
+        return self._entry(name)[2]
+
+    def total_bytes(self) -> int:
+        return sum(entry[2] for entry in self._entries.values())
+
     def read(self, name: str, device: torch.device) -> torch.Tensor:
         file, offset, nbytes, dtype, shape = self._entry(name)
         if dtype not in SAFETENSORS_DTYPES:

@@ -1,0 +1,199 @@
+"""Decoding: a batched prefill through the model's forward, then one token per step, each step replayed
+from a captured CUDA graph on the GPU (eager on the CPU), and HF-style generate() on top.
+
+The step is the model's own `run` over static buffers (one Scratch, the state, device-held token and
+position): the graph wraps it, it never forks into a second implementation. The host never waits for
+a token before launching the next replay: tokens are copied asynchronously into pinned memory and read
+a few steps behind, for streaming and stop checks.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplerState, SamplingConfig, select_next_token
+from .scratch import Scratch
+from .state import GDNState
+
+READ_BEHIND = 4  # replays in flight before the host waits for the oldest token
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    graph: bool = False
+    capture_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first new token comes from the prefill's logits; the rest are decode steps.
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s and self.new_tokens > 1 else 0.0
+
+
+class DecodeEngine:
+    """Static decode buffers for one sequence of up to max_seq_len tokens, and the captured step graphs
+    (one per sampling configuration: the processors are part of the graph)."""
+
+    def __init__(self, model, max_seq_len: int, kv_dtype=torch.float32, use_graph: bool | None = None):
+        self.model = model
+        self.device = model.device
+        self.max_seq_len = max_seq_len
+        self.kv_dtype = kv_dtype
+        self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
+        if self.use_graph and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.state = model.new_state(max_seq_len, kv_dtype)
+        self.scratch = Scratch(self.device)
+        self.token = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.position = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.sampler = SamplerState.empty(model.config.vocab_size, self.device)
+        self.graphs: dict[SamplingConfig, torch.cuda.CUDAGraph] = {}
+
+    def step(self, cfg: SamplingConfig) -> None:
+        """Consume self.token at self.position; leave the next token there and advance the position."""
+        logits = self.model.run(self.token, self.position, self.state, self.scratch)
+        select_next_token(logits[0], self.sampler, cfg, self.token, self.position)
+
+    def graph_for(self, cfg: SamplingConfig) -> torch.cuda.CUDAGraph:
+        """Capture the step for cfg (once). Must run before reset(): the warm-up step writes the state."""
+        if cfg not in self.graphs:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up allocates every scratch buffer, off the capture
+                self.step(cfg)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.step(cfg)
+            self.graphs[cfg] = graph
+        return self.graphs[cfg]
+
+    def reset(self, prompt: torch.Tensor, seed: int) -> None:
+        for layer in self.state.layers:
+            if isinstance(layer, GDNState):
+                layer.conv.zero_()
+                layer.recurrent.zero_()
+        # KV rows need no clearing: attention reads rows 0..position, each written before it is read.
+        self.state.position = 0
+        self.sampler.reset(prompt, seed)
+
+    def prefill(self, prompt: torch.Tensor, cfg: SamplingConfig) -> None:
+        """All prompt tokens in one forward (every op takes T tokens), then the first new token from the
+        last row's logits, selected exactly as a step selects."""
+        positions = self.state.reserve(prompt.shape[0])
+        logits = self.model.run(prompt, positions, self.state, Scratch(self.device), logits_to_keep=1)
+        self.position.fill_(prompt.shape[0] - 1)
+        select_next_token(logits[0], self.sampler, cfg, self.token, self.position)
+
+
+@dataclass
+class StopCondition:
+    eos_token_ids: frozenset[int]
+    stop_strings: tuple[str, ...] = ()
+    tokenizer: object = None
+    tokens: list[int] = field(default_factory=list)
+
+    def done(self, token: int) -> bool:
+        self.tokens.append(token)
+        if token in self.eos_token_ids:
+            return True
+        if self.stop_strings:
+            # A stop string of n characters lies within the last 4n + 8 tokens (a token may be a lone byte).
+            tail = self.tokenizer.decode(self.tokens[-(4 * max(map(len, self.stop_strings)) + 8):])
+            return any(s in tail for s in self.stop_strings)
+        return False
+
+
+class TextStreamer:
+    """Prints text as it is generated (the put/end protocol of transformers' TextStreamer), never a
+    partial multi-byte character."""
+
+    def __init__(self, tokenizer, skip_prompt: bool = True, skip_special_tokens: bool = False, out=None):
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens)
+        self.skip_prompt = skip_prompt
+        self.out = out or sys.stdout
+        self.seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            if self.skip_prompt:
+                return
+        for token in value.reshape(-1).tolist():
+            self.out.write(self.decoder.feed(token))
+        self.out.flush()
+
+    def end(self) -> None:
+        self.out.write(self.decoder.flush() + "\n")
+        self.out.flush()
+
+
+def resolve_seed(seed: int | None, generator: torch.Generator | None) -> int:
+    if seed is not None:
+        return int(seed)
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+
+
+def run_generation(engine: DecodeEngine, prompt: torch.Tensor, cfg: SamplingConfig, max_new_tokens: int,
+                   seed: int, stop: StopCondition, streamer=None) -> tuple[list[int], GenerationStats]:
+    """prompt int32 [T] on the engine's device. Returns the new tokens (stop token included)."""
+    stats = GenerationStats(prompt_tokens=prompt.shape[0], graph=engine.use_graph)
+    if prompt.shape[0] + max_new_tokens > engine.max_seq_len:
+        raise ValueError(f"context overflow: {prompt.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
+                         f"max_seq_len {engine.max_seq_len}")
+    if engine.use_graph:
+        start = time.perf_counter()
+        graph = engine.graph_for(cfg)
+        stats.capture_s = time.perf_counter() - start
+        replay = graph.replay
+    else:
+        def replay():
+            engine.step(cfg)
+    engine.reset(prompt, seed)
+    on_gpu = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    host = torch.empty(max_new_tokens, dtype=torch.int32, pin_memory=on_gpu)
+    events = []
+
+    def launch_copy(i: int) -> None:
+        host[i : i + 1].copy_(engine.token, non_blocking=True)
+        if on_gpu:
+            events.append(torch.cuda.Event())
+            events[-1].record()
+
+    sync()
+    start = time.perf_counter()
+    engine.prefill(prompt, cfg)
+    launch_copy(0)
+    sync()
+    stats.prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    ahead = READ_BEHIND if engine.use_graph else 0
+    launched = 1  # token 0 came from the prefill
+    for read in range(max_new_tokens):
+        while launched < max_new_tokens and launched <= read + ahead:
+            replay()
+            launch_copy(launched)
+            launched += 1
+        if on_gpu:
+            events[read].synchronize()
+        token = int(host[read])
+        if streamer is not None:
+            streamer.put(torch.tensor([token]))
+        if stop.done(token):
+            break
+    sync()
+    stats.decode_s = time.perf_counter() - start
+    stats.new_tokens = len(stop.tokens)
+    engine.state.position += launched - 1  # steps run, including replays past a stop (then discarded)
+    return stop.tokens, stats
