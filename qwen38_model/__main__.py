@@ -40,7 +40,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="f32", help="Q8_0 activation lane")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32")
     g.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
+    sub.add_parser("bench", help="decode benchmark at the 27B shape: benchmarks/decode.py (its own options)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to benchmarks/decode.py
+        return argparse.Namespace(command="bench", bench_args=argv[1:])
     return parser.parse_args(argv)
+
+
+def bench(args: argparse.Namespace) -> None:
+    """benchmarks/ lives beside the package in a source checkout (pip install -e .), not in a wheel."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "decode.py").is_file():
+        raise FileNotFoundError(f"benchmarks/decode.py not found next to {root / 'qwen38_model'}: "
+                                "`bench` needs a source checkout")
+    if not torch.cuda.is_available():
+        raise ValueError("the decode benchmark needs a CUDA GPU")
+    sys.path.insert(0, str(root))
+    from benchmarks.decode import main as decode_main
+
+    decode_main(args.bench_args)
 
 
 def progress_bar(start: float):
@@ -96,6 +116,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             generate(args)
+        else:
+            bench(args)
     except (Qwen38Error, ValueError, FileNotFoundError) as e:
         sys.stderr.write(f"\nerror: {e}\n")
         return 2

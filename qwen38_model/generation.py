@@ -58,11 +58,12 @@ class DecodeEngine:
         self.position = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.sampler = SamplerState.empty(model.config.vocab_size, self.device)
         self.graphs: dict[SamplingConfig, torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None  # the step's logits buffer (fixed once allocated)
 
     def step(self, cfg: SamplingConfig) -> None:
         """Consume self.token at self.position; leave the next token there and advance the position."""
-        logits = self.model.run(self.token, self.position, self.state, self.scratch)
-        select_next_token(logits[0], self.sampler, cfg, self.token, self.position)
+        self.logits = self.model.run(self.token, self.position, self.state, self.scratch)
+        select_next_token(self.logits[0], self.sampler, cfg, self.token, self.position)
 
     def graph_for(self, cfg: SamplingConfig) -> torch.cuda.CUDAGraph:
         """Capture the step for cfg (once). Must run before reset(): the warm-up step writes the state."""

@@ -1,0 +1,271 @@
+"""Batch-1 decode of the real Qwen3.8-27B shape on one GPU, against the memory roofline of this run.
+
+    python -m benchmarks.decode [--model PATH] [--json PATH] [--lanes int8,f32,int8x2] [--contexts 4096,32768]
+
+Without --model the 27B shape is built with synthetic Q8_0 weights generated on the GPU (random quants,
+fp16 scales of a realistic size): memory-bound speed does not depend on the values. Measured in ONE run:
+the streaming-read probe (the roofline), tg128 from an empty cache with graph replays and with eager
+launches, tok/s at deeper contexts (caches and states filled synthetically), per activation lane, a
+per-part split from an instrumented eager pass, memory, capture and build time, and an in-run peer: the
+same token's GEMVs as torch bf16 F.linear calls captured in a graph.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.ops.common import env_info, print_table, read_probe_result, write_json
+from qwen38_model import Qwen38Config, Qwen38ForCausalLM
+from qwen38_model.checkpoint import Checkpoint, Q8Tensor
+from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape
+from qwen38_model.config import ATTENTION, GDN
+from qwen38_model.generation import DecodeEngine
+from qwen38_model.layers import GatedAttention, GatedDeltaNet, Linear, MLP
+from qwen38_model.sampling import SamplingConfig
+from qwen38_model.state import GDNState, KVCache
+
+QWEN38_27B = Qwen38Config(
+    vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+    layer_types=tuple(ATTENTION if (i + 1) % 4 == 0 else GDN for i in range(64)),
+    num_attention_heads=24, num_key_value_heads=4, head_dim=256, rotary_dim=64, rope_theta=1e7,
+    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+    conv_kernel=4, rms_norm_eps=1e-6, source="synthetic 27B shape")
+
+
+class SyntheticQ8Checkpoint(Checkpoint):
+    """The 27B shape with random Q8_0 matrices made on the device (no file)."""
+
+    def __init__(self, config: Qwen38Config, seed: int = 0):
+        self.config, self.path, self.is_gguf, self.progress, self.bytes_read = config, "synthetic", True, None, 0
+        self.generator = torch.Generator("cuda").manual_seed(seed)
+
+    def _has(self, part, layer) -> bool:
+        return True
+
+    def _read_internal(self, part, layer, device):
+        shape = expected_shape(self.config, part)
+        g = self.generator
+        if part not in SMALL_PARTS:
+            q = torch.randint(-127, 128, shape, dtype=torch.int8, device=device, generator=g)
+            # |w| ~ 127 * d ~ 0.05 at d ~ 4e-4: the spread of real projection weights.
+            d = (torch.rand(shape[0], shape[1] // 32, device=device, generator=g) * 4e-4 + 2e-4).half()
+            return Q8Tensor(q, d)
+        if part == "ssm_a":
+            return -torch.exp(torch.rand(shape, device=device, generator=g) * 4 - 3)
+        if part in ("ssm_dt", "ssm_conv1d"):
+            return torch.rand(shape, device=device, generator=g) - 0.5
+        return 1 + 0.1 * torch.randn(shape, device=device, generator=g)  # norm multipliers
+
+
+def bytes_per_token(model: Qwen38ForCausalLM, context: int, kv_bytes: int) -> dict:
+    """Bytes a decode step must move: every matrix once (the embedding: one row), small weights, the
+    GDN state read + written, conv rings, and the KV rows up to the context."""
+    c = model.config
+    matrices = sum(m.weight_q.numel() + 2 * m.weight_d.numel() for m in model.modules()
+                   if isinstance(m, Linear) and m.lane)
+    embed_row = c.hidden_size + 2 * (c.hidden_size // 32)
+    small = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                if b.dtype == torch.float32)
+    n_gdn = c.layer_types.count(GDN)
+    n_attn = c.num_layers - n_gdn
+    state = n_gdn * 2 * 4 * c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim
+    conv = n_gdn * 2 * 4 * (c.conv_kernel - 1) * c.conv_dim
+    kv = n_attn * 2 * context * c.num_key_value_heads * c.head_dim * kv_bytes
+    return dict(matrices=matrices, embed_row=embed_row, small=small, gdn_state=state, conv=conv, kv=kv,
+                total=matrices + embed_row + small + state + conv + kv)
+
+
+def fill_state(engine: DecodeEngine, context: int) -> None:
+    """Caches and states as if `context` tokens had been processed (values random, finite)."""
+    for layer in engine.state.layers:
+        if isinstance(layer, KVCache):
+            layer.k[:context].normal_()
+            layer.v[:context].normal_()
+        else:
+            layer.recurrent.normal_(0, 0.01)
+            layer.conv.normal_()
+    engine.position.fill_(context)
+    engine.token.fill_(1)
+
+
+def time_steps(engine: DecodeEngine, run_step, steps: int, context: int) -> float:
+    """Seconds per decode step over `steps` steps starting at `context` (median of 3 runs)."""
+    times = []
+    for _ in range(3):
+        fill_state(engine, context)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            run_step()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3 / steps)
+    return statistics.median(times)
+
+
+def part_split(model: Qwen38ForCausalLM, engine: DecodeEngine, cfg: SamplingConfig, context: int) -> dict:
+    """Milliseconds per token by part, from an eager step with CUDA events around each module."""
+    kinds = {GatedDeltaNet: "gdn_mixer", GatedAttention: "attention_mixer", MLP: "ffn"}
+    marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    handles = []
+    for module in model.modules():
+        kind = kinds.get(type(module)) or ("head" if module is model.lm_head else None)
+        if kind is None:
+            continue
+
+        def pre(mod, args, kind=kind):
+            marks.append((kind, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            marks[-1][1].record()
+
+        def post(mod, args, out):
+            marks[-1][2].record()
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    fill_state(engine, context)
+    torch.cuda.synchronize()
+    total_start, total_stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    total_start.record()
+    engine.step(cfg)
+    total_stop.record()
+    torch.cuda.synchronize()
+    for h in handles:
+        h.remove()
+    split = {}
+    for kind, a, b in marks:
+        split[kind] = split.get(kind, 0.0) + a.elapsed_time(b)
+    split["total_eager"] = total_start.elapsed_time(total_stop)
+    split["other (embed, norms, sampling, gaps)"] = split["total_eager"] - sum(
+        v for k, v in split.items() if k != "total_eager")
+    return {k: round(v, 4) for k, v in split.items()}
+
+
+def torch_bf16_peer(model: Qwen38ForCausalLM) -> dict:
+    """The same token's GEMVs as torch bf16 F.linear (cuBLAS), captured in one graph."""
+    shapes = [m.weight_q.shape for m in model.modules() if isinstance(m, Linear) and m.lane]
+    weights = [torch.empty(s, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02) for s in shapes]
+    xs = {s[1]: torch.randn(1, s[1], dtype=torch.bfloat16, device="cuda") for s in shapes}
+    outs = [torch.empty(1, s[0], dtype=torch.bfloat16, device="cuda") for s in shapes]
+
+    def token():
+        for w, o in zip(weights, outs):
+            torch.mm(xs[w.shape[1]], w.t(), out=o)
+
+    token()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        token()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    nbytes = sum(w.numel() * 2 for w in weights)
+    del weights, graph
+    torch.cuda.empty_cache()
+    t = statistics.median(times)
+    return dict(seconds=t, bytes=nbytes, gbps=nbytes / t / 1e9, tok_s=1 / t)
+
+
+def set_lane(model: Qwen38ForCausalLM, lane: str) -> None:
+    for m in model.modules():
+        if isinstance(m, Linear) and m.lane:
+            m.lane = lane
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a real checkpoint instead of the synthetic 27B shape")
+    parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>.json)")
+    parser.add_argument("--lanes", default="int8,int8x2,f32")
+    parser.add_argument("--contexts", default="4096,32768")
+    parser.add_argument("--kv-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--no-peer", action="store_true", help="skip the bf16 F.linear peer (needs ~54 GB)")
+    args = parser.parse_args(argv)
+    lanes = args.lanes.split(",")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    kv_dtype = getattr(torch, args.kv_dtype)
+    env = env_info()
+    probe = read_probe_result()
+    roofline = probe["best_gbps"]
+
+    start = time.perf_counter()
+    if args.model:
+        model = Qwen38ForCausalLM.from_pretrained(args.model, device="cuda", lane=lanes[0])
+    else:
+        with torch.no_grad():
+            model = Qwen38ForCausalLM(QWEN38_27B, SyntheticQ8Checkpoint(QWEN38_27B), "cuda", torch.bfloat16,
+                                      None, lanes[0]).eval()
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - start
+    kv_bytes = torch.finfo(kv_dtype).bits // 8
+    cfg = SamplingConfig()
+    rows, results = [], dict(env=env, read_probe=probe, load_s=load_s, kv_dtype=args.kv_dtype, lanes={})
+    max_seq = max(contexts + [128]) + 256
+    for lane in lanes:
+        set_lane(model, lane)
+        engine = DecodeEngine(model, max_seq, kv_dtype, use_graph=True)
+        t0 = time.perf_counter()
+        graph = engine.graph_for(cfg)
+        torch.cuda.synchronize()
+        capture_s = time.perf_counter() - t0
+        lane_result = dict(capture_s=capture_s)
+        for context in [0] + contexts:
+            steps = 128 if context == 0 else 32
+            t_graph = time_steps(engine, graph.replay, steps, context)
+            t_eager = time_steps(engine, lambda: engine.step(cfg), min(steps, 32), context)
+            moved = bytes_per_token(model, context + steps // 2, kv_bytes)["total"]
+            name = "tg128" if context == 0 else f"ctx{context}"
+            lane_result[name] = dict(graph_s=t_graph, eager_s=t_eager, tok_s=1 / t_graph, eager_tok_s=1 / t_eager,
+                                     bytes=moved, gbps=moved / t_graph / 1e9,
+                                     roofline_ratio=moved / t_graph / 1e9 / roofline,
+                                     graph_speedup=t_eager / t_graph)
+            rows.append(dict(lane=lane, test=name, tok_s=1 / t_graph, ms=t_graph * 1e3,
+                             GBps=moved / t_graph / 1e9, roofline=moved / t_graph / 1e9 / roofline,
+                             eager_tok_s=1 / t_eager, graph_x=t_eager / t_graph))
+        lane_result["split_ms"] = part_split(model, engine, cfg, 0)
+        lane_result["memory_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+        results["lanes"][lane] = lane_result
+        del engine, graph
+        torch.cuda.empty_cache()
+    results["bytes_per_token_empty"] = bytes_per_token(model, 64, kv_bytes)
+    results["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    default = lanes[0]
+    results["default_lane"] = default
+    results["tg128_tok_s"] = results["lanes"][default]["tg128"]["tok_s"]
+    results["tg128_roofline_ratio"] = results["lanes"][default]["tg128"]["roofline_ratio"]
+    results["roofline_tok_s"] = roofline * 1e9 / results["lanes"][default]["tg128"]["bytes"]
+    if not args.no_peer:
+        results["torch_bf16_gemv_peer"] = torch_bf16_peer(model)
+    print_table(rows, ["lane", "test", "tok_s", "ms", "GBps", "roofline", "eager_tok_s", "graph_x"],
+                title=f"decode on {env.get('gpu')} (read probe {roofline:.0f} GB/s, KV {args.kv_dtype})")
+    for lane, r in results["lanes"].items():
+        print(f"{lane}: split (ms, eager, empty cache) {r['split_ms']}  capture {r['capture_s']:.2f} s")
+    if "torch_bf16_gemv_peer" in results:
+        p = results["torch_bf16_gemv_peer"]
+        print(f"peer: torch bf16 F.linear graph of the same GEMVs: {p['seconds'] * 1e3:.2f} ms "
+              f"({p['gbps']:.0f} GB/s, {p['tok_s']:.1f} tok/s)")
+    print(f"tg128 ({default}): {results['tg128_tok_s']:.1f} tok/s = {results['tg128_roofline_ratio']:.1%} of the "
+          f"roofline ({results['roofline_tok_s']:.1f} tok/s); build {load_s:.1f} s; "
+          f"peak memory {results['max_memory_allocated_gb']:.1f} GB")
+    if not args.json:
+        stamp = datetime.date.today().isoformat()
+        gpu = str(env.get("gpu", "gpu")).replace(" ", "-")
+        args.json = f"benchmarks/results/{stamp}-{gpu}-{env.get('commit', 'unknown')}.json"
+    write_json(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
