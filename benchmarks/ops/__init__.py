@@ -1,0 +1,1 @@
+"""Per-op benchmarks: `python3 -m benchmarks.ops.bench_<family> --json PATH`."""

@@ -1,0 +1,136 @@
+"""Gated DeltaNet ops at the 27B shape (Hk=16, Hv=48, dk=dv=128, C=10240), rotating over 48 layers'
+states so nothing measured is L2-resident (48 x 6.3 MB of recurrent state = 302 MB read+written, against
+the H200's 60 MB L2). pdl=1|0: with and without programmatic dependent launch (see csrc/kernels/gdn.cu).
+
+The recurrent step is memory-bound: it reads and writes the float32 state once (48*128*128*4 B = 3.1 MB
+each way per layer). Its figure of merit is state bytes (read + written) per second over the streaming
+read probe; the target is >= 60% (the earlier implementation: 4.9 us a layer, 28%). conv and gates move
+a few hundred KB and are launch/latency-bound: reported as time per layer.
+
+Run: python3 -m benchmarks.ops.bench_gdn --json PATH
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+import torch
+
+import qwen38_ops  # noqa: F401
+from qwen38_ops.reference import gdn as ref
+
+from .common import env_info, print_table, read_probe_result, time_eager, time_graph, write_json
+
+ops = torch.ops.qwen38
+
+HK, HV, DK, DV, TAPS = 16, 48, 128, 128, 4
+C = 2 * HK * DK + HV * DV
+LAYERS = 48
+
+
+def make_layers(num_tokens: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    states = [torch.randn(HV, DV, DK, device="cuda", generator=g) * 0.1 for _ in range(LAYERS)]
+    conv_states = [torch.randn(TAPS - 1, C, device="cuda", generator=g) for _ in range(LAYERS)]
+    conv_weights = [torch.randn(C, TAPS, device="cuda", generator=g) * 0.5 for _ in range(LAYERS)]
+    qkv = torch.randn(num_tokens, C, device="cuda", generator=g)
+    conv_out = torch.empty_like(qkv)
+    ops.gdn_conv(qkv, conv_states[0].clone(), conv_weights[0], HK, DK, conv_out)  # unit-norm q, k heads
+    ba = torch.randn(num_tokens, 2 * HV, device="cuda", generator=g)
+    a_neg = -torch.exp(torch.randn(HV, device="cuda", generator=g) - 2)
+    dt_bias = torch.randn(HV, device="cuda", generator=g)
+    beta = torch.empty(num_tokens, HV, device="cuda")
+    decay = torch.empty(num_tokens, HV, device="cuda")
+    ops.gdn_gates(ba, a_neg, dt_bias, beta, decay)
+    out = torch.empty(num_tokens, HV, DV, device="cuda")
+    return dict(states=states, conv_states=conv_states, conv_weights=conv_weights, qkv=qkv, conv_out=conv_out,
+                ba=ba, a_neg=a_neg, dt_bias=dt_bias, beta=beta, decay=decay, out=out)
+
+
+@contextlib.contextmanager
+def pdl_setting(value: str):
+    """QWEN38_PDL=1|0: the GDN launchers read it at every launch (so at graph capture), which lets one
+    process compare launches with and without programmatic dependent launch."""
+    before = os.environ.get("QWEN38_PDL")
+    os.environ["QWEN38_PDL"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["QWEN38_PDL"]
+        else:
+            os.environ["QWEN38_PDL"] = before
+
+
+def bench(probe_gbps: float) -> list[dict]:
+    rows = []
+    state_bytes = 2 * HV * DV * DK * 4  # read + written once per call, whatever T
+    for num_tokens in (1, 4, 16):
+        L = make_layers(num_tokens)
+
+        def recurrent(i):
+            ops.gdn_recurrent(L["conv_out"], L["beta"], L["decay"], L["states"][i % LAYERS], L["out"])
+
+        modes = [("graph", time_graph, "1"), ("graph", time_graph, "0"), ("eager", time_eager, "1")]
+        for mode, timer, pdl in modes if num_tokens == 1 else modes[:1]:
+            with pdl_setting(pdl):
+                t = timer(recurrent, LAYERS)["median_s"]
+            gbps = state_bytes / t / 1e9
+            rows.append(dict(op="gdn_recurrent", T=num_tokens, mode=mode, pdl=pdl, us_per_layer=t * 1e6,
+                             bytes_per_layer=state_bytes, gbps=gbps, ratio_vs_read_probe=gbps / probe_gbps))
+
+        if num_tokens == 1:
+            def conv(i):
+                ops.gdn_conv(L["qkv"], L["conv_states"][i % LAYERS], L["conv_weights"][i % LAYERS], HK, DK,
+                             L["conv_out"])
+
+            def gates(i):
+                ops.gdn_gates(L["ba"], L["a_neg"], L["dt_bias"], L["beta"], L["decay"])
+
+            def layer(i):  # the three GDN kernels of one layer, in model order
+                conv(i)
+                gates(i)
+                recurrent(i)
+
+            conv_bytes = (2 * num_tokens * C + 2 * (TAPS - 1) * C + C * TAPS) * 4
+            for name, fn, nbytes in (("gdn_conv", conv, conv_bytes), ("gdn_gates", gates, None),
+                                     ("conv+gates+recurrent", layer, None)):
+                for pdl in ("1", "0"):
+                    with pdl_setting(pdl):
+                        t = time_graph(fn, LAYERS)["median_s"]
+                    row = dict(op=name, T=num_tokens, mode="graph", pdl=pdl, us_per_layer=t * 1e6)
+                    if nbytes:
+                        row.update(bytes_per_layer=nbytes, gbps=nbytes / t / 1e9,
+                                   ratio_vs_read_probe=nbytes / t / 1e9 / probe_gbps)
+                    rows.append(row)
+
+            # torch baseline: the reference itself on the GPU (a handful of torch ops per token).
+            def reference(i):
+                ref.gdn_recurrent(L["conv_out"], L["beta"], L["decay"], L["states"][i % LAYERS], L["out"])
+
+            t = time_eager(reference, LAYERS, replays=3)["median_s"]
+            gbps = state_bytes / t / 1e9
+            rows.append(dict(op="gdn_recurrent (torch reference)", T=num_tokens, mode="eager",
+                             us_per_layer=t * 1e6, bytes_per_layer=state_bytes, gbps=gbps,
+                             ratio_vs_read_probe=gbps / probe_gbps))
+        del L
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args()
+    probe = read_probe_result()
+    print(f"streaming-read probe: {probe['best_gbps']:.0f} GB/s")
+    rows = bench(probe["best_gbps"])
+    print_table(rows, ["op", "T", "mode", "pdl", "us_per_layer", "gbps", "ratio_vs_read_probe"],
+                title=f"gdn at the 27B shape, rotating over {LAYERS} layers' states")
+    write_json(args.json, dict(env=env_info(), read_probe=probe, shape=dict(Hk=HK, Hv=HV, dk=DK, dv=DV, C=C),
+                               layers=LAYERS, results=rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+// CUDA bindings of the attention family: argument checks, device guard, launch on the current stream.
+#include <ATen/ATen.h>
+#include <cuda_bf16.h>
+
+#include <optional>
+
+#include "checks.h"
+#include "../kernels/attention.h"
+
+namespace qwen38 {
+namespace {
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// Both caches: [max_seq, Hkv, hd], contiguous, one dtype (float32 or bfloat16), on `like`'s device.
+void check_caches(const char* op, const at::Tensor& like, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  int64_t head_dim) {
+  QWEN38_CHECK(k_cache.device() == like.device() && v_cache.device() == like.device(), op,
+              ": k_cache and v_cache must be on ", like.device(), ", found ", k_cache.device(), " and ",
+              v_cache.device());
+  QWEN38_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16, op,
+              ": k_cache must be float32 or bfloat16, found ", k_cache.scalar_type());
+  QWEN38_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), op, ": v_cache must have k_cache's dtype ",
+              k_cache.scalar_type(), ", found ", v_cache.scalar_type());
+  QWEN38_CHECK(k_cache.dim() == 3 && k_cache.size(2) == head_dim, op, ": k_cache must be [max_seq, Hkv, hd] with hd = ",
+              head_dim, ", found ", k_cache.sizes());
+  QWEN38_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must be shaped like k_cache ", k_cache.sizes(),
+              ", found ", v_cache.sizes());
+  QWEN38_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache and v_cache must be contiguous");
+  QWEN38_CHECK(k_cache.size(0) <= INT32_MAX, op, ": max_seq must fit in int32, found ", k_cache.size(0));
+}
+
+void check_positions(const char* op, const at::Tensor& like, const at::Tensor& positions, int64_t num_tokens) {
+  QWEN38_CHECK(positions.device() == like.device(), op, ": positions must be on ", like.device(), ", found ",
+              positions.device());
+  QWEN38_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 1 && positions.size(0) == num_tokens &&
+                  positions.is_contiguous(),
+              op, ": positions must be contiguous int32 [T] = [", num_tokens, "], found ", positions.scalar_type(),
+              " ", positions.sizes());
+}
+
+void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                             const at::Tensor& positions, double eps, double rope_theta, int64_t rotary_dim,
+                             at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache) {
+  constexpr const char* op = "attn_qk_norm_rope_store";
+  QWEN38_CHECK_CUDA("attn_qk_norm_rope_store", qgkv);
+  QWEN38_CHECK_DTYPE("attn_qk_norm_rope_store", qgkv, at::kFloat);
+  QWEN38_CHECK_ROWS("attn_qk_norm_rope_store", qgkv);
+  QWEN38_CHECK_DTYPE("attn_qk_norm_rope_store", q_out, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("attn_qk_norm_rope_store", q_out);
+  QWEN38_CHECK_SAME_DEVICE("attn_qk_norm_rope_store", qgkv, q_out);
+  QWEN38_CHECK(q_out.dim() == 3, op, ": q_out must be [T, Hq, hd], found ", q_out.sizes());
+  const int64_t num_tokens = qgkv.size(0), num_heads = q_out.size(1), head_dim = q_out.size(2);
+  QWEN38_CHECK(q_out.size(0) == num_tokens, op, ": q_out must have T = ", num_tokens, " rows, found ", q_out.sizes());
+  QWEN38_CHECK(head_dim > 0 && head_dim <= 1024, op, ": head_dim must be in [1, 1024], found ", head_dim);
+  for (const at::Tensor* w : {&q_norm, &k_norm}) {
+    QWEN38_CHECK(w->device() == qgkv.device() && w->scalar_type() == at::kFloat && w->dim() == 1 &&
+                    w->size(0) == head_dim && w->is_contiguous(),
+                op, ": q_norm and k_norm must be contiguous float32 [hd] = [", head_dim, "] on ", qgkv.device(),
+                ", found ", w->scalar_type(), " ", w->sizes(), " on ", w->device());
+  }
+  check_caches(op, qgkv, k_cache, v_cache, head_dim);
+  const int64_t num_kv_heads = k_cache.size(1), max_seq = k_cache.size(0);
+  QWEN38_CHECK(qgkv.size(1) == 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim, op,
+              ": qgkv must be [T, Hq*2*hd + 2*Hkv*hd] = [", num_tokens, ", ",
+              2 * num_heads * head_dim + 2 * num_kv_heads * head_dim, "], found ", qgkv.sizes());
+  check_positions(op, qgkv, positions, num_tokens);
+  QWEN38_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, op,
+              ": rotary_dim must be even and in [0, hd = ", head_dim, "], found ", rotary_dim);
+
+  const c10::cuda::CUDAGuard guard(qgkv.device());
+  cudaError_t err;
+  if (k_cache.scalar_type() == at::kFloat) {
+    err = attn_qk_norm_rope_store_launch<float>(
+        qgkv.data_ptr<float>(), qgkv.stride(0), q_norm.data_ptr<float>(), k_norm.data_ptr<float>(),
+        positions.data_ptr<int32_t>(), (float)eps, (float)rope_theta, (int)rotary_dim, q_out.data_ptr<float>(),
+        k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads,
+        (int)head_dim, (int)max_seq, current_stream());
+  } else {
+    err = attn_qk_norm_rope_store_launch<__nv_bfloat16>(
+        qgkv.data_ptr<float>(), qgkv.stride(0), q_norm.data_ptr<float>(), k_norm.data_ptr<float>(),
+        positions.data_ptr<int32_t>(), (float)eps, (float)rope_theta, (int)rotary_dim, q_out.data_ptr<float>(),
+        reinterpret_cast<__nv_bfloat16*>(k_cache.data_ptr()), reinterpret_cast<__nv_bfloat16*>(v_cache.data_ptr()),
+        (int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim, (int)max_seq, current_stream());
+  }
+  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& positions,
+               double scale, at::Tensor& out, at::Tensor& workspace) {
+  constexpr const char* op = "attention";
+  QWEN38_CHECK_CUDA("attention", q);
+  QWEN38_CHECK_DTYPE("attention", q, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("attention", q);
+  QWEN38_CHECK(q.dim() == 3, op, ": q must be [T, Hq, hd], found ", q.sizes());
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  QWEN38_CHECK(attention_head_dim_supported((int)head_dim), op,
+              ": head_dim must be one of 32, 64, 128, 256 (one kernel instance each), found ", head_dim);
+  check_caches(op, q, k_cache, v_cache, head_dim);
+  const int64_t num_kv_heads = k_cache.size(1), max_seq = k_cache.size(0);
+  QWEN38_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= kAttentionMaxGroup, op,
+              ": Hq must be a multiple of Hkv with at most ", kAttentionMaxGroup, " query heads per kv head, found Hq ",
+              num_heads, ", Hkv ", num_kv_heads);
+  QWEN38_CHECK(aligned16(q) && aligned16(k_cache) && aligned16(v_cache), op,
+              ": q, k_cache and v_cache must be 16-byte aligned (the kernel reads them with 16-byte loads)");
+  check_positions(op, q, positions, num_tokens);
+  QWEN38_CHECK_SAME_DEVICE("attention", q, out);
+  QWEN38_CHECK_DTYPE("attention", out, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("attention", out);
+  QWEN38_CHECK(out.sizes() == q.sizes(), op, ": out must be shaped like q ", q.sizes(), ", found ", out.sizes());
+  QWEN38_CHECK_SAME_DEVICE("attention", q, workspace);
+  QWEN38_CHECK_DTYPE("attention", workspace, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("attention", workspace);
+  const int64_t needed = attention_workspace_numel((int)num_tokens, (int)num_heads, (int)head_dim);
+  QWEN38_CHECK(workspace.numel() >= needed, op, ": workspace must hold at least max(T, ", kAttentionSplits,
+              ") * Hq * (hd + 2) = ", needed, " floats (qwen38_ops.attention.workspace_numel), found ",
+              workspace.numel());
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  cudaError_t err;
+  if (k_cache.scalar_type() == at::kFloat) {
+    err = attention_launch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                                  positions.data_ptr<int32_t>(), (float)scale, out.data_ptr<float>(),
+                                  workspace.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads,
+                                  (int)head_dim, (int)max_seq, current_stream());
+  } else {
+    err = attention_launch<__nv_bfloat16>(
+        q.data_ptr<float>(), reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), positions.data_ptr<int32_t>(), (float)scale,
+        out.data_ptr<float>(), workspace.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads,
+        (int)head_dim, (int)max_seq, current_stream());
+  }
+  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void attn_output_gate(const at::Tensor& attn, const at::Tensor& qgkv, at::Tensor& out,
+                      const std::optional<at::Tensor>& out_q, const std::optional<at::Tensor>& out_q_lo,
+                      const std::optional<at::Tensor>& out_d) {
+  constexpr const char* op = "attn_output_gate";
+  QWEN38_CHECK_CUDA("attn_output_gate", attn);
+  QWEN38_CHECK_DTYPE("attn_output_gate", attn, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("attn_output_gate", attn);
+  QWEN38_CHECK(attn.dim() == 3, op, ": attn must be [T, Hq, hd], found ", attn.sizes());
+  const int64_t num_tokens = attn.size(0), num_heads = attn.size(1), head_dim = attn.size(2);
+  const int64_t width = num_heads * head_dim;
+  QWEN38_CHECK_SAME_DEVICE("attn_output_gate", attn, qgkv);
+  QWEN38_CHECK_DTYPE("attn_output_gate", qgkv, at::kFloat);
+  QWEN38_CHECK_ROWS("attn_output_gate", qgkv);
+  QWEN38_CHECK(qgkv.size(0) == num_tokens && qgkv.size(1) >= 2 * width, op, ": qgkv must be [T, >= Hq*2*hd] = [",
+              num_tokens, ", >= ", 2 * width, "], found ", qgkv.sizes());
+  QWEN38_CHECK_SAME_DEVICE("attn_output_gate", attn, out);
+  QWEN38_CHECK_DTYPE("attn_output_gate", out, at::kFloat);
+  int64_t out_row_stride;
+  if (out.dim() == 3) {  // [T, Hq, hd], as attn
+    QWEN38_CHECK(out.sizes() == attn.sizes() && out.is_contiguous(), op,
+                ": a 3-D out must be contiguous and shaped like attn ", attn.sizes(), ", found ", out.sizes());
+    out_row_stride = width;
+  } else {
+    QWEN38_CHECK_ROWS("attn_output_gate", out);
+    QWEN38_CHECK(out.size(0) == num_tokens && out.size(1) == width, op, ": out must be [T, Hq*hd] = [", num_tokens,
+                ", ", width, "], found ", out.sizes());
+    out_row_stride = out.stride(0);
+  }
+  QWEN38_CHECK(!out_q_lo.has_value() || out_q.has_value(), op, ": out_q_lo needs out_q (the two-word lane)");
+  QWEN38_CHECK(out_q.has_value() == out_d.has_value(), op, ": out_q and out_d come together");
+  int8_t* q_ptr = nullptr;
+  int8_t* q_lo_ptr = nullptr;
+  float* d_ptr = nullptr;
+  if (out_q.has_value()) {
+    QWEN38_CHECK(width % 32 == 0, op, ": the quantized lanes need Hq*hd % 32 == 0, found ", width);
+    for (const at::Tensor* t : {&*out_q, out_q_lo.has_value() ? &*out_q_lo : &*out_q}) {
+      QWEN38_CHECK(t->device() == attn.device() && t->scalar_type() == at::kChar && t->dim() == 2 &&
+                      t->size(0) == num_tokens && t->size(1) == width && t->is_contiguous(),
+                  op, ": out_q and out_q_lo must be contiguous int8 [T, Hq*hd] = [", num_tokens, ", ", width,
+                  "] on ", attn.device(), ", found ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+    }
+    QWEN38_CHECK(out_d->device() == attn.device() && out_d->scalar_type() == at::kFloat && out_d->dim() == 2 &&
+                    out_d->size(0) == num_tokens && out_d->size(1) == width / 32 && out_d->is_contiguous(),
+                op, ": out_d must be contiguous float32 [T, Hq*hd/32] = [", num_tokens, ", ", width / 32, "] on ",
+                attn.device(), ", found ", out_d->scalar_type(), " ", out_d->sizes(), " on ", out_d->device());
+    q_ptr = out_q->data_ptr<int8_t>();
+    q_lo_ptr = out_q_lo.has_value() ? out_q_lo->data_ptr<int8_t>() : nullptr;
+    d_ptr = out_d->data_ptr<float>();
+  }
+
+  const c10::cuda::CUDAGuard guard(attn.device());
+  const cudaError_t err = attn_output_gate_launch(attn.data_ptr<float>(), qgkv.data_ptr<float>(), qgkv.stride(0),
+                                                  out.data_ptr<float>(), out_row_stride, q_ptr, q_lo_ptr, d_ptr,
+                                                  (int)num_tokens, (int)num_heads, (int)head_dim, current_stream());
+  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+}  // namespace qwen38
+
+TORCH_LIBRARY_IMPL(qwen38, CUDA, m) {
+  m.impl("attn_qk_norm_rope_store", &qwen38::attn_qk_norm_rope_store);
+  m.impl("attention", &qwen38::attention);
+  m.impl("attn_output_gate", &qwen38::attn_output_gate);
+}

@@ -1,0 +1,124 @@
+// CUDA bindings of the gdn family: argument checks, device guard, launch on the current stream.
+#include <ATen/ATen.h>
+
+#include "checks.h"
+#include "../kernels/gdn.h"
+
+namespace qwen38 {
+namespace {
+
+void gdn_conv(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tensor& conv_weight, int64_t num_k_heads,
+              int64_t head_k_dim, at::Tensor& out) {
+  QWEN38_CHECK_CUDA("gdn_conv", qkv);
+  QWEN38_CHECK_DTYPE("gdn_conv", qkv, at::kFloat);
+  QWEN38_CHECK_ROWS("gdn_conv", qkv);
+  const int64_t num_tokens = qkv.size(0), channels = qkv.size(1);
+  QWEN38_CHECK_SAME_DEVICE("gdn_conv", qkv, conv_state);
+  QWEN38_CHECK_SAME_DEVICE("gdn_conv", qkv, conv_weight);
+  QWEN38_CHECK_SAME_DEVICE("gdn_conv", qkv, out);
+  QWEN38_CHECK_DTYPE("gdn_conv", conv_weight, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("gdn_conv", conv_weight);
+  QWEN38_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == channels, "gdn_conv: conv_weight must be [C, K] = [",
+              channels, ", K], found ", conv_weight.sizes());
+  const int64_t taps = conv_weight.size(1);
+  QWEN38_CHECK(taps >= 2 && taps <= kGdnMaxConvTaps, "gdn_conv: conv_weight's K (taps) must be in [2, ",
+              kGdnMaxConvTaps, "], found ", taps);
+  QWEN38_CHECK_DTYPE("gdn_conv", conv_state, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("gdn_conv", conv_state);
+  QWEN38_CHECK(conv_state.dim() == 2 && conv_state.size(0) == taps - 1 && conv_state.size(1) == channels,
+              "gdn_conv: conv_state must be [K-1, C] = [", taps - 1, ", ", channels, "], found ", conv_state.sizes());
+  QWEN38_CHECK_DTYPE("gdn_conv", out, at::kFloat);
+  QWEN38_CHECK_ROWS("gdn_conv", out);
+  QWEN38_CHECK(out.size(0) == num_tokens && out.size(1) == channels, "gdn_conv: out must be [T, C] = [", num_tokens,
+              ", ", channels, "], found ", out.sizes());
+  QWEN38_CHECK(num_k_heads > 0 && head_k_dim > 0 && head_k_dim <= 1024 && 2 * num_k_heads * head_k_dim <= channels,
+              "gdn_conv: need num_k_heads > 0, 0 < head_k_dim <= 1024 and 2*num_k_heads*head_k_dim <= C = ", channels,
+              ", found num_k_heads ", num_k_heads, ", head_k_dim ", head_k_dim);
+
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  const cudaError_t err = gdn_conv_launch(qkv.data_ptr<float>(), qkv.stride(0), conv_state.data_ptr<float>(),
+                                          conv_weight.data_ptr<float>(), out.data_ptr<float>(), out.stride(0),
+                                          (int)num_tokens, (int)channels, (int)taps, (int)num_k_heads,
+                                          (int)head_k_dim, current_stream());
+  QWEN38_CHECK(err == cudaSuccess, "gdn_conv: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void gdn_gates(const at::Tensor& ba, const at::Tensor& a_neg, const at::Tensor& dt_bias, at::Tensor& beta,
+               at::Tensor& decay) {
+  QWEN38_CHECK_CUDA("gdn_gates", ba);
+  QWEN38_CHECK_DTYPE("gdn_gates", ba, at::kFloat);
+  QWEN38_CHECK_ROWS("gdn_gates", ba);
+  QWEN38_CHECK(ba.size(1) % 2 == 0, "gdn_gates: ba must be [T, 2*Hv], found ", ba.sizes());
+  const int64_t num_tokens = ba.size(0), num_v_heads = ba.size(1) / 2;
+  QWEN38_CHECK_SAME_DEVICE("gdn_gates", ba, a_neg);
+  QWEN38_CHECK_SAME_DEVICE("gdn_gates", ba, dt_bias);
+  QWEN38_CHECK_SAME_DEVICE("gdn_gates", ba, beta);
+  QWEN38_CHECK_SAME_DEVICE("gdn_gates", ba, decay);
+  for (const at::Tensor* t : {&a_neg, &dt_bias}) {
+    QWEN38_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == num_v_heads && t->is_contiguous(),
+                "gdn_gates: a_neg and dt_bias must be contiguous float32 [Hv] = [", num_v_heads, "], found ",
+                t->scalar_type(), " ", t->sizes());
+  }
+  for (const at::Tensor* t : {&beta, &decay}) {
+    QWEN38_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == num_tokens &&
+                    t->size(1) == num_v_heads && t->is_contiguous(),
+                "gdn_gates: beta and decay must be contiguous float32 [T, Hv] = [", num_tokens, ", ", num_v_heads,
+                "], found ", t->scalar_type(), " ", t->sizes());
+  }
+
+  const c10::cuda::CUDAGuard guard(ba.device());
+  const cudaError_t err = gdn_gates_launch(ba.data_ptr<float>(), ba.stride(0), a_neg.data_ptr<float>(),
+                                           dt_bias.data_ptr<float>(), beta.data_ptr<float>(), decay.data_ptr<float>(),
+                                           (int)num_tokens, (int)num_v_heads, current_stream());
+  QWEN38_CHECK(err == cudaSuccess, "gdn_gates: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void gdn_recurrent(const at::Tensor& qkv, const at::Tensor& beta, const at::Tensor& decay, at::Tensor& state,
+                   at::Tensor& out) {
+  QWEN38_CHECK_CUDA("gdn_recurrent", qkv);
+  QWEN38_CHECK_DTYPE("gdn_recurrent", qkv, at::kFloat);
+  QWEN38_CHECK_ROWS("gdn_recurrent", qkv);
+  QWEN38_CHECK_SAME_DEVICE("gdn_recurrent", qkv, beta);
+  QWEN38_CHECK_SAME_DEVICE("gdn_recurrent", qkv, decay);
+  QWEN38_CHECK_SAME_DEVICE("gdn_recurrent", qkv, state);
+  QWEN38_CHECK_SAME_DEVICE("gdn_recurrent", qkv, out);
+  QWEN38_CHECK_DTYPE("gdn_recurrent", state, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("gdn_recurrent", state);
+  QWEN38_CHECK(state.dim() == 3, "gdn_recurrent: state must be [Hv, dv, dk], found ", state.sizes());
+  const int64_t num_tokens = qkv.size(0), channels = qkv.size(1);
+  const int64_t num_v_heads = state.size(0), dv = state.size(1), dk = state.size(2);
+  QWEN38_CHECK(dk > 0 && dk <= kGdnMaxHeadKDim, "gdn_recurrent: state's dk must be in [1, ", kGdnMaxHeadKDim,
+              "], found ", dk);
+  const int64_t qk_channels = channels - num_v_heads * dv;
+  QWEN38_CHECK(qk_channels > 0 && qk_channels % (2 * dk) == 0,
+              "gdn_recurrent: qkv must be [T, 2*Hk*dk + Hv*dv] with Hv*dv = ", num_v_heads * dv, " and dk = ", dk,
+              ", found ", qkv.sizes());
+  const int64_t num_k_heads = qk_channels / (2 * dk);
+  for (const at::Tensor* t : {&beta, &decay}) {
+    QWEN38_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == num_tokens &&
+                    t->size(1) == num_v_heads && t->is_contiguous(),
+                "gdn_recurrent: beta and decay must be contiguous float32 [T, Hv] = [", num_tokens, ", ", num_v_heads,
+                "], found ", t->scalar_type(), " ", t->sizes());
+  }
+  QWEN38_CHECK_DTYPE("gdn_recurrent", out, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("gdn_recurrent", out);
+  QWEN38_CHECK(out.dim() == 3 && out.size(0) == num_tokens && out.size(1) == num_v_heads && out.size(2) == dv,
+              "gdn_recurrent: out must be [T, Hv, dv] = [", num_tokens, ", ", num_v_heads, ", ", dv, "], found ",
+              out.sizes());
+
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  const cudaError_t err = gdn_recurrent_launch(qkv.data_ptr<float>(), qkv.stride(0), beta.data_ptr<float>(),
+                                               decay.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<float>(),
+                                               (int)num_tokens, (int)num_k_heads, (int)num_v_heads, (int)dk, (int)dv,
+                                               current_stream());
+  QWEN38_CHECK(err == cudaSuccess, "gdn_recurrent: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+}  // namespace qwen38
+
+TORCH_LIBRARY_IMPL(qwen38, CUDA, m) {
+  m.impl("gdn_conv", &qwen38::gdn_conv);
+  m.impl("gdn_gates", &qwen38::gdn_gates);
+  m.impl("gdn_recurrent", &qwen38::gdn_recurrent);
+}

@@ -1,0 +1,135 @@
+// CUDA bindings of the q8_gemv family: argument checks, device guard, launch on the current stream.
+// The kernel reads weights and activations with 16-byte loads, hence the alignment checks.
+#include <ATen/ATen.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "checks.h"
+#include "../kernels/q8_gemv.h"
+
+namespace qwen38 {
+namespace {
+
+
+
+
+// weight_q int8 [N, K] + weight_d fp16 [N, K/32], both contiguous; fills N, K and the pointers.
+void check_weights(const char* op, const at::Tensor& weight_q, const at::Tensor& weight_d, Q8GemvArgs& a) {
+  QWEN38_CHECK(weight_q.is_cuda(), op, ": weight_q must be a CUDA tensor, found device ", weight_q.device());
+  QWEN38_CHECK(weight_q.scalar_type() == at::kChar, op, ": weight_q must be int8, found ", weight_q.scalar_type());
+  QWEN38_CHECK(weight_q.dim() == 2 && weight_q.is_contiguous(), op,
+              ": weight_q must be a contiguous [N, K], found sizes ", text(weight_q.sizes()), " strides ",
+              text(weight_q.strides()));
+  const int64_t N = weight_q.size(0), K = weight_q.size(1);
+  QWEN38_CHECK(K > 0 && K % 32 == 0 && K <= INT_MAX && N <= INT_MAX, op,
+              ": weight_q's K must be a positive multiple of 32 (Q8_0 blocks), found [N, K] = ",
+              text(weight_q.sizes()));
+  QWEN38_CHECK(reinterpret_cast<uintptr_t>(weight_q.data_ptr()) % 16 == 0, op,
+              ": weight_q must be 16-byte aligned (16-byte loads), found address ", text(weight_q.data_ptr()));
+  QWEN38_CHECK(weight_d.device() == weight_q.device(), op, ": weight_d is on ", weight_d.device(),
+              " but weight_q is on ", weight_q.device());
+  QWEN38_CHECK(weight_d.scalar_type() == at::kHalf, op, ": weight_d must be float16, found ", weight_d.scalar_type());
+  QWEN38_CHECK(weight_d.dim() == 2 && weight_d.size(0) == N && weight_d.size(1) == K / 32 &&
+                  weight_d.is_contiguous(),
+              op, ": weight_d must be a contiguous [N, K/32] = [", text(N), ", ", text(K / 32), "], found sizes ",
+              text(weight_d.sizes()), " strides ", text(weight_d.strides()));
+  a.weight_q = weight_q.data_ptr<int8_t>();
+  a.weight_d = reinterpret_cast<const __half*>(weight_d.data_ptr<at::Half>());
+  a.N = static_cast<int>(N);
+  a.K = static_cast<int>(K);
+}
+
+// An activation-side tensor: [T, width] rows with a contiguous last dimension, on weight_q's device.
+void check_rows(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t rows,
+                int64_t width, int64_t align_bytes, const at::Tensor& weight_q) {
+  QWEN38_CHECK(t.device() == weight_q.device(), op, ": ", name, " is on ", t.device(), " but weight_q is on ",
+              weight_q.device());
+  QWEN38_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", found ", t.scalar_type());
+  QWEN38_CHECK(t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
+              " must be 2-D [rows, n] with a contiguous last dimension, found sizes ", text(t.sizes()), " strides ",
+              text(t.strides()));
+  QWEN38_CHECK(t.size(0) == rows && t.size(1) == width, op, ": ", name, " must be [", text(rows), ", ", text(width),
+              "], found ", text(t.sizes()));
+  QWEN38_CHECK(aligned(t, align_bytes), op, ": ", name, "'s rows must start ", text(align_bytes),
+              "-byte aligned (vector loads), found address ", text(t.data_ptr()), " row stride ", text(t.stride(0)));
+}
+
+void check_out(const char* op, const at::Tensor& out, Q8GemvArgs& a, const at::Tensor& weight_q) {
+  check_rows(op, "out", out, at::kFloat, a.T, a.N, 4, weight_q);
+  a.out = out.data_ptr<float>();
+  a.out_stride = out.stride(0);
+}
+
+int64_t token_rows(const char* op, const at::Tensor& x) {
+  QWEN38_CHECK(x.dim() == 2, op, ": x must be 2-D [T, K], found sizes ", text(x.sizes()));
+  QWEN38_CHECK(x.size(0) <= INT_MAX, op, ": too many rows, found ", text(x.size(0)));
+  return x.size(0);
+}
+
+void run(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& weight_q) {
+  const c10::cuda::CUDAGuard guard(weight_q.device());
+  Q8GemvConfig cfg = q8_0_gemv_default_config(act, a.N, a.K, a.T);
+  const bool overridden = q8_0_gemv_config_from_env(&cfg);
+  const cudaError_t err = q8_0_gemv(act, a, cfg, pdl_enabled(), current_stream());
+  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err),
+              overridden ? " (QWEN38_Q8_GEMV_CONFIG names a config that is not compiled?)" : "");
+}
+
+void q8_0_gemv_f32(const at::Tensor& x, const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& out) {
+  constexpr const char* op = "q8_0_gemv";
+  Q8GemvArgs a;
+  check_weights(op, weight_q, weight_d, a);
+  a.T = static_cast<int>(token_rows(op, x));
+  check_rows(op, "x", x, at::kFloat, a.T, a.K, 16, weight_q);
+  a.x = x.data_ptr<float>();
+  a.x_stride = x.stride(0);
+  check_out(op, out, a, weight_q);
+  run(op, Q8Act::F32, a, weight_q);
+}
+
+void q8_0_gemv_int8(const at::Tensor& x_q, const at::Tensor& x_d, const at::Tensor& weight_q,
+                    const at::Tensor& weight_d, at::Tensor& out) {
+  constexpr const char* op = "q8_0_gemv_int8";
+  Q8GemvArgs a;
+  check_weights(op, weight_q, weight_d, a);
+  a.T = static_cast<int>(token_rows(op, x_q));
+  check_rows(op, "x_q", x_q, at::kChar, a.T, a.K, 16, weight_q);
+  check_rows(op, "x_d", x_d, at::kFloat, a.T, a.K / 32, 4, weight_q);
+  a.x = x_q.data_ptr<int8_t>();
+  a.x_stride = x_q.stride(0);
+  a.x_d = x_d.data_ptr<float>();
+  a.x_d_stride = x_d.stride(0);
+  check_out(op, out, a, weight_q);
+  run(op, Q8Act::Int8, a, weight_q);
+}
+
+void q8_0_gemv_int8x2(const at::Tensor& x_q, const at::Tensor& x_q_lo, const at::Tensor& x_d,
+                      const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& out) {
+  constexpr const char* op = "q8_0_gemv_int8x2";
+  Q8GemvArgs a;
+  check_weights(op, weight_q, weight_d, a);
+  a.T = static_cast<int>(token_rows(op, x_q));
+  check_rows(op, "x_q", x_q, at::kChar, a.T, a.K, 16, weight_q);
+  check_rows(op, "x_q_lo", x_q_lo, at::kChar, a.T, a.K, 16, weight_q);
+  check_rows(op, "x_d", x_d, at::kFloat, a.T, a.K / 32, 4, weight_q);
+  a.x = x_q.data_ptr<int8_t>();
+  a.x_stride = x_q.stride(0);
+  a.x_lo = x_q_lo.data_ptr<int8_t>();
+  a.x_lo_stride = x_q_lo.stride(0);
+  a.x_d = x_d.data_ptr<float>();
+  a.x_d_stride = x_d.stride(0);
+  check_out(op, out, a, weight_q);
+  run(op, Q8Act::Int8x2, a, weight_q);
+}
+
+}  // namespace
+}  // namespace qwen38
+
+TORCH_LIBRARY_IMPL(qwen38, CUDA, m) {
+  m.impl("q8_0_gemv", &qwen38::q8_0_gemv_f32);
+  m.impl("q8_0_gemv_int8", &qwen38::q8_0_gemv_int8);
+  m.impl("q8_0_gemv_int8x2", &qwen38::q8_0_gemv_int8x2);
+}

@@ -1,0 +1,56 @@
+// Gated full attention kernels: per-head QK RMSNorm + partial NEOX RoPE + KV-cache store at the
+// device-held position, split-K causal flash-decode over the cache (GQA) with a fixed-order combine, and
+// the sigmoid output gate (with the optional int8 / two-word int8 activation outputs). Host launchers take
+// raw device pointers, sizes and a stream; they launch asynchronously and return the cudaError_t.
+// Layouts are those of csrc/bindings.cpp. The cache element type is float or __nv_bfloat16.
+#pragma once
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace qwen38 {
+
+// Splits per (token, query head) of the attention kernel: max(1, kAttentionSplits / T). Must equal
+// qwen38_ops.attention.ATTENTION_SPLITS: the workspace holds max(T, 64) * Hq * (hd + 2) floats.
+constexpr int kAttentionSplits = 64;
+constexpr int kAttentionMaxGroup = 8;  // query heads per kv head
+
+inline int attention_num_splits(int num_tokens) {
+  const int s = kAttentionSplits / (num_tokens > 0 ? num_tokens : 1);
+  return s > 1 ? s : 1;
+}
+inline int64_t attention_workspace_numel(int num_tokens, int num_heads, int head_dim) {
+  const int64_t rows = num_tokens > kAttentionSplits ? num_tokens : kAttentionSplits;
+  return rows * num_heads * (head_dim + 2);
+}
+// head_dim values the attention kernel is built for (one template instance each).
+inline bool attention_head_dim_supported(int head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+// qgkv [T, Hq*2*hd + 2*Hkv*hd] (row stride qgkv_row_stride), q_norm/k_norm [hd], positions int32 [T],
+// q_out [T, Hq, hd], caches [max_seq, Hkv, hd]. A position outside [0, max_seq) stores nothing.
+// hd <= 1024, rotary_dim even and <= hd.
+template <typename CacheT>
+cudaError_t attn_qk_norm_rope_store_launch(const float* qgkv, int64_t qgkv_row_stride, const float* q_norm,
+                                           const float* k_norm, const int32_t* positions, float eps,
+                                           float rope_theta, int rotary_dim, float* q_out, CacheT* k_cache,
+                                           CacheT* v_cache, int num_tokens, int num_heads, int num_kv_heads,
+                                           int head_dim, int max_seq, cudaStream_t stream);
+
+// q [T, Hq, hd], caches [max_seq, Hkv, hd] (16-byte aligned), positions int32 [T], out [T, Hq, hd],
+// workspace float32 with attention_workspace_numel(T, Hq, hd) elements. Token t attends rows
+// 0..positions[t] (clamped to the cache). Hq / Hkv <= kAttentionMaxGroup, head_dim supported as above.
+template <typename CacheT>
+cudaError_t attention_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
+                             float scale, float* out, float* workspace, int num_tokens, int num_heads,
+                             int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream);
+
+// attn [T, Hq*hd] contiguous, gate = qgkv's interleaved gate halves (row stride qgkv_row_stride),
+// out [T, Hq*hd] (row stride out_row_stride). out_q (and out_q_lo for the two-word lane) int8 [T, Hq*hd]
+// and out_d float32 [T, Hq*hd/32], contiguous, when not null; Hq*hd % 32 == 0 then.
+cudaError_t attn_output_gate_launch(const float* attn, const float* qgkv, int64_t qgkv_row_stride, float* out,
+                                    int64_t out_row_stride, int8_t* out_q, int8_t* out_q_lo, float* out_d,
+                                    int num_tokens, int num_heads, int head_dim, cudaStream_t stream);
+
+}  // namespace qwen38

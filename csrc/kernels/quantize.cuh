@@ -1,0 +1,59 @@
+// Device-side activation quantizers shared by every producer that emits a Q8_0 GEMV input (norm_quant,
+// attention's output gate, ...): ggml's int8 lane and the two-word int8 lane, per 32-value block, exactly
+// as csrc/bindings.cpp and qwen38_ops/reference/norm_quant.py define them.
+//
+// Every rounding step is spelled with an explicit _rn intrinsic: the extension builds with
+// --use_fast_math, under which `a / b` and `1.0f / d` become approximate and `x * y + z` may contract to
+// an FMA, and a one-ulp difference in d or 1/d flips the rounding of some q against the reference.
+// roundf (half away from zero) is ggml's rounding, not __float2int_rn (half to even).
+#pragma once
+#include <cstdint>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace qwen38 {
+
+constexpr int kQuantBlock = 32;  // values per scale, as Q8_0 weight blocks
+
+// amax of one 32-value block held by kLanes consecutive lanes (aligned to kLanes) of a warp, each lane
+// holding its part's |x| maximum. Every lane of the group gets the result.
+template <int kLanes>
+__device__ __forceinline__ float quant_block_amax(float lane_amax) {
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "kLanes must be a power of 2");
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1)
+    lane_amax = fmaxf(lane_amax, __shfl_xor_sync(0xffffffffu, lane_amax, offset));
+  return lane_amax;
+}
+
+// int8 lane: d = amax/127, values rounded with the exact float 1/d (0 for an all-zero block), and the
+// scale the GEMV multiplies by is d rounded to fp16 (stored as float32), as ggml's quantize_row_q8_0.
+struct Int8BlockScale {
+  float inv_d;     // what values are multiplied by before rounding
+  float stored_d;  // what goes to out_d
+};
+
+__device__ __forceinline__ Int8BlockScale int8_block_scale(float amax) {
+  const float d = __fdiv_rn(amax, 127.0f);
+  Int8BlockScale scale;
+  scale.inv_d = d == 0.0f ? 0.0f : __frcp_rn(d);
+  scale.stored_d = __half2float(__float2half_rn(d));
+  return scale;
+}
+
+__device__ __forceinline__ int8_t int8_quantize(float x, float inv_d) {
+  return (int8_t)(int)roundf(__fmul_rn(x, inv_d));
+}
+
+// two-word int8 lane: s = amax/127 (kept in float32), t = x/s, q = clamp(round(t), +-127),
+// q_lo = round((t - q) * 127); the value is s * (q + q_lo/127). s = 0 gives t = 0.
+__device__ __forceinline__ float int8x2_block_scale(float amax) { return __fdiv_rn(amax, 127.0f); }
+
+__device__ __forceinline__ void int8x2_quantize(float x, float s, int8_t& q, int8_t& q_lo) {
+  const float t = s == 0.0f ? 0.0f : __fdiv_rn(x, s);
+  const float hi = fminf(fmaxf(roundf(t), -127.0f), 127.0f);
+  q = (int8_t)(int)hi;
+  q_lo = (int8_t)(int)roundf(__fmul_rn(__fsub_rn(t, hi), 127.0f));
+}
+
+}  // namespace qwen38

@@ -1,0 +1,520 @@
+"""attention family: attn_qk_norm_rope_store, attention, attn_output_gate.
+
+CPU (CI): opcheck of every op, and the references against independent formulas (RoPE as a rotation of
+complex pairs, attention as an explicit per-token softmax loop, the quantized gate output against
+gguf-style block rounding). CUDA (-m cuda): every kernel against the reference in float64 on the CPU, on
+random inputs, outputs and unread cache rows poisoned, at odd sizes and the 27B shapes, both cache dtypes;
+two runs give the same bits; a captured graph replays bit for bit like eager, also after the device-held
+positions move; bad arguments raise.
+"""
+import math
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from qwen38_ops.attention import workspace_numel
+from qwen38_ops.reference import attention as ref
+from qwen38_ops.reference import norm_quant as ref_quant
+
+ops = torch.ops.qwen38
+
+# (Hq, Hkv, hd, rotary_dim): the oracle and the 27B model.
+ORACLE = (4, 2, 32, 8)
+M27B = (24, 4, 256, 64)
+THETA = 1e7
+EPS = 1e-6
+
+
+def make_qgkv(T, hq, hkv, hd, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qgkv = torch.randn(T, 2 * hq * hd + 2 * hkv * hd, generator=g, dtype=torch.float64) * 2
+    q_norm = 1 + 0.3 * torch.randn(hd, generator=g, dtype=torch.float64)
+    k_norm = 1 + 0.3 * torch.randn(hd, generator=g, dtype=torch.float64)
+    return [x.to(device=device, dtype=dtype) for x in (qgkv, q_norm, k_norm)]
+
+
+def make_cache(max_seq, hkv, hd, dtype, device="cpu", seed=0, poison_from=None):
+    """Random rows; rows from `poison_from` on are NaN: a kernel that reads past its bound shows it."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(max_seq, hkv, hd, generator=g, dtype=torch.float64)
+    v = torch.randn(max_seq, hkv, hd, generator=g, dtype=torch.float64)
+    if poison_from is not None:
+        k[poison_from:] = float("nan")
+        v[poison_from:] = float("nan")
+    return k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: opcheck and the references against independent formulas.
+
+def test_opcheck_cpu():
+    hq, hkv, hd, rd = ORACLE
+    T, max_seq = 3, 16
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd)
+    positions = torch.tensor([2, 5, 9], dtype=torch.int32)
+    k_cache, v_cache = make_cache(max_seq, hkv, hd, torch.float32)
+    q_out = torch.empty(T, hq, hd)
+    torch.library.opcheck(ops.attn_qk_norm_rope_store.default,
+                          (qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache))
+    out = torch.empty(T, hq, hd)
+    workspace = torch.empty(workspace_numel(T, hq, hd))
+    torch.library.opcheck(ops.attention.default, (q_out, k_cache, v_cache, positions, hd**-0.5, out, workspace))
+    width = hq * hd
+    gated = torch.empty(T, width)
+    torch.library.opcheck(ops.attn_output_gate.default, (out, qgkv, gated, None, None, None))
+    out_q, out_d = torch.empty(T, width, dtype=torch.int8), torch.empty(T, width // 32)
+    torch.library.opcheck(ops.attn_output_gate.default, (out, qgkv, gated, out_q, None, out_d))
+
+
+def test_qk_norm_rope_reference_vs_complex_rotation():
+    hq, hkv, hd, rd = ORACLE
+    T, max_seq = 3, 12
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, dtype=torch.float64)
+    positions = torch.tensor([0, 7, 3], dtype=torch.int32)
+    k_cache, v_cache = make_cache(max_seq, hkv, hd, torch.float64)
+    q_out = torch.empty(T, hq, hd, dtype=torch.float64)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    ref.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache)
+
+    def expected(x, w, pos):  # RMSNorm, then rotate the complex numbers (x_i + i x_{i+rd/2}) by pos*freq_i
+        y = x / torch.sqrt((x * x).mean() + EPS) * w
+        half = rd // 2
+        freq = torch.tensor([THETA ** (-2 * i / rd) for i in range(half)], dtype=torch.float64)
+        z = torch.complex(y[:half], y[half:rd]) * torch.polar(torch.ones(half, dtype=torch.float64), pos * freq)
+        return torch.cat([z.real, z.imag, y[rd:]])
+
+    k_expected, v_expected = k_before.clone(), v_before.clone()
+    for t in range(T):
+        pos = int(positions[t])
+        for h in range(hq):
+            x = qgkv[t, h * 2 * hd : h * 2 * hd + hd]  # query half of head h's [query | gate] pair
+            torch.testing.assert_close(q_out[t, h], expected(x, q_norm, pos), rtol=1e-12, atol=1e-12)
+        for h in range(hkv):
+            x = qgkv[t, 2 * hq * hd + h * hd : 2 * hq * hd + (h + 1) * hd]
+            k_expected[pos, h] = expected(x, k_norm, pos)
+            v_expected[pos, h] = qgkv[t, 2 * hq * hd + hkv * hd + h * hd : 2 * hq * hd + hkv * hd + (h + 1) * hd]
+    torch.testing.assert_close(k_cache, k_expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(v_cache, v_expected, rtol=0, atol=0)
+
+
+def test_attention_reference_vs_softmax_loop():
+    hq, hkv, hd = 6, 2, 16
+    T = 3
+    positions = torch.tensor([4, 9, 2], dtype=torch.int32)
+    k_cache, v_cache = make_cache(12, hkv, hd, torch.float64, poison_from=10)
+    q = torch.randn(T, hq, hd, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = torch.empty(T, hq, hd, dtype=torch.float64)
+    scale = hd**-0.5
+    ref.attention(q, k_cache, v_cache, positions, scale, out, torch.empty(workspace_numel(T, hq, hd)))
+    for t in range(T):
+        n = int(positions[t]) + 1
+        for h in range(hq):
+            kv = h // (hq // hkv)  # GQA: consecutive query heads share a kv head
+            p = torch.softmax(k_cache[:n, kv] @ q[t, h] * scale, dim=0)
+            torch.testing.assert_close(out[t, h], p @ v_cache[:n, kv], rtol=1e-12, atol=1e-12)
+
+
+def test_output_gate_reference_vs_formula():
+    hq, hkv, hd, _ = ORACLE
+    T = 2
+    qgkv, _, _ = make_qgkv(T, hq, hkv, hd)
+    attn = torch.randn(T, hq, hd)
+    out = torch.empty(T, hq * hd)
+    ref.attn_output_gate(attn, qgkv, out)
+    gate = torch.stack([qgkv[:, h * 2 * hd + hd : (h + 1) * 2 * hd] for h in range(hq)], dim=1)
+    torch.testing.assert_close(out, (attn / (1 + torch.exp(-gate))).reshape(T, -1), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA: kernels against the reference.
+
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CACHE_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_cuda_kernel(name):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"qwen38::{name}", "CUDA"), (
+        f"qwen38::{name} has no CUDA kernel in this build (the test would only run the reference)")
+
+
+def rows_view(x, pad=3):
+    wide = torch.full((x.shape[0], x.shape[1] + pad + 5), float("nan"), dtype=x.dtype, device=x.device)
+    wide[:, pad : pad + x.shape[1]] = x
+    return wide[:, pad : pad + x.shape[1]]
+
+
+def run_store_cuda(qgkv, q_norm, k_norm, positions, rd, k_cache, v_cache, hq):
+    T, hd = qgkv.shape[0], q_norm.shape[0]
+    q_out = torch.full((T, hq, hd), float("nan"), device="cuda")
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache)
+    return q_out, k_cache, v_cache
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape", [ORACLE, M27B, (6, 3, 64, 64), (4, 1, 128, 32), (2, 2, 80, 0)])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("T", [1, 4])
+def test_qk_norm_rope_store_cuda_float64(shape, cache_dtype, T):
+    """Against the float64 reference at small positions (< 64, where float32 angles are within 4e-6 rad
+    of exact): bound 5e-5 on q and a float32 cache; one bf16 rounding (2^-8 relative) on a bf16 cache.
+    Rows not written keep their NaN poison."""
+    assert_cuda_kernel("attn_qk_norm_rope_store")
+    hq, hkv, hd, rd = shape
+    max_seq = 64
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, seed=T + hd)
+    positions = torch.tensor([5, 63, 0, 17][:T], dtype=torch.int32)
+    k_cache, v_cache = make_cache(max_seq, hkv, hd, torch.float64, poison_from=0)  # all NaN
+    exp_q = torch.empty(T, hq, hd, dtype=torch.float64)
+    exp_k, exp_v = k_cache.clone(), v_cache.clone()
+    ref.attn_qk_norm_rope_store(qgkv.double(), q_norm.double(), k_norm.double(), positions, EPS, THETA, rd, exp_q,
+                                exp_k, exp_v)
+    q_out, k_out, v_out = run_store_cuda(rows_view(qgkv.cuda()), q_norm.cuda(), k_norm.cuda(), positions.cuda(), rd,
+                                         k_cache.to(cache_dtype).cuda(), v_cache.to(cache_dtype).cuda(), hq)
+    assert torch.isfinite(q_out).all()
+    torch.testing.assert_close(q_out.cpu().double(), exp_q, rtol=0, atol=5e-5)
+    if cache_dtype == torch.float32:
+        tol = dict(rtol=0, atol=5e-5)
+    else:
+        tol = dict(rtol=2**-8, atol=1e-6)
+    written = positions.long()
+    untouched = torch.ones(max_seq, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.isnan(k_out.cpu()[untouched].float()).all() and torch.isnan(v_out.cpu()[untouched].float()).all()
+    torch.testing.assert_close(k_out.cpu().double()[written], exp_k[written], equal_nan=False, **tol)
+    torch.testing.assert_close(v_out.cpu().double()[written], exp_v[written].to(cache_dtype).double(), rtol=0, atol=0)
+
+
+def hf_float32_angle_rope(x, weight, pos, rd):
+    """RMSNorm + RoPE in float64, but with the angle formed the way HF forms it in float32: inv_freq =
+    1 / theta^(2i/rd) rounded to float32 at each step, angle = float32(pos * inv_freq). (The float64
+    reference forms exact angles instead; at pos ~ 1e5 the two differ by ~0.01 rad: float32's own ulp.)"""
+    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + EPS) * weight
+    exponent = (torch.arange(0, rd, 2, dtype=torch.float32) / rd).double()
+    inv_freq = (1.0 / (THETA**exponent).float().double()).float().double()
+    angle = (pos * inv_freq).float().double()  # a product of two float32 is exact in float64: rounded once
+    cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
+    rot = y[..., :rd]
+    rotated = torch.cat([-rot[..., rd // 2 :], rot[..., : rd // 2]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, y[..., rd:]], dim=-1)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_qk_norm_rope_store_cuda_large_positions_float32_angles(cache_dtype):
+    """Positions up to 2^17: bound 5e-5 against float32-formed angles (see hf_float32_angle_rope); a
+    fast-math powf/sinf would be off by up to ~0.03 rad here."""
+    hq, hkv, hd, rd = M27B
+    T, max_seq = 4, 1 << 17
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, seed=3)
+    positions = torch.tensor([1000, 32767, 65536 + 123, max_seq - 1], dtype=torch.int32)
+    q, _, k, _ = ref.split_qgkv(qgkv.double(), hkv, hd)
+    k_cache = torch.zeros(max_seq, hkv, hd, dtype=cache_dtype, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    q_out = torch.full((T, hq, hd), float("nan"), device="cuda")
+    ops.attn_qk_norm_rope_store(qgkv.cuda(), q_norm.cuda(), k_norm.cuda(), positions.cuda(), EPS, THETA, rd, q_out,
+                                k_cache, v_cache)
+    rows = positions.long()
+    k_got = k_cache[rows.cuda()].cpu().double()
+    tol = dict(rtol=0, atol=5e-5) if cache_dtype == torch.float32 else dict(rtol=2**-8, atol=1e-6)
+    for t in range(T):
+        pos = int(positions[t])
+        exp_q = hf_float32_angle_rope(q[t], q_norm.double(), pos, rd)
+        torch.testing.assert_close(q_out[t].cpu().double(), exp_q, rtol=0, atol=5e-5)
+        torch.testing.assert_close(k_got[t], hf_float32_angle_rope(k[t], k_norm.double(), pos, rd), **tol)
+
+
+def attention_expected(q, k_cache, v_cache, positions, scale):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    ref.attention(q.double(), k_cache.double(), v_cache.double(), positions, scale, out, None)
+    return out
+
+
+def run_attention_cuda(q, k_cache, v_cache, positions, scale):
+    T, hq, hd = q.shape
+    out = torch.full((T, hq, hd), float("nan"), device="cuda")
+    workspace = torch.full((workspace_numel(T, hq, hd),), float("nan"), device="cuda")
+    ops.attention(q, k_cache, v_cache, positions, scale, out, workspace)
+    return out
+
+
+ATTENTION_CASES = [
+    # (Hq, Hkv, hd, T, positions): decode at several context lengths (1 row, one tile, many splits),
+    # the oracle, every group-size instance (1, 2, 3->4, 5->6, 6, 8), causal prefill blocks (T = 7: 9
+    # splits each; T = 40: one split, no combine; T = 70: workspace sized by T).
+    (24, 4, 256, 1, [0]),
+    (24, 4, 256, 1, [37]),
+    (24, 4, 256, 1, [4999]),
+    (4, 2, 32, 1, [1234]),
+    (4, 2, 32, 3, [0, 1, 2]),
+    (2, 2, 64, 1, [700]),
+    (6, 2, 128, 2, [300, 2100]),
+    (5, 1, 64, 1, [999]),
+    (8, 1, 128, 1, [2048]),
+    (24, 4, 256, 7, list(range(1500, 1507))),
+    (4, 2, 32, 40, list(range(100, 140))),
+    (6, 3, 64, 70, list(range(10, 80))),
+]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_T{c[3]}_p{c[4][-1]}")
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_attention_cuda_matches_reference(case, cache_dtype):
+    """Against the float64 reference over the same cache values (a bf16 cache is exact in float64):
+    bound 2e-5 absolute (outputs are convex combinations of N(0,1) values, float32 softmax). Cache rows
+    past the largest position are NaN, so a read past the causal bound fails the test."""
+    assert_cuda_kernel("attention")
+    hq, hkv, hd, T, pos = case
+    max_seq = max(pos) + 9
+    positions = torch.tensor(pos, dtype=torch.int32)
+    k_cache, v_cache = make_cache(max_seq, hkv, hd, cache_dtype, seed=hd + T, poison_from=max(pos) + 1)
+    q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
+    scale = hd**-0.5
+    expected = attention_expected(q, k_cache, v_cache, positions, scale)
+    out = run_attention_cuda(q.cuda(), k_cache.cuda(), v_cache.cuda(), positions.cuda(), scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-5)
+
+
+@cuda
+@needs_gpu
+def test_attention_graph_serves_every_position_bitwise():
+    """One capture, positions changed on the device between replays: each replay equals an eager call at
+    those positions bit for bit; two eager calls are bit-identical (fixed-order combine)."""
+    hq, hkv, hd, _ = M27B
+    max_seq = 9000
+    k_cache, v_cache = make_cache(max_seq, hkv, hd, torch.bfloat16, device="cuda", seed=2)
+    q = torch.randn(1, hq, hd, device="cuda")
+    positions = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.empty(1, hq, hd, device="cuda")
+    workspace = torch.empty(workspace_numel(1, hq, hd), device="cuda")
+    scale = hd**-0.5
+
+    def step():
+        ops.attention(q, k_cache, v_cache, positions, scale, out, workspace)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for pos in (0, 31, 32, 1000, 8191, max_seq - 1):
+        positions.fill_(pos)
+        out.fill_(float("nan"))
+        graph.replay()
+        replayed = out.clone()
+        eager = run_attention_cuda(q, k_cache, v_cache, positions, scale)
+        assert torch.equal(replayed, eager), pos
+        assert torch.equal(eager, run_attention_cuda(q, k_cache, v_cache, positions, scale)), pos
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_layer_graph_replay_bitwise(cache_dtype):
+    """store -> attention -> gate (int8 lane) captured once, replayed at a moved position == eager."""
+    hq, hkv, hd, rd = M27B
+    max_seq = 600
+    qgkv, q_norm, k_norm = [x.cuda() for x in make_qgkv(1, hq, hkv, hd, seed=4)]
+    k0, v0 = make_cache(max_seq, hkv, hd, cache_dtype, device="cuda", seed=4)
+    bufs = dict(k=k0.clone(), v=v0.clone(), q=torch.empty(1, hq, hd, device="cuda"),
+                attn=torch.empty(1, hq, hd, device="cuda"), out=torch.empty(1, hq * hd, device="cuda"),
+                out_q=torch.empty(1, hq * hd, dtype=torch.int8, device="cuda"),
+                out_d=torch.empty(1, hq * hd // 32, device="cuda"))
+    positions = torch.tensor([100], dtype=torch.int32, device="cuda")
+    workspace = torch.empty(workspace_numel(1, hq, hd), device="cuda")
+
+    def step():
+        ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, bufs["q"], bufs["k"], bufs["v"])
+        ops.attention(bufs["q"], bufs["k"], bufs["v"], positions, hd**-0.5, bufs["attn"], workspace)
+        ops.attn_output_gate(bufs["attn"], qgkv, bufs["out"], bufs["out_q"], None, bufs["out_d"])
+
+    def reset():
+        bufs["k"].copy_(k0)
+        bufs["v"].copy_(v0)
+        for name in ("q", "attn", "out", "out_d"):
+            bufs[name].fill_(float("nan"))
+        bufs["out_q"].fill_(0x7F)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    positions.fill_(517)
+    reset()
+    step()
+    eager = {k: v.clone() for k, v in bufs.items()}
+    reset()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name in bufs:
+        assert torch.equal(bufs[name], eager[name]), name
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape,T", [(ORACLE, 3), (M27B, 1), (M27B, 2)])
+@pytest.mark.parametrize("lane", ["f32", "int8", "int8x2"])
+def test_output_gate_cuda(shape, T, lane):
+    """out against the float64 reference (bound 1e-6 relative: fast sigmoid); the quantized words and
+    scales equal, exactly, the reference quantizer applied to the kernel's own float32 out."""
+    assert_cuda_kernel("attn_output_gate")
+    hq, hkv, hd, _ = shape
+    width = hq * hd
+    qgkv, _, _ = make_qgkv(T, hq, hkv, hd, seed=T)
+    attn = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(7)) * 3
+    attn[0, 0, :32] = 0.0  # an all-zero quantization block: d = 0
+    expected = torch.empty(T, width, dtype=torch.float64)
+    ref.attn_output_gate(attn.double(), qgkv.double(), expected)
+    out = rows_view(torch.empty(T, width, device="cuda")).fill_(float("nan"))
+    out_q = out_q_lo = out_d = None
+    if lane != "f32":
+        out_q = torch.full((T, width), 0x7F, dtype=torch.int8, device="cuda")
+        out_d = torch.full((T, width // 32), float("nan"), device="cuda")
+    if lane == "int8x2":
+        out_q_lo = torch.full((T, width), 0x7F, dtype=torch.int8, device="cuda")
+    ops.attn_output_gate(attn.cuda(), rows_view(qgkv.cuda()), out, out_q, out_q_lo, out_d)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-6, atol=1e-7)
+    if lane == "f32":
+        return
+    got = out.cpu().contiguous()
+    if lane == "int8":
+        q, d = ref_quant.quantize_int8(got)
+        assert torch.equal(out_q.cpu(), q)
+    else:
+        q, q_lo, d = ref_quant.quantize_int8x2(got)
+        assert torch.equal(out_q.cpu(), q) and torch.equal(out_q_lo.cpu(), q_lo)
+    assert torch.equal(out_d.cpu(), d)
+
+
+@cuda
+@needs_gpu
+def test_opcheck_cuda():
+    hq, hkv, hd, rd = ORACLE
+    T, max_seq = 2, 16
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, device="cuda")
+    positions = torch.tensor([3, 4], dtype=torch.int32, device="cuda")
+    k_cache, v_cache = make_cache(max_seq, hkv, hd, torch.bfloat16, device="cuda")
+    q_out = torch.empty(T, hq, hd, device="cuda")
+    torch.library.opcheck(ops.attn_qk_norm_rope_store.default,
+                          (qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache))
+    out = torch.empty(T, hq, hd, device="cuda")
+    workspace = torch.empty(workspace_numel(T, hq, hd), device="cuda")
+    torch.library.opcheck(ops.attention.default, (q_out, k_cache, v_cache, positions, hd**-0.5, out, workspace))
+    width = hq * hd
+    torch.library.opcheck(ops.attn_output_gate.default,
+                          (out, qgkv, torch.empty(T, width, device="cuda"), torch.empty(T, width, dtype=torch.int8,
+                           device="cuda"), torch.empty(T, width, dtype=torch.int8, device="cuda"),
+                           torch.empty(T, width // 32, device="cuda")))
+
+
+def check_bad_inputs():
+    """Every wrong argument raises a RuntimeError naming the op and the argument (run in a child
+    process by test_bad_inputs_raise)."""
+    hq, hkv, hd, rd = ORACLE
+    T, max_seq = 2, 16
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, device="cuda")
+    positions = torch.tensor([3, 4], dtype=torch.int32, device="cuda")
+    k_cache, v_cache = make_cache(max_seq, hkv, hd, torch.float32, device="cuda")
+    q_out = torch.empty(T, hq, hd, device="cuda")
+    store = ops.attn_qk_norm_rope_store
+    progress()
+    with pytest.raises(RuntimeError, match="positions must be"):
+        store(qgkv, q_norm, k_norm, positions.long(), EPS, THETA, rd, q_out, k_cache, v_cache)
+    progress()
+    with pytest.raises(RuntimeError, match="positions must be on"):
+        store(qgkv, q_norm, k_norm, positions.cpu(), EPS, THETA, rd, q_out, k_cache, v_cache)
+    progress()
+    with pytest.raises(RuntimeError, match="k_cache must be float32 or bfloat16"):
+        store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache.half(), v_cache.half())
+    progress()
+    with pytest.raises(RuntimeError, match="v_cache must have k_cache's dtype"):
+        store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache.bfloat16())
+    progress()
+    with pytest.raises(RuntimeError, match="qgkv must be"):
+        store(qgkv[:, :-1], q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache)
+    progress()
+    with pytest.raises(RuntimeError, match="rotary_dim"):
+        store(qgkv, q_norm, k_norm, positions, EPS, THETA, 7, q_out, k_cache, v_cache)
+    out = torch.empty(T, hq, hd, device="cuda")
+    workspace = torch.empty(workspace_numel(T, hq, hd), device="cuda")
+    progress()
+    with pytest.raises(RuntimeError, match="workspace must hold"):
+        ops.attention(q_out, k_cache, v_cache, positions, 0.1, out, workspace[:-1])
+    progress()
+    with pytest.raises(RuntimeError, match="head_dim must be one of"):
+        ops.attention(q_out[..., :24].contiguous(), k_cache[..., :24].contiguous(), v_cache[..., :24].contiguous(),
+                      positions, 0.1, out[..., :24].contiguous(), workspace)
+    progress()
+    with pytest.raises(RuntimeError, match="Hq must be a multiple of Hkv"):
+        ops.attention(q_out[:, :3].contiguous(), k_cache, v_cache, positions, 0.1, out[:, :3].contiguous(), workspace)
+    progress()
+    with pytest.raises(RuntimeError, match="attention: q must be Float"):
+        ops.attention(q_out.double(), k_cache, v_cache, positions, 0.1, out, workspace)
+    width = hq * hd
+    progress()
+    with pytest.raises(RuntimeError, match="out_q and out_d come together"):
+        ops.attn_output_gate(out, qgkv, torch.empty(T, width, device="cuda"),
+                             torch.empty(T, width, dtype=torch.int8, device="cuda"), None, None)
+    progress()
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.attn_output_gate(out, qgkv, torch.empty(T, width + 1, device="cuda"), None, None, None)
+    progress()
+    with pytest.raises(RuntimeError, match="attn_output_gate"):
+        ops.attn_output_gate(out.cpu(), qgkv, torch.empty(T, width, device="cuda"), None, None, None)
+
+
+def progress():
+    """Print the line of check_bad_inputs about to run: if the child crashes, its output names the call."""
+    import inspect
+    print("checking line", inspect.currentframe().f_back.f_lineno, flush=True)
+
+
+@cuda
+@needs_gpu
+def test_bad_inputs_raise():
+    """check_bad_inputs in a child process. Why a child: on the device image (torch 2.11+cu130, extension
+    built by /opt/gcc) a failed TORCH_CHECK whose message formats integers or sizes segfaulted the
+    process, in pytest and in a fresh child alike, while checks whose messages hold only names, dtypes
+    and devices raised normally, as did a torch-internal error (the control below). In a child a crash
+    fails only this test, and the output names the call."""
+    code = (
+        "import importlib.util, torch\n"
+        "try:\n"
+        "    torch.empty(2, device='cuda').view(3)\n"
+        "except RuntimeError:\n"
+        "    print('control: a torch-internal C++ error raised normally', flush=True)\n"
+        f"spec = importlib.util.spec_from_file_location('bad_inputs', {__file__!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "module.check_bad_inputs()\n"
+        "print('all bad inputs raised', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+
+def test_workspace_formula_matches_kernel_contract():
+    # The kernel needs T * splits * Hq * (hd + 2) floats with splits = max(1, 64 // T).
+    for T in (1, 2, 3, 7, 31, 33, 64, 65, 200):
+        splits = max(1, 64 // T)
+        assert workspace_numel(T, 24, 256) >= T * splits * 24 * 258
+    assert math.isclose(workspace_numel(1, 24, 256), 64 * 24 * 258)

@@ -1,0 +1,447 @@
+"""gdn family: gdn_conv, gdn_gates, gdn_recurrent.
+
+CPU (CI): opcheck of every op, and each reference against an independent formula (conv1d, the closed
+form of the delta rule on HF's [dk, dv] state layout). CUDA (-m cuda): every kernel against the reference
+in float64 on the CPU, on random inputs, outputs poisoned first, at odd sizes and the 27B shapes; two runs
+give the same bits; a captured graph replays bit for bit like eager; bad arguments raise.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from qwen38_ops.reference import gdn as ref
+
+ops = torch.ops.qwen38
+
+# (num_k_heads, num_v_heads, head_k_dim, head_v_dim): the oracle, the 27B model, Hv/Hk = 2, odd dims.
+SHAPE_ORACLE = (2, 6, 32, 32)
+SHAPE_27B = (16, 48, 128, 128)
+SHAPES = [SHAPE_ORACLE, SHAPE_27B, (4, 8, 64, 64), (2, 4, 48, 48), (3, 6, 64, 40), (2, 4, 100, 36),
+          (1, 3, 30, 30), (2, 2, 200, 24), (2, 4, 256, 64)]
+
+
+def channels(hk, hv, dk, dv):
+    return 2 * hk * dk + hv * dv
+
+
+def make_conv_inputs(T, hk, hv, dk, dv, taps=4, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = channels(hk, hv, dk, dv)
+    qkv = torch.randn(T, C, generator=g, dtype=torch.float64)
+    state = torch.randn(taps - 1, C, generator=g, dtype=torch.float64)
+    weight = torch.randn(C, taps, generator=g, dtype=torch.float64) * 0.5
+    return [x.to(device=device, dtype=dtype) for x in (qkv, state, weight)]
+
+
+def make_recurrent_inputs(T, hk, hv, dk, dv, device="cpu", dtype=torch.float32, seed=0):
+    """qkv as gdn_conv leaves it (q, k heads of unit norm), gates in their ranges, a random state."""
+    g = torch.Generator().manual_seed(seed)
+    qk = F.normalize(torch.randn(T, 2 * hk, dk, generator=g, dtype=torch.float64), dim=-1)
+    v = torch.randn(T, hv * dv, generator=g, dtype=torch.float64)
+    qkv = torch.cat([qk.reshape(T, -1), v], dim=1)
+    beta = torch.rand(T, hv, generator=g, dtype=torch.float64)
+    decay = 0.5 + 0.5 * torch.rand(T, hv, generator=g, dtype=torch.float64)
+    state = torch.randn(hv, dv, dk, generator=g, dtype=torch.float64) * 0.5
+    return [x.to(device=device, dtype=dtype) for x in (qkv, beta, decay, state)]
+
+
+def make_gate_inputs(T, hv, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ba = torch.randn(T, 2 * hv, generator=g, dtype=torch.float64) * 4
+    ba[0, hv] = 30.0  # a + dt_bias > 20: softplus's linear branch
+    a_neg = -torch.exp(torch.randn(hv, generator=g, dtype=torch.float64) - 2)
+    dt_bias = torch.randn(hv, generator=g, dtype=torch.float64)
+    return [x.to(device=device, dtype=dtype) for x in (ba, a_neg, dt_bias)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: opcheck and the references against independent formulas.
+
+def test_opcheck_cpu():
+    hk, hv, dk, dv = SHAPE_ORACLE
+    T = 3
+    qkv, state, weight = make_conv_inputs(T, hk, hv, dk, dv)
+    torch.library.opcheck(ops.gdn_conv.default, (qkv, state, weight, hk, dk, torch.empty_like(qkv)))
+    ba, a_neg, dt_bias = make_gate_inputs(T, hv)
+    torch.library.opcheck(ops.gdn_gates.default, (ba, a_neg, dt_bias, torch.empty(T, hv), torch.empty(T, hv)))
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv)
+    torch.library.opcheck(ops.gdn_recurrent.default, (qkv, beta, decay, state, torch.empty(T, hv, dv)))
+
+
+@pytest.mark.parametrize("T", [1, 2, 6])
+def test_conv_reference_vs_conv1d(T):
+    hk, hv, dk, dv = SHAPE_ORACLE
+    qkv, state, weight = make_conv_inputs(T, hk, hv, dk, dv, dtype=torch.float64)
+    out = torch.empty_like(qkv)
+    new_state = state.clone()
+    ref.gdn_conv(qkv, new_state, weight, hk, dk, out)
+    # torch's depthwise conv1d over [state | qkv] (cross-correlation: the last tap meets the newest input)
+    x = torch.cat([state, qkv]).T[None]  # [1, C, K-1+T]
+    y = F.silu(F.conv1d(x, weight[:, None, :], groups=qkv.shape[1])[0].T)  # [T, C]
+    qk = y[:, : 2 * hk * dk].reshape(T, 2 * hk, dk)
+    qk = qk / torch.sqrt((qk**2).sum(-1, keepdim=True) + 1e-6)
+    expected = torch.cat([qk.reshape(T, -1), y[:, 2 * hk * dk :]], dim=1)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(new_state, torch.cat([state, qkv])[-(weight.shape[1] - 1) :], rtol=0, atol=0)
+
+
+def test_gates_reference_vs_formula():
+    ba, a_neg, dt_bias = make_gate_inputs(5, 6, dtype=torch.float64)
+    beta, decay = torch.empty(5, 6, dtype=torch.float64), torch.empty(5, 6, dtype=torch.float64)
+    ref.gdn_gates(ba, a_neg, dt_bias, beta, decay)
+    b, a = ba[:, :6], ba[:, 6:]
+    x = a + dt_bias
+    softplus = torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+    torch.testing.assert_close(beta, 1 / (1 + torch.exp(-b)), rtol=1e-14, atol=0)
+    torch.testing.assert_close(decay, torch.exp(a_neg * softplus), rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("shape", [SHAPE_ORACLE, (4, 8, 16, 24)])
+def test_recurrent_reference_vs_closed_form(shape):
+    """Closed form S_t = a (I - b k k^T) S + b k v^T on HF's [dk, dv] state, o = S^T q / sqrt(dk), with the
+    value head h reading key head h % Hk (ggml's tiled order, the internal one)."""
+    hk, hv, dk, dv = shape
+    T = 4
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, dtype=torch.float64)
+    out = torch.empty(T, hv, dv, dtype=torch.float64)
+    new_state = state.clone()
+    ref.gdn_recurrent(qkv, beta, decay, new_state, out)
+    q = qkv[:, : hk * dk].reshape(T, hk, dk)
+    k = qkv[:, hk * dk : 2 * hk * dk].reshape(T, hk, dk)
+    v = qkv[:, 2 * hk * dk :].reshape(T, hv, dv)
+    eye = torch.eye(dk, dtype=torch.float64)
+    for h in range(hv):
+        s = state[h].T.clone()  # [dk, dv]
+        kh = h % hk
+        for t in range(T):
+            kk = k[t, kh][:, None]
+            s = decay[t, h] * (eye - beta[t, h] * kk @ kk.T) @ s + beta[t, h] * kk @ v[t, h][None]
+            torch.testing.assert_close(out[t, h], s.T @ q[t, kh] / dk**0.5, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(new_state[h], s.T, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA: kernels against the float64 reference.
+
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def assert_cuda_kernel(name):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"qwen38::{name}", "CUDA"), (
+        f"qwen38::{name} has no CUDA kernel in this build (the test would only run the reference)")
+
+
+def rows_view(x, pad=3):
+    """The same values as a row-strided view of a wider tensor whose rows start 16-byte misaligned."""
+    wide = torch.full((x.shape[0], x.shape[1] + pad + 5), float("nan"), dtype=x.dtype, device=x.device)
+    wide[:, pad : pad + x.shape[1]] = x
+    return wide[:, pad : pad + x.shape[1]]
+
+
+def run_conv_cuda(qkv, state, weight, hk, dk, out=None):
+    state = state.clone()
+    out = torch.full_like(qkv, float("nan")) if out is None else out.fill_(float("nan"))
+    ops.gdn_conv(qkv, state, weight, hk, dk, out)
+    return out, state
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES[:6])
+@pytest.mark.parametrize("T,taps", [(1, 4), (2, 4), (7, 4), (3, 3), (1, 2)])
+def test_conv_cuda_matches_reference(shape, T, taps):
+    """Error bound: 2e-6 absolute + 2e-6 relative (outputs are O(1); float32 conv, fast-math SiLU, L2 norm)."""
+    assert_cuda_kernel("gdn_conv")
+    hk, hv, dk, dv = shape
+    qkv, state, weight = make_conv_inputs(T, hk, hv, dk, dv, taps=taps, seed=T + taps)
+    exp_out, exp_state = torch.empty_like(qkv, dtype=torch.float64), state.double()
+    ref.gdn_conv(qkv.double(), exp_state, weight.double(), hk, dk, exp_out)
+    out, new_state = run_conv_cuda(qkv.cuda(), state.cuda(), weight.cuda(), hk, dk)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu().double(), exp_out, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(new_state.cpu().double(), exp_state, rtol=0, atol=0)
+
+
+@cuda
+@needs_gpu
+def test_conv_cuda_strided_rows():
+    """qkv and out as slices of wider projections (row stride != C, misaligned)."""
+    hk, hv, dk, dv = SHAPE_ORACLE
+    qkv, state, weight = make_conv_inputs(5, hk, hv, dk, dv, seed=11)
+    exp_out, exp_state = torch.empty_like(qkv, dtype=torch.float64), state.double()
+    ref.gdn_conv(qkv.double(), exp_state, weight.double(), hk, dk, exp_out)
+    out = rows_view(torch.empty_like(qkv).cuda(), pad=1)
+    out, new_state = run_conv_cuda(rows_view(qkv.cuda()), state.cuda(), weight.cuda(), hk, dk, out=out)
+    torch.testing.assert_close(out.cpu().double(), exp_out, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(new_state.cpu().double(), exp_state, rtol=0, atol=0)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("T,hv", [(1, 48), (5, 6), (3, 33)])
+def test_gates_cuda_matches_reference(T, hv):
+    """Error bound: 2e-6 relative (fast exp/log1p in float32)."""
+    assert_cuda_kernel("gdn_gates")
+    ba, a_neg, dt_bias = make_gate_inputs(T, hv, seed=T)
+    exp_beta, exp_decay = torch.empty(T, hv, dtype=torch.float64), torch.empty(T, hv, dtype=torch.float64)
+    ref.gdn_gates(ba.double(), a_neg.double(), dt_bias.double(), exp_beta, exp_decay)
+    beta = torch.full((T, hv), float("nan"), device="cuda")
+    decay = torch.full((T, hv), float("nan"), device="cuda")
+    ops.gdn_gates(rows_view(ba.cuda()), a_neg.cuda(), dt_bias.cuda(), beta, decay)
+    torch.testing.assert_close(beta.cpu().double(), exp_beta, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(decay.cpu().double(), exp_decay, rtol=2e-6, atol=1e-7)
+
+
+def run_recurrent_cuda(qkv, beta, decay, state):
+    state = state.clone()
+    hv, dv, _ = state.shape
+    out = torch.full((qkv.shape[0], hv, dv), float("nan"), device=qkv.device)
+    ops.gdn_recurrent(qkv, beta, decay, state, out)
+    return out, state
+
+
+def recurrent_expected(qkv, beta, decay, state):
+    hv, dv, _ = state.shape
+    out = torch.empty(qkv.shape[0], hv, dv, dtype=torch.float64)
+    new_state = state.double()
+    ref.gdn_recurrent(qkv.double(), beta.double(), decay.double(), new_state, out)
+    return out, new_state
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("T", [1, 4])
+def test_recurrent_cuda_matches_reference(shape, T):
+    """Error bound: 2e-5 absolute on out and state (|S| ~ 1, unit-norm q and k, float32 dot products
+    over dk <= 256, T <= 4 steps)."""
+    assert_cuda_kernel("gdn_recurrent")
+    hk, hv, dk, dv = shape
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, seed=dk + T)
+    exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
+    out, new_state = run_recurrent_cuda(qkv.cuda(), beta.cuda(), decay.cuda(), state.cuda())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu().double(), exp_out, rtol=0, atol=2e-5)
+    torch.testing.assert_close(new_state.cpu().double(), exp_state, rtol=0, atol=2e-5)
+
+
+@cuda
+@needs_gpu
+def test_recurrent_cuda_long_prefill_and_scalar_path():
+    """T = 64 tokens in one launch, and a misaligned qkv (the kernel's 4-byte-load path)."""
+    hk, hv, dk, dv = SHAPE_ORACLE
+    qkv, beta, decay, state = make_recurrent_inputs(64, hk, hv, dk, dv, seed=5)
+    exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
+    for x in (qkv.cuda(), rows_view(qkv.cuda())):
+        out, new_state = run_recurrent_cuda(x, beta.cuda(), decay.cuda(), state.cuda())
+        torch.testing.assert_close(out.cpu().double(), exp_out, rtol=0, atol=5e-5)
+        torch.testing.assert_close(new_state.cpu().double(), exp_state, rtol=0, atol=5e-5)
+
+
+@cuda
+@needs_gpu
+def test_prefill_equals_token_by_token():
+    """T tokens in one call == T calls of one token (conv and recurrence): the decode and prefill paths
+    agree to float32 rounding."""
+    hk, hv, dk, dv = (2, 4, 64, 64)
+    T = 6
+    qkv, conv_state, weight = [x.cuda() for x in make_conv_inputs(T, hk, hv, dk, dv, seed=3)]
+    _, beta, decay, state = [x.cuda() for x in make_recurrent_inputs(T, hk, hv, dk, dv, seed=4)]
+    conv_all, cs_all = run_conv_cuda(qkv, conv_state, weight, hk, dk)
+    out_all, s_all = run_recurrent_cuda(conv_all, beta, decay, state)
+    cs, s, outs = conv_state.clone(), state.clone(), []
+    for t in range(T):
+        conv_t = torch.empty(1, qkv.shape[1], device="cuda")
+        ops.gdn_conv(qkv[t : t + 1], cs, weight, hk, dk, conv_t)
+        out_t = torch.empty(1, hv, dv, device="cuda")
+        ops.gdn_recurrent(conv_t, beta[t : t + 1].contiguous(), decay[t : t + 1].contiguous(), s, out_t)
+        outs.append(out_t)
+    torch.testing.assert_close(cs, cs_all, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(outs), out_all, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s, s_all, rtol=0, atol=1e-6)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_back_to_back_recurrent_on_one_state(pdl, monkeypatch):
+    """T calls of one token launched back to back on the SAME state, nothing in between, eagerly and in a
+    captured graph: with programmatic dependent launch each call must still see the previous call's
+    state (the kernels load nothing before griddepcontrol.wait). Equals one call of T tokens."""
+    monkeypatch.setenv("QWEN38_PDL", pdl)
+    hk, hv, dk, dv = SHAPE_27B
+    T = 8
+    qkv, beta, decay, state = [x.cuda() for x in make_recurrent_inputs(T, hk, hv, dk, dv, seed=6)]
+    out_all, s_all = run_recurrent_cuda(qkv, beta, decay, state)
+    beta_t = [beta[t : t + 1].contiguous() for t in range(T)]
+    decay_t = [decay[t : t + 1].contiguous() for t in range(T)]
+    s = state.clone()
+    outs = [torch.empty(1, hv, dv, device="cuda") for _ in range(T)]
+
+    def steps():
+        for t in range(T):
+            ops.gdn_recurrent(qkv[t : t + 1], beta_t[t], decay_t[t], s, outs[t])
+
+    steps()
+    torch.testing.assert_close(torch.cat(outs), out_all, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s, s_all, rtol=0, atol=1e-6)
+    eager = [o.clone() for o in outs] + [s.clone()]
+    graph = torch.cuda.CUDAGraph()
+    s.copy_(state)
+    with torch.cuda.graph(graph):
+        steps()
+    s.copy_(state)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs + [s], eager):
+        assert torch.equal(got, want)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_deterministic_and_graph_replay_bitwise(pdl, monkeypatch):
+    """Two eager runs give the same bits, and a captured CUDA graph replays exactly like eager (with and
+    without programmatic dependent launch)."""
+    monkeypatch.setenv("QWEN38_PDL", pdl)
+    hk, hv, dk, dv = SHAPE_27B
+    T = 1
+    qkv, conv_state, weight = [x.cuda() for x in make_conv_inputs(T, hk, hv, dk, dv, seed=8)]
+    ba, a_neg, dt_bias = [x.cuda() for x in make_gate_inputs(T, hv, seed=8)]
+    _, _, _, state = [x.cuda() for x in make_recurrent_inputs(T, hk, hv, dk, dv, seed=8)]
+
+    bufs = dict(conv_state=conv_state.clone(), state=state.clone(), conv=torch.empty_like(qkv),
+                beta=torch.empty(T, hv, device="cuda"), decay=torch.empty(T, hv, device="cuda"),
+                out=torch.empty(T, hv, dv, device="cuda"))
+
+    def step():
+        ops.gdn_conv(qkv, bufs["conv_state"], weight, hk, dk, bufs["conv"])
+        ops.gdn_gates(ba, a_neg, dt_bias, bufs["beta"], bufs["decay"])
+        ops.gdn_recurrent(bufs["conv"], bufs["beta"], bufs["decay"], bufs["state"], bufs["out"])
+
+    def reset():
+        bufs["conv_state"].copy_(conv_state)
+        bufs["state"].copy_(state)
+        for k in ("conv", "beta", "decay", "out"):
+            bufs[k].fill_(float("nan"))
+
+    results = []
+    for _ in range(2):
+        reset()
+        step()
+        results.append({k: v.clone() for k, v in bufs.items()})
+    for k in bufs:
+        assert torch.equal(results[0][k], results[1][k]), k
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        reset()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    reset()
+    graph.replay()
+    torch.cuda.synchronize()
+    for k in bufs:
+        assert torch.equal(bufs[k], results[0][k]), k
+
+
+@cuda
+@needs_gpu
+def test_opcheck_cuda():
+    hk, hv, dk, dv = SHAPE_ORACLE
+    T = 2
+    qkv, state, weight = make_conv_inputs(T, hk, hv, dk, dv, device="cuda")
+    torch.library.opcheck(ops.gdn_conv.default, (qkv, state, weight, hk, dk, torch.empty_like(qkv)))
+    ba, a_neg, dt_bias = make_gate_inputs(T, hv, device="cuda")
+    beta, decay = torch.empty(T, hv, device="cuda"), torch.empty(T, hv, device="cuda")
+    torch.library.opcheck(ops.gdn_gates.default, (ba, a_neg, dt_bias, beta, decay))
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda")
+    torch.library.opcheck(ops.gdn_recurrent.default, (qkv, beta, decay, state, torch.empty(T, hv, dv, device="cuda")))
+
+
+def check_bad_inputs():
+    """Every wrong argument raises a RuntimeError naming the op and the argument (run in a child
+    process by test_bad_inputs_raise)."""
+    hk, hv, dk, dv = SHAPE_ORACLE
+    T = 2
+    qkv, cstate, weight = make_conv_inputs(T, hk, hv, dk, dv, device="cuda")
+    out = torch.empty_like(qkv)
+    progress()
+    with pytest.raises(RuntimeError, match="gdn_conv: qkv must be Float"):
+        ops.gdn_conv(qkv.double(), cstate, weight, hk, dk, out)
+    progress()
+    with pytest.raises(RuntimeError, match="gdn_conv"):
+        ops.gdn_conv(qkv, cstate.cpu(), weight, hk, dk, out)
+    progress()
+    with pytest.raises(RuntimeError, match="conv_state must be"):
+        ops.gdn_conv(qkv, cstate[:2], weight, hk, dk, out)
+    progress()
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.gdn_conv(qkv, cstate, weight, hk, dk, out[:, :-1])
+    ba, a_neg, dt_bias = make_gate_inputs(T, hv, device="cuda")
+    progress()
+    with pytest.raises(RuntimeError, match="gdn_gates"):
+        ops.gdn_gates(ba, a_neg[:-1], dt_bias, torch.empty(T, hv, device="cuda"), torch.empty(T, hv, device="cuda"))
+    progress()
+    with pytest.raises(RuntimeError, match="beta and decay"):
+        ops.gdn_gates(ba, a_neg, dt_bias, torch.empty(T, hv, device="cuda", dtype=torch.float64),
+                      torch.empty(T, hv, device="cuda"))
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda")
+    out = torch.empty(T, hv, dv, device="cuda")
+    progress()
+    with pytest.raises(RuntimeError, match="state must be"):
+        ops.gdn_recurrent(qkv, beta, decay, state.double(), out)
+    progress()
+    with pytest.raises(RuntimeError, match="state must be contiguous"):
+        ops.gdn_recurrent(qkv, beta, decay, state.transpose(1, 2), out)
+    progress()
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        ops.gdn_recurrent(qkv[:, 1:], beta, decay, state, out)
+    progress()
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.gdn_recurrent(qkv, beta, decay, state, out.reshape(T, -1))
+    progress()
+    with pytest.raises(RuntimeError, match="gdn_recurrent"):
+        ops.gdn_recurrent(qkv, beta.cpu(), decay, state, out)
+
+
+def progress():
+    """Print the line of check_bad_inputs about to run: if the child crashes, its output names the call."""
+    import inspect
+    print("checking line", inspect.currentframe().f_back.f_lineno, flush=True)
+
+
+@cuda
+@needs_gpu
+def test_bad_inputs_raise():
+    """check_bad_inputs in a child process. Why a child: on the device image (torch 2.11+cu130, extension
+    built by /opt/gcc) a failed TORCH_CHECK whose message formats integers or sizes segfaulted the
+    process, in pytest and in a fresh child alike, while checks whose messages hold only names, dtypes
+    and devices raised normally, as did a torch-internal error (the control below). In a child a crash
+    fails only this test, and the output names the call."""
+    code = (
+        "import importlib.util, torch\n"
+        "try:\n"
+        "    torch.empty(2, device='cuda').view(3)\n"
+        "except RuntimeError:\n"
+        "    print('control: a torch-internal C++ error raised normally', flush=True)\n"
+        f"spec = importlib.util.spec_from_file_location('bad_inputs', {__file__!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "module.check_bad_inputs()\n"
+        "print('all bad inputs raised', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"

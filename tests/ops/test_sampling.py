@@ -1,0 +1,141 @@
+"""sampling family: argmax_advance.
+
+CPU (CI): opcheck; the reference against numpy's argmax (first maximal index, NaN first). CUDA (-m cuda):
+the kernel against the reference on random logits at odd sizes and the 27B vocabulary (248320), with
+planted ties (the lowest index must win), NaN (ranks above every number, as torch.argmax: the first NaN
+wins), all -inf, an unaligned view; position advances by one per call; a captured graph follows logits
+changed between replays; bad arguments raise. Exact: an index, no rounding.
+"""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from qwen38_ops.reference import sampling as ref
+
+ops = torch.ops.qwen38
+
+
+def test_opcheck_cpu():
+    logits = torch.randn(1000)
+    torch.library.opcheck(ops.argmax_advance.default,
+                          (logits, torch.zeros(1, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "nan", "neg_inf"])
+def test_reference_vs_numpy(case):
+    logits = torch.randn(777, generator=torch.Generator().manual_seed(0))
+    if case == "ties":
+        logits[[30, 400, 776]] = 10.0
+    elif case == "nan":
+        logits[[500, 90]] = float("nan")
+    elif case == "neg_inf":
+        logits.fill_(float("-inf"))
+    token, position = torch.zeros(1, dtype=torch.int32), torch.tensor([41], dtype=torch.int32)
+    ref.argmax_advance(logits, token, position)
+    assert token.item() == int(np.argmax(logits.numpy())) and position.item() == 42
+
+
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def run_in_child(function: str) -> None:
+    """Run this module's `function` in a fresh interpreter. On the device image a failed TORCH_CHECK that
+    streamed an integer into its message segfaulted the whole process (the bindings now pre-format every
+    number; see text() in csrc/cuda_bindings); in a child, a crash fails only the test that met it."""
+    code = ("import importlib.util\n"
+            f"spec = importlib.util.spec_from_file_location('child_checks', {__file__!r})\n"
+            "module = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(module)\n"
+            f"module.{function}()\n")
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+def expected_token(logits):
+    token, position = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    ref.argmax_advance(logits.cpu(), token, position)
+    return token.item()
+
+
+def run(logits, start_position=7):
+    token = torch.full((1,), -5, dtype=torch.int32, device=logits.device)
+    position = torch.tensor([start_position], dtype=torch.int32, device=logits.device)
+    ops.argmax_advance(logits, token, position)
+    assert position.item() == start_position + 1
+    return token.item()
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("V", [1, 2, 3, 5, 31, 1000, 4097, 65537, 248320, 248323])
+@pytest.mark.parametrize("case", ["random", "ties", "nan", "neg_inf", "unaligned"])
+def test_cuda_matches_reference(V, case):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("qwen38::argmax_advance", "CUDA")
+    g = torch.Generator().manual_seed(V)
+    buf = torch.randn(V + 3, generator=g)
+    logits = buf[:V]
+    if case == "unaligned":
+        logits = buf[3:3 + V]  # 12 bytes past a 16-byte boundary
+    elif case == "ties" and V > 2:
+        idx = torch.randperm(V, generator=g)[:3]
+        logits[idx] = logits.max() + 1.0
+    elif case == "nan":
+        idx = torch.randperm(V, generator=g)[:2]
+        logits[idx] = float("nan")
+    elif case == "neg_inf":
+        logits.fill_(float("-inf"))
+    cuda_buf = buf.cuda()
+    cuda_logits = cuda_buf[3:3 + V] if case == "unaligned" else cuda_buf[:V]
+    assert run(cuda_logits) == expected_token(logits)
+
+
+@cuda
+@needs_gpu
+def test_cuda_graph_follows_new_logits():
+    V = 248320
+    logits = torch.randn(V, device="cuda")
+    token = torch.zeros(1, dtype=torch.int32, device="cuda")
+    position = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.argmax_advance(logits, token, position)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.argmax_advance(logits, token, position)
+    for step, winner in enumerate([5, 248319, 0, 123456]):
+        logits[winner] = 100.0 + step
+        graph.replay()
+        torch.cuda.synchronize()
+        assert token.item() == winner
+    assert position.item() == 5
+
+
+def check_bad_arguments():
+    """Every wrong argument raises a RuntimeError naming it (run in a child by the test below)."""
+    logits = torch.randn(100, device="cuda")
+    token = torch.zeros(1, dtype=torch.int32, device="cuda")
+    position = torch.zeros(1, dtype=torch.int32, device="cuda")
+    logits_f64, token_long, position_cpu = logits.double(), token.long(), position.cpu()
+    token_two = torch.zeros(2, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="logits must be"):
+        ops.argmax_advance(logits_f64, token, position)
+    with pytest.raises(RuntimeError, match="token must be"):
+        ops.argmax_advance(logits, token_long, position)
+    with pytest.raises(RuntimeError, match="position is on"):
+        ops.argmax_advance(logits, token, position_cpu)
+    with pytest.raises(RuntimeError, match="token must hold one value"):
+        ops.argmax_advance(logits, token_two, position)
+
+
+@cuda
+@needs_gpu
+def test_cuda_bad_arguments_raise():
+    run_in_child("check_bad_arguments")
