@@ -79,14 +79,14 @@ class DecodeEngine:
             self.graphs[cfg] = graph
         return self.graphs[cfg]
 
-    def reset(self, prompt: torch.Tensor, seed: int) -> None:
+    def reset(self, prompt: torch.Tensor, seed: int, cfg: SamplingConfig) -> None:
         for layer in self.state.layers:
             if isinstance(layer, GDNState):
                 layer.conv.zero_()
                 layer.recurrent.zero_()
         # KV rows need no clearing: attention reads rows 0..position, each written before it is read.
         self.state.position = 0
-        self.sampler.reset(prompt, seed)
+        self.sampler.reset(prompt, seed, cfg.eos_token_ids)
 
     def prefill(self, prompt: torch.Tensor, cfg: SamplingConfig) -> None:
         """All prompt tokens in one forward (every op takes T tokens), then the first new token from the
@@ -160,7 +160,7 @@ def run_generation(engine: DecodeEngine, prompt: torch.Tensor, cfg: SamplingConf
     else:
         def replay():
             engine.step(cfg)
-    engine.reset(prompt, seed)
+    engine.reset(prompt, seed, cfg)
     on_gpu = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     host = torch.empty(max_new_tokens, dtype=torch.int32, pin_memory=on_gpu)

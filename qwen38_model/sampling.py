@@ -49,20 +49,25 @@ class SamplerState:
 
     seen: torch.Tensor  # bool [V]: prompt + generated tokens (repetition penalty)
     generated: torch.Tensor  # bool [V]: generated tokens (presence penalty)
+    eos: torch.Tensor  # bool [V]: the stop tokens min_new_tokens holds back
     num_generated: torch.Tensor  # int32 [1]
     seed: torch.Tensor  # int64 [1]
 
     @staticmethod
     def empty(vocab_size: int, device) -> "SamplerState":
-        return SamplerState(torch.zeros(vocab_size, dtype=torch.bool, device=device),
-                            torch.zeros(vocab_size, dtype=torch.bool, device=device),
-                            torch.zeros(1, dtype=torch.int32, device=device),
+        def mask():
+            return torch.zeros(vocab_size, dtype=torch.bool, device=device)
+
+        return SamplerState(mask(), mask(), mask(), torch.zeros(1, dtype=torch.int32, device=device),
                             torch.zeros(1, dtype=torch.int64, device=device))
 
-    def reset(self, prompt: torch.Tensor, seed: int) -> None:
+    def reset(self, prompt: torch.Tensor, seed: int, eos_token_ids=()) -> None:
+        """Host-to-device writes happen here, outside the captured step (a capture may not copy from host)."""
         self.seen.zero_()
         self.seen[prompt.long()] = True
         self.generated.zero_()
+        self.eos.zero_()
+        self.eos[list(eos_token_ids)] = True
         self.num_generated.zero_()
         self.seed.fill_(seed & MASK32)
 
@@ -76,9 +81,7 @@ def process_logits(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig) -
     if cfg.presence_penalty != 0.0:
         scores = scores - cfg.presence_penalty * s.generated.to(scores.dtype)
     if cfg.min_new_tokens > 0 and cfg.eos_token_ids:
-        eos = torch.zeros_like(s.seen)
-        eos[list(cfg.eos_token_ids)] = True
-        scores = scores.masked_fill(eos & (s.num_generated < cfg.min_new_tokens), float("-inf"))
+        scores = scores.masked_fill(s.eos & (s.num_generated < cfg.min_new_tokens), float("-inf"))
     if not cfg.do_sample:
         return scores
     if cfg.temperature != 1.0:
@@ -90,7 +93,7 @@ def process_logits(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig) -
         sorted_scores, order = torch.sort(scores)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop_sorted = cumulative <= 1 - cfg.top_p
-        drop_sorted[-1] = False  # the most likely token always stays
+        drop_sorted[-1:].fill_(False)  # the most likely token always stays
         scores = scores.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
     if cfg.min_p > 0.0:
         # transformers sorts to keep at least one token; the most likely one can never fall under

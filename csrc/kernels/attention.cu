@@ -36,9 +36,9 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 //
 // RoPE angles are formed exactly as HF forms them in float32: inv_freq = 1 / theta^(2i/rotary_dim)
 // (each step rounded to float32), angle = float(pos) * inv_freq rounded to float32, cos/sin of that
-// float. The extension builds with --use_fast_math, whose powf/sinf/cosf are approximations that lose
-// about pos * 1e-7 rad in the angle (0.003 rad at 32k); so the power and the cos/sin go through double
-// precision and are rounded once to float, which matches torch's float32 results to an ulp.
+// float. Fast-math powf/sinf/cosf would lose about pos * 1e-7 rad in the angle (0.003 rad at 32k); the
+// power and the cos/sin go through double precision and are rounded once to float, which matches
+// torch's float32 results to an ulp whatever the build flags.
 template <typename CacheT>
 __global__ void qk_norm_rope_store_kernel(const float* __restrict__ qgkv, int64_t qgkv_row_stride,
                                           const float* __restrict__ q_norm, const float* __restrict__ k_norm,
@@ -64,7 +64,7 @@ __global__ void qk_norm_rope_store_kernel(const float* __restrict__ qgkv, int64_
   float total = 0.0f;
   for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += warp_sums[w];
   const float weight = active ? (is_query ? q_norm[d] : k_norm[d]) : 0.0f;
-  float y = x * rsqrtf(total / (float)head_dim + eps) * weight;
+  float y = x * (1.0f / sqrtf(total / (float)head_dim + eps)) * weight;
   if (active) normed[d] = y;
   __syncthreads();
 
@@ -530,7 +530,7 @@ __global__ void attn_output_gate_kernel(const float* __restrict__ attn, const fl
   const int t = (int)(i / width), c = (int)(i - (int64_t)t * width);
   const int head = c / head_dim, d = c - head * head_dim;
   const float gate = qgkv[t * qgkv_row_stride + (int64_t)head * 2 * head_dim + head_dim + d];
-  const float y = attn[i] * (1.0f / (1.0f + __expf(-gate)));
+  const float y = attn[i] * (1.0f / (1.0f + expf(-gate)));
   out[t * out_row_stride + c] = y;
   if constexpr (kLane != GateLane::kFloat) {
     const float amax = quant_block_amax<32>(fabsf(y));

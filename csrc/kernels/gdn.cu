@@ -22,7 +22,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 // ---------------------------------------------------------------------------------------------------
 // Programmatic dependent launch (Hopper). In a captured decode graph consecutive kernels are separated by
@@ -124,7 +124,7 @@ __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_s
       __syncthreads();
       float total = 0.0f;
       for (int w = 0; w < num_warps; ++w) total += warp_sums[t & 1][w];
-      y *= rsqrtf(total + kL2NormEps);
+      y *= 1.0f / sqrtf(total + kL2NormEps);
     }
     if (active) out[t * out_row_stride + channel] = y;
   }
@@ -146,10 +146,10 @@ __global__ void gdn_gates_kernel(const float* __restrict__ ba, int64_t ba_row_st
   const int t = i / num_v_heads, h = i - t * num_v_heads;
   const float b = ba[t * ba_row_stride + h];
   const float a = ba[t * ba_row_stride + num_v_heads + h];
-  beta[i] = 1.0f / (1.0f + __expf(-b));
+  beta[i] = 1.0f / (1.0f + expf(-b));
   const float x = a + dt_bias[h];
-  const float softplus = x > 20.0f ? x : log1pf(__expf(x));
-  decay[i] = __expf(a_neg[h] * softplus);
+  const float softplus = x > 20.0f ? x : log1pf(expf(x));
+  decay[i] = expf(a_neg[h] * softplus);
 }
 
 // ---------------------------------------------------------------------------------------------------

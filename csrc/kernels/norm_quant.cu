@@ -39,7 +39,7 @@ template <Producer OP>
 constexpr bool kNormalises =
     OP == Producer::RmsNorm || OP == Producer::AddRmsNorm || OP == Producer::GatedRmsNorm;
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
 __device__ __forceinline__ void prefetch_l1(const float* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kRowScope<OP> ? 1024 : 32 * kWarpScopeWarps)
       const int warps = blockDim.x >> 5;
       for (int w = 0; w < warps; ++w) ss += warp_sums[w];  // index order: every thread gets the same bits
     }
-    const float scale = rsqrtf(__fdiv_rn(ss, static_cast<float>(seg_len)) + a.eps);
+    // 1/sqrt rounded twice, as ggml computes it (rsqrtf is a 2-ulp approximation).
+    const float scale = 1.0f / sqrtf(__fdiv_rn(ss, static_cast<float>(seg_len)) + a.eps);
 #pragma unroll
     for (int i = 0; i < kHeld; ++i) {
       const int e = seg_start + 4 * (g + group_size * i);

@@ -2,9 +2,9 @@
 // attention's output gate, ...): ggml's int8 lane and the two-word int8 lane, per 32-value block, exactly
 // as csrc/bindings.cpp and qwen38_ops/reference/norm_quant.py define them.
 //
-// Every rounding step is spelled with an explicit _rn intrinsic: the extension builds with
-// --use_fast_math, under which `a / b` and `1.0f / d` become approximate and `x * y + z` may contract to
-// an FMA, and a one-ulp difference in d or 1/d flips the rounding of some q against the reference.
+// Every rounding step is spelled with an explicit _rn intrinsic, so it stays exact whatever the build
+// flags (a fast-math build makes `a / b` and `1.0f / d` approximate, and nvcc contracts `x * y + z` into
+// an FMA by default): a one-ulp difference in d or 1/d flips the rounding of some q against the reference.
 // roundf (half away from zero) is ggml's rounding, not __float2int_rn (half to even).
 #pragma once
 #include <cstdint>

@@ -68,7 +68,7 @@ def test_prefill_then_decode_equals_forward_on_gpu(oracle_dir, prompt, lane):
 
 
 def step_logits(engine: DecodeEngine, prompt, cfg, steps: int, replay):
-    engine.reset(prompt, seed=7)
+    engine.reset(prompt, 7, cfg)
     engine.prefill(prompt, cfg)
     out = []
     for _ in range(steps):

@@ -104,7 +104,7 @@ def test_processors_match_transformers(setting):
         prompt = torch.randint(0, vocab, (6,), generator=g)
         generated = torch.randint(0, vocab, (trial,), generator=g)
         state = SamplerState.empty(vocab, "cpu")
-        state.reset(prompt, seed=0)
+        state.reset(prompt, 0, cfg.eos_token_ids)
         state.seen[generated] = True
         state.generated[generated] = True
         state.num_generated.fill_(trial)

@@ -236,7 +236,7 @@ def test_cuda_strided_rows():
     x_buf, w = randn(T, D + 64, seed=1).cuda(), randn(D, seed=2).cuda()
     x = x_buf[:, 64:]
     out = torch.empty(T, D + 32, device="cuda")[:, :D]
-    q = (torch.empty(T, D + 64, dtype=torch.int8, device="cuda")[:, 32:],
+    q = (torch.empty(T, D + 64, dtype=torch.int8, device="cuda")[:, 32 : 32 + D],
          torch.empty(T, D + 64, dtype=torch.int8, device="cuda")[:, :D],
          torch.empty(T, D // 32 + 3, device="cuda")[:, 1:1 + D // 32])
     ops.rms_norm(x, w, EPS, out, *q)
