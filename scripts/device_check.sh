@@ -4,7 +4,8 @@
 # [".whl", ".oracle"] (scripts/prepare_device.sh fills both here; the device has no network and does not
 # see ../shared):
 #   bash scripts/device_check.sh [-k PYTEST_EXPR] [BENCH_MODULE ...]
-# e.g. bash scripts/device_check.sh -k gemv benchmarks.ops.bench_q8_gemv
+# e.g. QWEN38_COMMIT=1a2b3c4 bash scripts/device_check.sh -k gemv benchmarks.ops.bench_q8_gemv
+# (the device copy of the tree has no .git: QWEN38_COMMIT, the hash of the commit sent, names it in logs and results)
 # At most 8 files come back from $OUT: build.log, tests.log, bench.log, benchmarks.json.
 set -uo pipefail
 OUT=${OUT:-$PWD/.device_out}
@@ -18,7 +19,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1 QWEN38_ORACLE=$PWD/.oracle/mini
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/build.log"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/build.log"
+echo "commit ${QWEN38_COMMIT:-unknown}" | tee -a "$OUT/build.log"
 start=$(date +%s)
 if ! python3 setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; then
   grep -E "error|Error" "$OUT/build.log" | head -40; exit 1

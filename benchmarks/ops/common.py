@@ -22,12 +22,14 @@ _REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def env_info() -> dict:
-    """GPU, torch, CUDA, git commit and date of this run (goes into every benchmark JSON)."""
+    """GPU, torch, CUDA, git commit and date of this run (goes into every benchmark JSON). The device
+    machine gets a copy of the tree without .git, so the commit comes from QWEN38_COMMIT there."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
+                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+        commit = ""
+    commit = commit or os.environ.get("QWEN38_COMMIT", "unknown")
     info = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -22,12 +22,18 @@
 //
 // Lanes of a piece: lane l holds chunk c = 32p + l, bytes [16c, 16c + 16) = half of the 32-weight block c/2.
 // The int8 lanes need the EXACT int32 sum of a block (ggml: sumi * (d_w * d_x)), so the two lanes of a block
-// add their dp4a halves with one shuffle and the even lane accumulates. K % 512 != 0: the last piece of a
+// add their dp4a halves with one shuffle and the even lane accumulates -- in double: sumi * d_w * d_x is
+// exact in double and so is the sum to ~1e-16, so `out` is the exact dot rounded once to float. With float
+// accumulation (this kernel's first form) the int8 model drifted from llama.cpp's logits at position 5 of
+// the oracle (a rounding flip in the next activation; median per-position rel L2 1.8e-2) where the exact
+// value stays within 7e-8 up to position 17 -- llama.cpp's own order is one of many float orders, and the
+// exact sum is the one closest to all of them. One DFMA per 32-weight block costs nothing at HBM speed. K % 512 != 0: the last piece of a
 // row is partial; lanes past the row end load nothing and add zero.
 #include "q8_gemv.h"
 
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 
 namespace qwen38 {
 namespace {
@@ -97,13 +103,14 @@ __global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a)
   const int my_pieces = pieces > part ? (pieces - part + SPLIT - 1) / SPLIT : 0;  // pieces part + SPLIT*j
   const int blocks_per_row = a.K >> 5;
 
+  using Acc = std::conditional_t<ACT == Q8Act::F32, float, double>;
   int4 w[PIECES][ROWS];
   float wd[PIECES][ROWS];
-  float acc[ROWS][TOKENS];
+  Acc acc[ROWS][TOKENS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
-    for (int t = 0; t < TOKENS; ++t) acc[r][t] = 0.f;
+    for (int t = 0; t < TOKENS; ++t) acc[r][t] = Acc(0);
 
   auto load_batch = [&](int j0) {
 #pragma unroll
@@ -162,13 +169,13 @@ __global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a)
             for (int r = 0; r < ROWS; ++r) {
               int hi = dot16_i8(w[u][r], xq);
               hi += __shfl_xor_sync(0xffffffffu, hi, 1);  // the block's other 16 weights
+              const double scale = static_cast<double>(wd[u][r]) * static_cast<double>(xd);  // exact
               if constexpr (ACT == Q8Act::Int8) {
-                acc[r][t] = fmaf(static_cast<float>(hi), wd[u][r] * xd, acc[r][t]);
+                acc[r][t] = fma(static_cast<double>(hi), scale, acc[r][t]);
               } else {
                 int lo = dot16_i8(w[u][r], xlo);
                 lo += __shfl_xor_sync(0xffffffffu, lo, 1);
-                acc[r][t] = fmaf(fmaf(static_cast<float>(lo), 1.0f / 127.0f, static_cast<float>(hi)),
-                                 wd[u][r] * xd, acc[r][t]);
+                acc[r][t] = fma(static_cast<double>(hi) + static_cast<double>(lo) / 127.0, scale, acc[r][t]);
               }
             }
           }
@@ -188,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a)
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int t = 0; t < TOKENS; ++t) {
-      float v = acc[r][t];
+      Acc v = acc[r][t];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
       acc[r][t] = v;
@@ -201,10 +208,10 @@ __global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a)
 #pragma unroll
         for (int t = 0; t < TOKENS; ++t)
           if (row0 + r < a.N && t0 + t < a.T)
-            a.out[static_cast<size_t>(t0 + t) * a.out_stride + row0 + r] = acc[r][t];
+            a.out[static_cast<size_t>(t0 + t) * a.out_stride + row0 + r] = static_cast<float>(acc[r][t]);
     }
   } else {
-    __shared__ float partial[kWarps][ROWS][TOKENS];
+    __shared__ Acc partial[kWarps][ROWS][TOKENS];
     if (lane == 0) {
 #pragma unroll
       for (int r = 0; r < ROWS; ++r)
@@ -217,11 +224,11 @@ __global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a)
       const int group = threadIdx.x / (ROWS * TOKENS);
       const int r = (threadIdx.x / TOKENS) % ROWS;
       const int t = threadIdx.x % TOKENS;
-      float v = partial[group * SPLIT][r][t];
+      Acc v = partial[group * SPLIT][r][t];
 #pragma unroll
       for (int s = 1; s < SPLIT; ++s) v += partial[group * SPLIT + s][r][t];  // fixed order: same bits every run
       const int row = blockIdx.x * kRowsPerBlock + group * ROWS + r;
-      if (row < a.N && t0 + t < a.T) a.out[static_cast<size_t>(t0 + t) * a.out_stride + row] = v;
+      if (row < a.N && t0 + t < a.T) a.out[static_cast<size_t>(t0 + t) * a.out_stride + row] = static_cast<float>(v);
     }
   }
 }
