@@ -104,6 +104,10 @@ __global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a)
   const int blocks_per_row = a.K >> 5;
 
   using Acc = std::conditional_t<ACT == Q8Act::F32, float, double>;
+  auto result = [](Acc v) {
+    if constexpr (ACT == Q8Act::Int8x2) return static_cast<float>(v / 127.0);
+    return static_cast<float>(v);
+  };
   int4 w[PIECES][ROWS];
   float wd[PIECES][ROWS];
   Acc acc[ROWS][TOKENS];
@@ -175,7 +179,9 @@ __global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a)
               } else {
                 int lo = dot16_i8(w[u][r], xlo);
                 lo += __shfl_xor_sync(0xffffffffu, lo, 1);
-                acc[r][t] = fma(static_cast<double>(hi) + static_cast<double>(lo) / 127.0, scale, acc[r][t]);
+                // 127 (hi + lo/127), exact in int32 (|.| < 2^27); the 1/127 is applied once at the end
+                // (a double division per block measured 67% -> 52% of the read probe at 16384 x 5120).
+                acc[r][t] = fma(static_cast<double>(127 * hi + lo), scale, acc[r][t]);
               }
             }
           }
@@ -208,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a)
 #pragma unroll
         for (int t = 0; t < TOKENS; ++t)
           if (row0 + r < a.N && t0 + t < a.T)
-            a.out[static_cast<size_t>(t0 + t) * a.out_stride + row0 + r] = static_cast<float>(acc[r][t]);
+            a.out[static_cast<size_t>(t0 + t) * a.out_stride + row0 + r] = result(acc[r][t]);
     }
   } else {
     __shared__ Acc partial[kWarps][ROWS][TOKENS];
@@ -228,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a)
 #pragma unroll
       for (int s = 1; s < SPLIT; ++s) v += partial[group * SPLIT + s][r][t];  // fixed order: same bits every run
       const int row = blockIdx.x * kRowsPerBlock + group * ROWS + r;
-      if (row < a.N && t0 + t < a.T) a.out[static_cast<size_t>(t0 + t) * a.out_stride + row] = static_cast<float>(v);
+      if (row < a.N && t0 + t < a.T) a.out[static_cast<size_t>(t0 + t) * a.out_stride + row] = result(v);
     }
   }
 }
