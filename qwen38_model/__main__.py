@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="dense-weight dtype")
     g.add_argument("--quantize", choices=["q8_0"], default=None, help="quantize dense weights at load")
-    g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="f32", help="Q8_0 activation lane")
+    g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32")
     g.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
     sub.add_parser("bench", help="decode benchmark at the 27B shape: benchmarks/decode.py (its own options)")

@@ -69,11 +69,13 @@ class Qwen38ForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path, device=None, dtype: torch.dtype | None = None,
-                        quantize: str | None = None, lane: str = "f32", progress=None) -> "Qwen38ForCausalLM":
+                        quantize: str | None = None, lane: str = "int8", progress=None) -> "Qwen38ForCausalLM":
         """path: a .gguf file or an HF folder. device: default CUDA when available. dtype: storage and
         compute dtype of dense large matrices (default float32 on CPU, bfloat16 on CUDA); activations,
         states and small weights are float32 always. quantize="q8_0": quantize dense matrices at load
-        exactly as llama.cpp's converter does. lane: activation lane of the Q8_0 GEMVs (f32, int8, int8x2).
+        exactly as llama.cpp's converter does. lane: activation lane of the Q8_0 GEMVs: "int8" (default:
+        llama.cpp's q8_0 activation rounding, the fastest), "int8x2" (two int8 words), "f32" (exact
+        dequantize-then-matmul); benchmarks/NOTES.md has the measurements behind the default.
         progress: optional callable(bytes_read, bytes_total), called as tensors arrive."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
