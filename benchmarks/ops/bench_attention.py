@@ -9,15 +9,13 @@ Run: python3 -m benchmarks.ops.bench_attention --json PATH
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
 import qwen38_ops  # noqa: F401
 from qwen38_ops.attention import workspace_numel
 
-from .common import env_info, print_table, read_probe_result, time_eager, time_graph, write_json
+from .common import env_info, parse_args_and_probe, print_table, time_eager, time_graph, write_json
 
 ops = torch.ops.qwen38
 
@@ -106,11 +104,7 @@ def bench_small_ops() -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write results here")
-    args = parser.parse_args()
-    probe = read_probe_result()
-    print(f"streaming-read probe: {probe['best_gbps']:.0f} GB/s")
+    args, probe = parse_args_and_probe(__doc__)
     rows = bench_attention(probe["best_gbps"])
     print_table(rows, ["op", "ctx", "us_per_layer", "gbps", "ratio_vs_read_probe"],
                 title=f"attention decode (T=1) at the 27B shape, rotating over {LAYERS} layers' caches (CUDA graph)")

@@ -11,7 +11,6 @@ Run: python3 -m benchmarks.ops.bench_gdn --json PATH
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 
@@ -20,7 +19,7 @@ import torch
 import qwen38_ops  # noqa: F401
 from qwen38_ops.reference import gdn as ref
 
-from .common import env_info, print_table, read_probe_result, time_eager, time_graph, write_json
+from .common import env_info, parse_args_and_probe, print_table, time_eager, time_graph, write_json
 
 ops = torch.ops.qwen38
 
@@ -120,11 +119,7 @@ def bench(probe_gbps: float) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write results here")
-    args = parser.parse_args()
-    probe = read_probe_result()
-    print(f"streaming-read probe: {probe['best_gbps']:.0f} GB/s")
+    args, probe = parse_args_and_probe(__doc__)
     rows = bench(probe["best_gbps"])
     print_table(rows, ["op", "T", "mode", "pdl", "us_per_layer", "gbps", "ratio_vs_read_probe"],
                 title=f"gdn at the 27B shape, rotating over {LAYERS} layers' states")

@@ -8,6 +8,7 @@ the kernels it is compared with.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -177,6 +178,17 @@ def read_probe_result() -> dict:
     """The full probe record (all grid shapes) for the JSON; measures it if not done yet."""
     read_probe_gbps()
     return _probe_cache
+
+
+def parse_args_and_probe(doc: str) -> tuple[argparse.Namespace, dict]:
+    """The command line of a benchmark with only --json (described by the first line of `doc`, the
+    module's docstring), then the streaming-read probe, measured and printed. Returns (args, probe record)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args()
+    probe = read_probe_result()
+    print(f"streaming-read probe: {probe['best_gbps']:.0f} GB/s")
+    return args, probe
 
 
 # ---- output -------------------------------------------------------------------------------------------

@@ -57,6 +57,21 @@ inline bool aligned(const at::Tensor& t, int64_t bytes) {
          (t.dim() < 2 || t.size(0) <= 1 || (t.stride(0) * t.element_size()) % bytes == 0);
 }
 
+// `name` is `dtype` [rows, width] with a contiguous last dimension (rows may be strided), each row starting
+// `align_bytes`-aligned; `why` says what needs the alignment. The device checks stay with the caller,
+// which names the argument the device must match.
+inline void check_row_layout(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
+                             int64_t rows, int64_t width, int64_t align_bytes, const char* why) {
+  TORCH_CHECK(t.scalar_type() == dtype, message(op, ": ", name, " must be ", dtype, ", found ", t.scalar_type()));
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1,
+              message(op, ": ", name, " must be 2-D [rows, n] with a contiguous last dimension, found sizes ",
+                      t.sizes(), " strides ", t.strides()));
+  TORCH_CHECK(t.size(0) == rows && t.size(1) == width,
+              message(op, ": ", name, " must be [", rows, ", ", width, "], found ", t.sizes()));
+  TORCH_CHECK(aligned(t, align_bytes), message(op, ": ", name, "'s rows must start ", align_bytes, "-byte aligned (",
+                                               why, "), found address ", t.data_ptr(), " row stride ", t.stride(0)));
+}
+
 inline void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), message(op, ": ", name, " must be contiguous (strides ", t.strides(), ")"));
 }

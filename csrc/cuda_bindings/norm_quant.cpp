@@ -15,22 +15,12 @@
 namespace qwen38 {
 namespace {
 
-
-
-
 // [rows, width] with a contiguous last dimension, `dtype`, on `device`, rows `align_bytes`-aligned.
 void check_rows(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t rows,
                 int64_t width, int64_t align_bytes, const at::Device& device) {
   QWEN38_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, found device ", t.device());
   QWEN38_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but the first argument is on ", device);
-  QWEN38_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", found ", t.scalar_type());
-  QWEN38_CHECK(t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
-              " must be 2-D [rows, n] with a contiguous last dimension, found sizes ", text(t.sizes()), " strides ",
-              text(t.strides()));
-  QWEN38_CHECK(t.size(0) == rows && t.size(1) == width, op, ": ", name, " must be [", text(rows), ", ", text(width),
-              "], found ", text(t.sizes()));
-  QWEN38_CHECK(aligned(t, align_bytes), op, ": ", name, "'s rows must start ", text(align_bytes),
-              "-byte aligned (vector accesses), found address ", text(t.data_ptr()), " row stride ", text(t.stride(0)));
+  check_row_layout(op, name, t, dtype, rows, width, align_bytes, "vector accesses");
 }
 
 void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t n, const at::Device& device) {

@@ -13,9 +13,6 @@
 namespace qwen38 {
 namespace {
 
-
-
-
 // weight_q int8 [N, K] + weight_d fp16 [N, K/32], both contiguous; fills N, K and the pointers.
 void check_weights(const char* op, const at::Tensor& weight_q, const at::Tensor& weight_d, Q8GemvArgs& a) {
   QWEN38_CHECK(weight_q.is_cuda(), op, ": weight_q must be a CUDA tensor, found device ", weight_q.device());
@@ -47,14 +44,7 @@ void check_rows(const char* op, const char* name, const at::Tensor& t, at::Scala
                 int64_t width, int64_t align_bytes, const at::Tensor& weight_q) {
   QWEN38_CHECK(t.device() == weight_q.device(), op, ": ", name, " is on ", t.device(), " but weight_q is on ",
               weight_q.device());
-  QWEN38_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", found ", t.scalar_type());
-  QWEN38_CHECK(t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
-              " must be 2-D [rows, n] with a contiguous last dimension, found sizes ", text(t.sizes()), " strides ",
-              text(t.strides()));
-  QWEN38_CHECK(t.size(0) == rows && t.size(1) == width, op, ": ", name, " must be [", text(rows), ", ", text(width),
-              "], found ", text(t.sizes()));
-  QWEN38_CHECK(aligned(t, align_bytes), op, ": ", name, "'s rows must start ", text(align_bytes),
-              "-byte aligned (vector loads), found address ", text(t.data_ptr()), " row stride ", text(t.stride(0)));
+  check_row_layout(op, name, t, dtype, rows, width, align_bytes, "vector loads");
 }
 
 void check_out(const char* op, const at::Tensor& out, Q8GemvArgs& a, const at::Tensor& weight_q) {

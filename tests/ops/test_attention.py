@@ -9,9 +9,6 @@ positions move; bad arguments raise.
 """
 import math
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -19,6 +16,9 @@ import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention import workspace_numel
 from qwen38_ops.reference import attention as ref
 from qwen38_ops.reference import norm_quant as ref_quant
+
+from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, cuda, needs_gpu, progress,
+                          rows_view, run_in_child)
 
 ops = torch.ops.qwen38
 
@@ -132,20 +132,7 @@ def test_output_gate_reference_vs_formula():
 # ---------------------------------------------------------------------------------------------------
 # CUDA: kernels against the reference.
 
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CACHE_DTYPES = [torch.float32, torch.bfloat16]
-
-
-def assert_cuda_kernel(name):
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"qwen38::{name}", "CUDA"), (
-        f"qwen38::{name} has no CUDA kernel in this build (the test would only run the reference)")
-
-
-def rows_view(x, pad=3):
-    wide = torch.full((x.shape[0], x.shape[1] + pad + 5), float("nan"), dtype=x.dtype, device=x.device)
-    wide[:, pad : pad + x.shape[1]] = x
-    return wide[:, pad : pad + x.shape[1]]
 
 
 def run_store_cuda(qgkv, q_norm, k_norm, positions, rd, k_cache, v_cache, hq):
@@ -302,14 +289,7 @@ def test_attention_graph_serves_every_position_bitwise():
     def step():
         ops.attention(q, k_cache, v_cache, positions, scale, out, workspace)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     for pos in (0, 31, 32, 1000, 8191, max_seq - 1):
         positions.fill_(pos)
         out.fill_(float("nan"))
@@ -348,14 +328,7 @@ def test_layer_graph_replay_bitwise(cache_dtype):
             bufs[name].fill_(float("nan"))
         bufs["out_q"].fill_(0x7F)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     positions.fill_(517)
     reset()
     step()
@@ -480,36 +453,12 @@ def check_bad_inputs():
         ops.attn_output_gate(out.cpu(), qgkv, torch.empty(T, width, device="cuda"), None, None, None)
 
 
-def progress():
-    """Print the line of check_bad_inputs about to run: if the child crashes, its output names the call."""
-    import inspect
-    print("checking line", inspect.currentframe().f_back.f_lineno, flush=True)
-
-
 @cuda
 @needs_gpu
 def test_bad_inputs_raise():
-    """check_bad_inputs in a child process. Why a child: on the device image (torch 2.11+cu130, extension
-    built by /opt/gcc) a failed TORCH_CHECK whose message formats integers or sizes segfaulted the
-    process, in pytest and in a fresh child alike, while checks whose messages hold only names, dtypes
-    and devices raised normally, as did a torch-internal error (the control below). In a child a crash
-    fails only this test, and the output names the call."""
-    code = (
-        "import importlib.util, torch\n"
-        "try:\n"
-        "    torch.empty(2, device='cuda').view(3)\n"
-        "except RuntimeError:\n"
-        "    print('control: a torch-internal C++ error raised normally', flush=True)\n"
-        f"spec = importlib.util.spec_from_file_location('bad_inputs', {__file__!r})\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(module)\n"
-        "module.check_bad_inputs()\n"
-        "print('all bad inputs raised', flush=True)\n"
-    )
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-
+    """check_bad_inputs in a child process (see cuda_helpers.run_in_child for why), after the control
+    TORCH_ERROR_CONTROL."""
+    run_in_child(__file__, "check_bad_inputs", preamble=TORCH_ERROR_CONTROL)
 
 
 def test_workspace_formula_matches_kernel_contract():

@@ -6,15 +6,14 @@ rounding freedom), outputs poisoned first, at odd widths and the 27B table [2483
 tokens give NaN rows; a captured graph replays bit for bit and follows a token changed on the device;
 bad arguments raise.
 """
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import embedding as ref
+
+from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
 
 ops = torch.ops.qwen38
 
@@ -46,24 +45,6 @@ def test_reference_vs_gguf_dequantize():
     table = torch.from_numpy(np.ascontiguousarray(
         gguf_quants.dequantize(blocks.reshape(V, -1), GGMLQuantizationType.Q8_0))).reshape(V, D)
     assert torch.equal(out, table[token.long()])
-
-
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def run_in_child(function: str) -> None:
-    """Run this module's `function` in a fresh interpreter. On the device image a failed TORCH_CHECK that
-    streamed an integer into its message segfaulted the whole process (the bindings now pre-format every
-    number; see text() in csrc/cuda_bindings); in a child, a crash fails only the test that met it."""
-    code = ("import importlib.util\n"
-            f"spec = importlib.util.spec_from_file_location('child_checks', {__file__!r})\n"
-            "module = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(module)\n"
-            f"module.{function}()\n")
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 
 def expected_rows(token, weight_q, weight_d):
@@ -106,15 +87,8 @@ def test_cuda_graph_replay_follows_device_token():
     weight_q, weight_d = make_table(V, D, device="cuda", seed=4)
     token = torch.tensor([17], dtype=torch.int32, device="cuda")
     out = torch.empty(1, D, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ops.q8_0_embedding(token, weight_q, weight_d, out)
-    torch.cuda.current_stream().wait_stream(side)
-    eager = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.q8_0_embedding(token, weight_q, weight_d, out)
+    graph = capture_graph(lambda: ops.q8_0_embedding(token, weight_q, weight_d, out))
+    eager = out.clone()  # the warm-up's rows: capturing launches nothing
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -147,4 +121,4 @@ def check_bad_arguments():
 @cuda
 @needs_gpu
 def test_cuda_bad_arguments_raise():
-    run_in_child("check_bad_arguments")
+    run_in_child(__file__, "check_bad_arguments")

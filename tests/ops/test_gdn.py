@@ -5,15 +5,15 @@ form of the delta rule on HF's [dk, dv] state layout). CUDA (-m cuda): every ker
 in float64 on the CPU, on random inputs, outputs poisoned first, at odd sizes and the 27B shapes; two runs
 give the same bits; a captured graph replays bit for bit like eager; bad arguments raise.
 """
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import gdn as ref
+
+from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, cuda, needs_gpu, progress,
+                          rows_view, run_in_child)
 
 ops = torch.ops.qwen38
 
@@ -126,21 +126,6 @@ def test_recurrent_reference_vs_closed_form(shape):
 
 # ---------------------------------------------------------------------------------------------------
 # CUDA: kernels against the float64 reference.
-
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def assert_cuda_kernel(name):
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"qwen38::{name}", "CUDA"), (
-        f"qwen38::{name} has no CUDA kernel in this build (the test would only run the reference)")
-
-
-def rows_view(x, pad=3):
-    """The same values as a row-strided view of a wider tensor whose rows start 16-byte misaligned."""
-    wide = torch.full((x.shape[0], x.shape[1] + pad + 5), float("nan"), dtype=x.dtype, device=x.device)
-    wide[:, pad : pad + x.shape[1]] = x
-    return wide[:, pad : pad + x.shape[1]]
 
 
 def run_conv_cuda(qkv, state, weight, hk, dk, out=None):
@@ -340,15 +325,8 @@ def test_deterministic_and_graph_replay_bitwise(pdl, monkeypatch):
     for k in bufs:
         assert torch.equal(results[0][k], results[1][k]), k
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        reset()
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    reset()
+    graph = capture_graph(step)
     reset()
     graph.replay()
     torch.cuda.synchronize()
@@ -416,32 +394,9 @@ def check_bad_inputs():
         ops.gdn_recurrent(qkv, beta.cpu(), decay, state, out)
 
 
-def progress():
-    """Print the line of check_bad_inputs about to run: if the child crashes, its output names the call."""
-    import inspect
-    print("checking line", inspect.currentframe().f_back.f_lineno, flush=True)
-
-
 @cuda
 @needs_gpu
 def test_bad_inputs_raise():
-    """check_bad_inputs in a child process. Why a child: on the device image (torch 2.11+cu130, extension
-    built by /opt/gcc) a failed TORCH_CHECK whose message formats integers or sizes segfaulted the
-    process, in pytest and in a fresh child alike, while checks whose messages hold only names, dtypes
-    and devices raised normally, as did a torch-internal error (the control below). In a child a crash
-    fails only this test, and the output names the call."""
-    code = (
-        "import importlib.util, torch\n"
-        "try:\n"
-        "    torch.empty(2, device='cuda').view(3)\n"
-        "except RuntimeError:\n"
-        "    print('control: a torch-internal C++ error raised normally', flush=True)\n"
-        f"spec = importlib.util.spec_from_file_location('bad_inputs', {__file__!r})\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(module)\n"
-        "module.check_bad_inputs()\n"
-        "print('all bad inputs raised', flush=True)\n"
-    )
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    """check_bad_inputs in a child process (see cuda_helpers.run_in_child for why), after the control
+    TORCH_ERROR_CONTROL."""
+    run_in_child(__file__, "check_bad_inputs", preamble=TORCH_ERROR_CONTROL)

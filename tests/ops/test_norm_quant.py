@@ -12,9 +12,6 @@ Error bounds: out within rtol 1e-5 (+ atol 1e-6 * max|ref|) of the float64 refer
 squares over <= 17408 values, an approximate rsqrt (2 ulp) and __expf in SiLU (~2 ulp), all << 1e-5;
 residual (add_rms_norm) and the quantized lanes exact.
 """
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -22,6 +19,8 @@ import torch.nn.functional as F
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import norm_quant as ref
+
+from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
 
 ops = torch.ops.qwen38
 EPS = 1e-6
@@ -120,22 +119,6 @@ def test_norm_references_vs_formulas(T, D):
 
 # ---- CUDA ---------------------------------------------------------------------------------------------
 
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def run_in_child(function: str) -> None:
-    """Run this module's `function` in a fresh interpreter. On the device image a failed TORCH_CHECK that
-    streamed an integer into its message segfaulted the whole process (the bindings now pre-format every
-    number; see text() in csrc/cuda_bindings); in a child, a crash fails only the test that met it."""
-    code = ("import importlib.util\n"
-            f"spec = importlib.util.spec_from_file_location('child_checks', {__file__!r})\n"
-            "module = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(module)\n"
-            f"module.{function}()\n")
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 NAMES = ("quantize_act", "rms_norm", "add_rms_norm", "silu_mul", "gated_rms_norm")
 
 
@@ -287,14 +270,7 @@ def test_cuda_deterministic_and_graph_replay_bitwise(pdl, monkeypatch):
     first, second = run_once(), run_once()
     for k in first:
         assert torch.equal(first[k], second[k]), f"{k}: two eager runs differ"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     b["res"].copy_(res0)
     for k, t in b.items():
         if k != "res":
@@ -340,4 +316,4 @@ def check_bad_arguments():
 @cuda
 @needs_gpu
 def test_cuda_bad_arguments_raise():
-    run_in_child("check_bad_arguments")
+    run_in_child(__file__, "check_bad_arguments")

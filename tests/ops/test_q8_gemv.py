@@ -11,15 +11,14 @@ Error bound (all lanes): |y - y_ref| <= 1e-5 * sum_k |w_k x_k| (+1e-30). The ker
 it accumulates -- K/512 <= 34 -- a 5-level shuffle tree and the <= 4-way split-K combine), i.e.
 <= 60 * 2^-24 = 3.6e-6 of the absolute sum.
 """
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import q8_gemv as ref
+
+from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
 
 ops = torch.ops.qwen38
 
@@ -111,23 +110,6 @@ def test_reference_vs_gguf_dequantize_matmul(lane, T, N, K):
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------------
-
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def run_in_child(function: str) -> None:
-    """Run this module's `function` in a fresh interpreter. On the device image a failed TORCH_CHECK that
-    streamed an integer into its message segfaulted the whole process (the bindings now pre-format every
-    number; see text() in csrc/cuda_bindings); in a child, a crash fails only the test that met it."""
-    code = ("import importlib.util\n"
-            f"spec = importlib.util.spec_from_file_location('child_checks', {__file__!r})\n"
-            "module = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(module)\n"
-            f"module.{function}()\n")
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 
 def assert_cuda_kernels():
@@ -251,14 +233,7 @@ def test_cuda_graph_replay_bitwise(lane, pdl, monkeypatch):
     step()
     torch.cuda.synchronize()
     assert torch.equal(mid, eager_mid) and torch.equal(out, eager_out), "two eager runs differ"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     mid.fill_(float("nan"))
     out.fill_(float("nan"))
     graph.replay()
@@ -303,4 +278,4 @@ def check_bad_arguments():
 @cuda
 @needs_gpu
 def test_cuda_bad_arguments_raise():
-    run_in_child("check_bad_arguments")
+    run_in_child(__file__, "check_bad_arguments")

@@ -6,15 +6,14 @@ planted ties (the lowest index must win), NaN (ranks above every number, as torc
 wins), all -inf, an unaligned view; position advances by one per call; a captured graph follows logits
 changed between replays; bad arguments raise. Exact: an index, no rounding.
 """
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import sampling as ref
+
+from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
 
 ops = torch.ops.qwen38
 
@@ -37,24 +36,6 @@ def test_reference_vs_numpy(case):
     token, position = torch.zeros(1, dtype=torch.int32), torch.tensor([41], dtype=torch.int32)
     ref.argmax_advance(logits, token, position)
     assert token.item() == int(np.argmax(logits.numpy())) and position.item() == 42
-
-
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def run_in_child(function: str) -> None:
-    """Run this module's `function` in a fresh interpreter. On the device image a failed TORCH_CHECK that
-    streamed an integer into its message segfaulted the whole process (the bindings now pre-format every
-    number; see text() in csrc/cuda_bindings); in a child, a crash fails only the test that met it."""
-    code = ("import importlib.util\n"
-            f"spec = importlib.util.spec_from_file_location('child_checks', {__file__!r})\n"
-            "module = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(module)\n"
-            f"module.{function}()\n")
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 
 def expected_token(logits):
@@ -102,14 +83,7 @@ def test_cuda_graph_follows_new_logits():
     logits = torch.randn(V, device="cuda")
     token = torch.zeros(1, dtype=torch.int32, device="cuda")
     position = torch.zeros(1, dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ops.argmax_advance(logits, token, position)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.argmax_advance(logits, token, position)
+    graph = capture_graph(lambda: ops.argmax_advance(logits, token, position))
     for step, winner in enumerate([5, 248319, 0, 123456]):
         logits[winner] = 100.0 + step
         graph.replay()
@@ -138,4 +112,4 @@ def check_bad_arguments():
 @cuda
 @needs_gpu
 def test_cuda_bad_arguments_raise():
-    run_in_child("check_bad_arguments")
+    run_in_child(__file__, "check_bad_arguments")
