@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.ops.common import env_info, print_table, read_probe_result, write_json
 from qwen38_model import Qwen38Config, Qwen38ForCausalLM
@@ -27,7 +26,7 @@ from qwen38_model.config import ATTENTION, GDN
 from qwen38_model.generation import DecodeEngine
 from qwen38_model.layers import GatedAttention, GatedDeltaNet, Linear, MLP
 from qwen38_model.sampling import SamplingConfig
-from qwen38_model.state import GDNState, KVCache
+from qwen38_model.state import KVCache
 
 QWEN38_27B = Qwen38Config(
     vocab_size=248320, hidden_size=5120, intermediate_size=17408,

@@ -42,7 +42,6 @@ class Qwen38ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.lane = check_lane(lane)
-        self.checkpoint_path = checkpoint.path
 
         def load(part, layer=None):
             return checkpoint.load(part, layer, device, dtype, quantize)

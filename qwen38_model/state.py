@@ -26,6 +26,7 @@ class Qwen38State:
         if kv_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_dtype must be torch.float32 or torch.bfloat16, found {kv_dtype}")
         self.max_seq_len = max_seq_len
+        self.device = torch.device(device)
         self.position = 0  # tokens already in the state
         self.layers: list[KVCache | GDNState] = []
         c = config
@@ -46,7 +47,6 @@ class Qwen38State:
         if self.position + num_tokens > self.max_seq_len:
             raise ValueError(f"context overflow: {self.position} tokens in the state + {num_tokens} new > "
                              f"max_seq_len {self.max_seq_len}")
-        device = self.layers[0].k.device if isinstance(self.layers[0], KVCache) else self.layers[0].conv.device
-        positions = torch.arange(self.position, self.position + num_tokens, dtype=torch.int32, device=device)
+        positions = torch.arange(self.position, self.position + num_tokens, dtype=torch.int32, device=self.device)
         self.position += num_tokens
         return positions

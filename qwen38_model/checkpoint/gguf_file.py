@@ -2,6 +2,8 @@
 tensor's bytes read on demand, one at a time (tensors.read_bytes)."""
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import torch
@@ -58,7 +60,7 @@ class GGUFCheckpoint:
         self.config = Qwen38Config.from_gguf_metadata(self.metadata, vocab_size=vocab, source=self.path)
         if "output.weight" not in self._tensors:
             # A GGUF without output.weight ties the head to the embedding (llama.cpp's fallback).
-            self.config = _replace(self.config, tie_word_embeddings=True)
+            self.config = dataclasses.replace(self.config, tie_word_embeddings=True)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -96,9 +98,3 @@ class GGUFCheckpoint:
             return self._tensors[name]
         except KeyError:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}") from None
-
-
-def _replace(config: Qwen38Config, **changes) -> Qwen38Config:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)

@@ -26,7 +26,7 @@ SMALL_PARTS = {"attn_norm", "post_attention_norm", "ssm_conv1d", "ssm_dt", "ssm_
 def gguf_tensor_name(part: str, layer: int | None) -> str:
     if layer is None:
         return f"{part}.weight"
-    if part in ("ssm_a",):
+    if part == "ssm_a":
         return f"blk.{layer}.ssm_a"
     if part == "ssm_dt":
         return f"blk.{layer}.ssm_dt.bias"
