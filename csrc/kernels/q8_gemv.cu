@@ -262,14 +262,16 @@ cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream
 
 }  // namespace
 
-// Chosen from the config sweep of benchmarks/ops/bench_q8_gemv.py on the H200 (2026-11-29, PDL on):
-// N > 8192: 4 pieces x 2 rows per warp was the fastest config in every lane (int8 76-97% of the read probe);
-// N <= 8192 (the 5120-row output projections): 4 warps sharing a row's K range (int8 60.5% / 68.9% at
-// K = 6144 / 17408, against 50% / 60% for 8 pieces x 1 row); the f32 lane keeps 2 rows per warp (it is
-// bound by activation loads and float math, and 2 rows halve the activation loads per weight).
+// Chosen from the config sweep of benchmarks/ops/bench_q8_gemv.py on the H200 (2026-11-29, PDL on, commit
+// 3a455de, after the int lanes moved to double accumulation):
+// N > 8192: 2 pieces x 4 rows per warp was the fastest in every lane (int8 72-98%, int8x2 63-94%, f32 60-78%
+// of the read probe, against 70-96 / 60-89 / 47-65% for the 4 x 2 chosen before the switch to double);
+// N <= 8192 (the 5120-row output projections): int lanes: 4 warps sharing a row's K range (int8 56% / 66% at
+// K = 6144 / 17408); f32: 4 pieces x 2 rows (bound by activation loads and float math).
 Q8GemvConfig q8_0_gemv_default_config(Q8Act act, int N, int K, int T) {
   (void)K, (void)T;
-  if (act != Q8Act::F32 && N <= 8192) return Q8GemvConfig{4, 4, 1};
+  if (N > 8192) return Q8GemvConfig{2, 1, 4};
+  if (act != Q8Act::F32) return Q8GemvConfig{4, 4, 1};
   return Q8GemvConfig{4, 1, 2};
 }
 
