@@ -1,9 +1,9 @@
 """torch.ops.qwen38.*: the decode-step ops of Qwen3.8 (qwen35) as PyTorch custom ops.
 
 Call them as torch.ops.qwen38.<op>(..., outputs) with the outputs passed in (graph capture needs fixed
-buffers); each family module here says what its ops compute. Schemas live in csrc/bindings.cpp; CUDA kernels register for the CUDA dispatch key when the extension
-was built with CUDA; the plain-PyTorch references in qwen38_ops.reference register under
-CompositeExplicitAutograd so every op runs anywhere.
+buffers); each family module here says what its ops compute. Schemas live in csrc/bindings.cpp; CUDA
+kernels register for the CUDA dispatch key when the extension was built with CUDA; the plain-PyTorch
+references in qwen38_ops.reference register under CompositeExplicitAutograd so every op runs anywhere.
 """
 import functools
 import warnings
