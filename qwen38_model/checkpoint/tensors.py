@@ -25,8 +25,9 @@ class Q8Tensor:
         return self.q.shape
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        blocks = self.q.to(dtype).reshape(*self.d.shape, Q8_BLOCK) * self.d.to(dtype)[..., None]
-        return blocks.reshape(self.q.shape)
+        from qwen38_ops.reference.q8_gemv import dequantize_q8_0
+
+        return dequantize_q8_0(self.q, self.d, dtype)
 
     @staticmethod
     def from_ggml_bytes(raw: torch.Tensor, shape: tuple[int, int]) -> "Q8Tensor":
