@@ -1,0 +1,410 @@
+// Causal flash-attention prefill (FlashAttention-2 style) over the KV cache, on tensor cores.
+//
+// One block serves 64 query ROWS of one kv head, a row being a (token, query head of the group) pair in
+// token-major order: row i is token i / G, query head kv_head * G + i % G (G = Hq / Hkv). All query heads
+// of a group share the block, so each K/V tile is read once for the group (6 heads a kv head at 27B) and a
+// block spans only 64 / G tokens, which keeps the masked part of the causal diagonal small. Any G works.
+//
+// Positions live on the device and need not be consecutive: each row masks by its own position, and the
+// block walks KV tiles up to the largest context among its rows. Tiles past a row's position cost that row
+// nothing but time; cache rows past the block's largest context are never read (zero-filled instead), so
+// unwritten cache rows (NaN poison in the tests) cannot leak into p * v.
+//
+// Each of the 4 warps owns 16 rows: one m16n8k16 row block. Per KV tile of kBlockN rows:
+//   S = Q K^T          (Q from shared memory by ldmatrix, K by ldmatrix: B[k=dim][n=kv row] = K[n][k])
+//   online softmax     (fp32, log2 units: q is pre-scaled by scale * log2(e), so every exponential is ex2)
+//   O += P V           (P re-packed from S's accumulator layout, V by ldmatrix.trans)
+// O stays in registers (16 x hd floats a warp: 128 a thread at hd = 256), and S for one tile (kBlockN / 2
+// a thread). K and V have one shared-memory buffer each: V(j) streams in while S = Q K(j)^T is formed, and
+// K(j+1) while O += P V(j) (FlashAttention-2's schedule; half the shared memory of a ring of K|V stages).
+//
+// Precision lanes, by cache dtype:
+// - bfloat16: q and p rounded to bf16 for the MMAs (flash-attention's usual precision), fp32 accumulate.
+// - float32 (the exactness lane): every operand is split x = hi + lo, hi = bf16(x), lo = bf16(x - hi)
+//   (|x - hi - lo| <= 2^-16 |x|), and a product is hi*hi + hi*lo + lo*hi (the dropped lo*lo is <= 2^-16 of
+//   it): three MMAs, ~1e-5 relative. The float32 tile lands raw (cp.async) in a staging buffer and is split
+//   once per block into bf16 hi and lo planes, so the MMA loop is the bf16 loop run on two planes.
+//
+// Shared memory rows are padded by 16 bytes (hd + 8 bf16): the 8 row addresses of an ldmatrix then fall
+// on 8 distinct groups of 4 banks for every supported hd.
+#include "attention_prefill.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace qwen38 {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kBlockM = kAttentionPrefillRows;
+constexpr int kWarps = kBlockM / 16;  // one m16 row block per warp
+constexpr int kThreads = kWarps * 32;
+
+template <typename CacheT, int kHeadDim>
+struct PrefillTile {
+  static constexpr bool kSplit = sizeof(CacheT) == 4;  // float32 cache: bf16 hi + lo planes
+  static constexpr int kPlanes = kSplit ? 2 : 1;
+  // KV rows per tile. Shared memory at hd = 256: bf16 Q + K + V planes 99 KB (two blocks an SM); float32
+  // with 32-row tiles: Q 66 KB + K, V 33 KB each + raw staging 32 KB = 164 KB (one block an SM).
+  static constexpr int kBlockN = kSplit && kHeadDim > 128 ? 32 : 64;
+  static constexpr int kStride = kHeadDim + 8;  // bf16 elements per shared-memory row (16-byte pad)
+  static constexpr int kQPlane = kBlockM * kStride;
+  static constexpr int kKVPlane = kBlockN * kStride;
+  static constexpr int kRawBytes = kSplit ? kBlockN * kHeadDim * (int)sizeof(float) : 0;
+  static constexpr int kSmemBytes = (kPlanes * (kQPlane + 2 * kKVPlane)) * (int)sizeof(__nv_bfloat16) + kRawBytes;
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "MMA tiles are 16 deep");
+};
+
+__device__ __forceinline__ int context_length(int pos, int max_seq) {
+  return pos < 0 ? 0 : (pos >= max_seq ? max_seq : pos + 1);
+}
+
+// ---- PTX wrappers (PTX ISA: cp.async, ldmatrix, mma.m16n8k16 with .bf16 operands) ----------------------
+
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src, bool fill) {
+  const int src_bytes = fill ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem_dst)), "l"(global_src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+// Four 8x8 bf16 matrices; lane l gives the row address of matrix l / 8, row l % 8, and receives from
+// matrix m the elements (row l / 4, columns 2 (l % 4) and +1) as register m (transposed: (rows 2 (l % 4)
+// and +1, column l / 4)).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const __nv_bfloat16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const __nv_bfloat16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(p)));
+}
+
+// d[16x8] += a[16x16] b[16x8]. With g = lane / 4, c = lane % 4: a = {(g, 2c..2c+1), (g+8, 2c..), (g, 2c+8..),
+// (g+8, 2c+8..)}, b = {(k 2c..2c+1, n g), (k 2c+8.., n g)}, d = {(g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)}.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (x0, x1) -> bf16x2 hi = (bf16(x0), bf16(x1)) and lo = bf16 of the remainders (x - hi is exact in float).
+// The first element sits in the low half, as the MMA fragments and ldmatrix order them.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const unsigned*>(&h);
+  lo = *reinterpret_cast<const unsigned*>(&l);
+}
+
+// Four consecutive values into the hi plane at `dst` and, when split, the lo plane `plane` elements later.
+template <bool kSplit>
+__device__ __forceinline__ void store_planes(__nv_bfloat16* dst, int plane, float4 x) {
+  uint2 hi, lo;
+  split_bf16x2(x.x, x.y, hi.x, lo.x);
+  split_bf16x2(x.z, x.w, hi.y, lo.y);
+  *reinterpret_cast<uint2*>(dst) = hi;
+  if constexpr (kSplit) *reinterpret_cast<uint2*>(dst + plane) = lo;
+}
+
+// ---- tiles -----------------------------------------------------------------------------------------------
+
+// Cache rows [first, first + kRows) of one kv head -> dst (row stride kDstStride elements), 16-byte
+// cp.async chunks; rows >= end are zero-filled without being read.
+template <int kRows, int kHeadDim, int kDstStride, typename CacheT>
+__device__ __forceinline__ void load_tile_async(CacheT* dst, const CacheT* __restrict__ cache, int first, int end,
+                                                int num_kv_heads, int kv_head) {
+  constexpr int kVec = 16 / (int)sizeof(CacheT);
+  constexpr int kChunksPerRow = kHeadDim / kVec;
+  static_assert(kRows * kChunksPerRow % kThreads == 0, "every thread copies the same number of chunks");
+#pragma unroll
+  for (int k = 0; k < kRows * kChunksPerRow / kThreads; ++k) {
+    const int chunk = k * kThreads + threadIdx.x;
+    const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * kVec;
+    const int row = first + r;
+    const bool fill = row < end;
+    const CacheT* src = cache + ((int64_t)(fill ? row : 0) * num_kv_heads + kv_head) * kHeadDim + col;
+    cp_async_16(dst + r * kDstStride + col, src, fill);
+  }
+}
+
+// float32 lane: the raw staged tile [kRows][hd] -> bf16 hi and lo planes (row stride kStride).
+template <typename Tile, int kRows, int kHeadDim>
+__device__ __forceinline__ void split_tile(__nv_bfloat16* planes, const float* raw) {
+  constexpr int kQuads = kHeadDim / 4;
+  static_assert(kRows * kQuads % kThreads == 0, "every thread splits the same number of quads");
+#pragma unroll
+  for (int k = 0; k < kRows * kQuads / kThreads; ++k) {
+    const int quad = k * kThreads + threadIdx.x;
+    const int r = quad / kQuads, col = (quad % kQuads) * 4;
+    const float4 x = *reinterpret_cast<const float4*>(raw + r * kHeadDim + col);
+    store_planes<true>(planes + r * Tile::kStride + col, kRows * Tile::kStride, x);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The kernel. Grid (Hkv, ceil(T * G / 64)); the row blocks run last-first: with increasing positions the
+// last tokens have the longest contexts, and starting them first shortens the tail of the launch.
+template <typename CacheT, int kHeadDim>
+__global__ void __launch_bounds__(kThreads)
+attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
+                         const CacheT* __restrict__ k_cache,     // [max_seq, Hkv, hd]
+                         const CacheT* __restrict__ v_cache,     // [max_seq, Hkv, hd]
+                         const int32_t* __restrict__ positions,  // [T]
+                         float scale_log2,                       // scale * log2(e)
+                         float* __restrict__ out,                // [T, Hq, hd]
+                         int num_tokens, int num_heads, int num_kv_heads, int max_seq) {
+  using Tile = PrefillTile<CacheT, kHeadDim>;
+  constexpr bool kSplit = Tile::kSplit;
+  constexpr int kPlanes = Tile::kPlanes, kBlockN = Tile::kBlockN, kStride = Tile::kStride;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __nv_bfloat16* q_planes = reinterpret_cast<__nv_bfloat16*>(smem);  // [planes][64][kStride]
+  __nv_bfloat16* k_planes = q_planes + kPlanes * Tile::kQPlane;        // [planes][kBlockN][kStride]
+  __nv_bfloat16* v_planes = k_planes + kPlanes * Tile::kKVPlane;       // [planes][kBlockN][kStride]
+  float* raw = reinterpret_cast<float*>(v_planes + kPlanes * Tile::kKVPlane);  // [kBlockN][hd], float32 lane
+  __shared__ int row_ctx[kBlockM];  // cache rows each row of the block sees (0: a row past T * G)
+
+  const int group = num_heads / num_kv_heads;
+  const int kv_head = blockIdx.x;
+  const int first_row = (gridDim.y - 1 - blockIdx.y) * kBlockM;
+  const int num_rows = num_tokens * group;
+  // Where row i's q and out live: token i / G, head kv_head * G + i % G.
+  auto head_offset = [&](int i) {
+    return ((int64_t)(i / group) * num_heads + kv_head * group + i % group) * kHeadDim;
+  };
+
+  if (threadIdx.x < kBlockM) {
+    const int i = first_row + threadIdx.x;
+    row_ctx[threadIdx.x] = i < num_rows ? context_length(positions[i / group], max_seq) : 0;
+  }
+  // q * scale * log2(e) into the Q planes (rows past T * G are zeros).
+  constexpr int kQuads = kHeadDim / 4;
+  static_assert(kBlockM * kQuads % kThreads == 0, "every thread loads the same number of quads");
+#pragma unroll
+  for (int k = 0; k < kBlockM * kQuads / kThreads; ++k) {
+    const int quad = k * kThreads + threadIdx.x;
+    const int r = quad / kQuads, col = (quad % kQuads) * 4;
+    const int i = first_row + r;
+    float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (i < num_rows) {
+      x = *reinterpret_cast<const float4*>(q + head_offset(i) + col);
+      x = make_float4(x.x * scale_log2, x.y * scale_log2, x.z * scale_log2, x.w * scale_log2);
+    }
+    store_planes<kSplit>(q_planes + r * kStride + col, Tile::kQPlane, x);
+  }
+  __syncthreads();
+  int block_ctx = 0;
+  for (int r = 0; r < kBlockM; ++r) block_ctx = max(block_ctx, row_ctx[r]);
+  const int num_tiles = (block_ctx + kBlockN - 1) / kBlockN;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, c = lane % 4;  // the MMA fragment's row group and column pair (see mma_bf16)
+  const int ctx[2] = {row_ctx[warp * 16 + g], row_ctx[warp * 16 + g + 8]};  // this thread's two rows
+  const int warp_min_ctx = __reduce_min_sync(kFullMask, min(ctx[0], ctx[1]));
+
+  // ldmatrix row addresses of this lane. Q (A operand) and V (B operand, transposed) take matrices in the
+  // order (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15) of a
+  // 16x16 block: registers a0..a3 of Q, and b0, b1 of two 8-dim n-tiles of V. K (B operand, rows = kv rows
+  // = n) takes (n 0-7, dims 0-7), (n 0-7, dims 8-15), (n 8-15, dims 0-7), (n 8-15, dims 8-15): b0, b1 of two
+  // 8-row n-tiles.
+  const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8, ld_col = (lane >> 4) * 8;
+  const __nv_bfloat16* q_lane = q_planes + (warp * 16 + ld_row) * kStride + ld_col;
+  const __nv_bfloat16* k_lane = k_planes + ((lane & 7) + (lane >> 4) * 8) * kStride + ((lane >> 3) & 1) * 8;
+  const __nv_bfloat16* v_lane = v_planes + ld_row * kStride + ld_col;
+
+  float o[kHeadDim / 8][4];  // O n-tile j (dims 8j..8j+7) in the accumulator layout of mma_bf16
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8; l is this thread's part
+
+  // Where cp.async lands K and V tiles: straight into the planes (bf16), or the raw staging buffer (float32).
+  constexpr int kLandStride = kSplit ? kHeadDim : kStride;
+  CacheT* k_land = kSplit ? reinterpret_cast<CacheT*>(raw) : reinterpret_cast<CacheT*>(k_planes);
+  CacheT* v_land = kSplit ? reinterpret_cast<CacheT*>(raw) : reinterpret_cast<CacheT*>(v_planes);
+  load_tile_async<kBlockN, kHeadDim, kLandStride>(k_land, k_cache, 0, block_ctx, num_kv_heads, kv_head);
+  cp_async_commit();
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int kv_first = tile * kBlockN;
+    cp_async_wait_all();
+    __syncthreads();  // K(tile) landed; every warp is done with V(tile - 1)
+    if constexpr (kSplit) {
+      split_tile<Tile, kBlockN, kHeadDim>(k_planes, raw);
+      __syncthreads();  // K planes visible, the staging buffer free
+    }
+    load_tile_async<kBlockN, kHeadDim, kLandStride>(v_land, v_cache, kv_first, block_ctx, num_kv_heads, kv_head);
+    cp_async_commit();
+
+    // S = Q K^T: s[j] holds kv rows kv_first + 8j.., in log2 units.
+    float s[kBlockN / 8][4];
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      unsigned qa[kPlanes][4];
+#pragma unroll
+      for (int p = 0; p < kPlanes; ++p) ldmatrix_x4(qa[p], q_lane + p * Tile::kQPlane + kk * 16);
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; j += 2) {
+        unsigned kb[kPlanes][4];
+#pragma unroll
+        for (int p = 0; p < kPlanes; ++p) ldmatrix_x4(kb[p], k_lane + p * Tile::kKVPlane + j * 8 * kStride + kk * 16);
+        mma_bf16(s[j], qa[0], kb[0][0], kb[0][1]);
+        mma_bf16(s[j + 1], qa[0], kb[0][2], kb[0][3]);
+        if constexpr (kSplit) {
+          mma_bf16(s[j], qa[0], kb[1][0], kb[1][1]);
+          mma_bf16(s[j + 1], qa[0], kb[1][2], kb[1][3]);
+          mma_bf16(s[j], qa[1], kb[0][0], kb[0][1]);
+          mma_bf16(s[j + 1], qa[1], kb[0][2], kb[0][3]);
+        }
+      }
+    }
+
+    // Causal mask by each row's own context (only tiles reaching past some row's last position).
+    if (kv_first + kBlockN > warp_min_ctx) {
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (kv_first + j * 8 + 2 * c + (e & 1) >= ctx[e >> 1]) s[j][e] = -INFINITY;
+        }
+    }
+
+    // Online softmax per row h (g, g + 8): m = running max over the row (the 4 threads of a quad hold it),
+    // p = 2^(s - m), l and O rescaled by 2^(m_old - m). m = -inf while a row has seen no visible cache row:
+    // the reference 0 keeps p and the rescale at exactly 0 (never -inf - -inf).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float tile_max = m[h];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+      const float m_ref = tile_max == -INFINITY ? 0.0f : tile_max;
+      const float correction = exp2f(m[h] - m_ref);
+      m[h] = tile_max;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        s[j][2 * h] = exp2f(s[j][2 * h] - m_ref);
+        s[j][2 * h + 1] = exp2f(s[j][2 * h + 1] - m_ref);
+        sum += s[j][2 * h] + s[j][2 * h + 1];
+      }
+      l[h] = l[h] * correction + sum;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        o[j][2 * h] *= correction;
+        o[j][2 * h + 1] *= correction;
+      }
+    }
+
+    cp_async_wait_all();
+    __syncthreads();  // V(tile) landed; every warp is done with K(tile)
+    if constexpr (kSplit) {
+      split_tile<Tile, kBlockN, kHeadDim>(v_planes, raw);
+      __syncthreads();  // V planes visible, the staging buffer free
+    }
+    if (tile + 1 < num_tiles)
+      load_tile_async<kBlockN, kHeadDim, kLandStride>(k_land, k_cache, kv_first + kBlockN, block_ctx, num_kv_heads,
+                                                      kv_head);
+    cp_async_commit();
+
+    // O += P V over the tile's kv rows 16 at a time: the S accumulators of n-tiles 2kk and 2kk+1 are
+    // exactly the A fragment of P for rows kv_first + 16kk.. (a0 = s[2kk] row g, a1 = row g+8, a2, a3 the
+    // same of s[2kk+1]).
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      unsigned pa[2][4];
+      split_bf16x2(s[2 * kk][0], s[2 * kk][1], pa[0][0], pa[1][0]);
+      split_bf16x2(s[2 * kk][2], s[2 * kk][3], pa[0][1], pa[1][1]);
+      split_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], pa[0][2], pa[1][2]);
+      split_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], pa[0][3], pa[1][3]);
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; j += 2) {
+        unsigned vb[kPlanes][4];
+#pragma unroll
+        for (int p = 0; p < kPlanes; ++p)
+          ldmatrix_x4_trans(vb[p], v_lane + p * Tile::kKVPlane + kk * 16 * kStride + j * 8);
+        mma_bf16(o[j], pa[0], vb[0][0], vb[0][1]);
+        mma_bf16(o[j + 1], pa[0], vb[0][2], vb[0][3]);
+        if constexpr (kSplit) {
+          mma_bf16(o[j], pa[0], vb[1][0], vb[1][1]);
+          mma_bf16(o[j + 1], pa[0], vb[1][2], vb[1][3]);
+          mma_bf16(o[j], pa[1], vb[0][0], vb[0][1]);
+          mma_bf16(o[j + 1], pa[1], vb[0][2], vb[0][3]);
+        }
+      }
+    }
+  }
+  cp_async_wait_all();
+
+  // out = O / l, l summed over the quad. l = 0 only for rows that see no cache row (past T * G: not stored).
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+    const int i = first_row + warp * 16 + g + 8 * h;
+    if (i >= num_rows) continue;
+    float* dst = out + head_offset(i) + 2 * c;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j)
+      *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[j][2 * h] / l[h], o[j][2 * h + 1] / l[h]);
+  }
+}
+
+template <typename CacheT, int kHeadDim>
+cudaError_t launch_prefill(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
+                           float scale, float* out, int num_tokens, int num_heads, int num_kv_heads, int max_seq,
+                           cudaStream_t stream) {
+  using Tile = PrefillTile<CacheT, kHeadDim>;
+  auto kernel = attention_prefill_kernel<CacheT, kHeadDim>;
+  // Not a stream operation, so legal while a graph is being captured; idempotent, so cheap to repeat.
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int64_t rows = (int64_t)num_tokens * (num_heads / num_kv_heads);
+  const int64_t row_blocks = (rows + kBlockM - 1) / kBlockM;
+  if (row_blocks > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(num_kv_heads, (unsigned)row_blocks);
+  kernel<<<grid, kThreads, Tile::kSmemBytes, stream>>>(q, k_cache, v_cache, positions, scale * kLog2e, out,
+                                                       num_tokens, num_heads, num_kv_heads, max_seq);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename CacheT>
+cudaError_t attention_prefill_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache,
+                                     const int32_t* positions, float scale, float* out, int num_tokens,
+                                     int num_heads, int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream) {
+  if (num_tokens <= 0) return cudaSuccess;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return cudaErrorInvalidValue;
+#define QWEN38_PREFILL_HEAD_DIM(D)                                                                         \
+  case D:                                                                                                   \
+    return launch_prefill<CacheT, D>(q, k_cache, v_cache, positions, scale, out, num_tokens, num_heads,    \
+                                     num_kv_heads, max_seq, stream);
+  switch (head_dim) {
+    QWEN38_PREFILL_HEAD_DIM(32)
+    QWEN38_PREFILL_HEAD_DIM(64)
+    QWEN38_PREFILL_HEAD_DIM(128)
+    QWEN38_PREFILL_HEAD_DIM(256)
+#undef QWEN38_PREFILL_HEAD_DIM
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template cudaError_t attention_prefill_launch<float>(const float*, const float*, const float*, const int32_t*, float,
+                                                     float*, int, int, int, int, int, cudaStream_t);
+template cudaError_t attention_prefill_launch<__nv_bfloat16>(const float*, const __nv_bfloat16*,
+                                                             const __nv_bfloat16*, const int32_t*, float, float*, int,
+                                                             int, int, int, int, cudaStream_t);
+
+}  // namespace qwen38
