@@ -26,6 +26,11 @@ TORCH_LIBRARY(qwen38, m) {
   // two-word int8 lane: x = x_d * (x_q + x_q_lo / 127) per block.
   m.def("q8_0_gemv_int8x2(Tensor x_q, Tensor x_q_lo, Tensor x_d, Tensor weight_q, Tensor weight_d, "
         "Tensor(a!) out) -> ()");
+  // The same two integer lanes as a tensor-core GEMM for prompt-sized T (same arguments and block math; the
+  // scaled block sums are added in float32 where the GEMV adds them in double). K % 64 == 0.
+  m.def("q8_0_gemm_int8(Tensor x_q, Tensor x_d, Tensor weight_q, Tensor weight_d, Tensor(a!) out) -> ()");
+  m.def("q8_0_gemm_int8x2(Tensor x_q, Tensor x_q_lo, Tensor x_d, Tensor weight_q, Tensor weight_d, "
+        "Tensor(a!) out) -> ()");
 
   // ---- norm_quant: producers that emit the next GEMV's activation in the lane it needs.
   // Standalone quantizer of x float32 [T, K] into the int8 (out_q_lo None) or two-word lane.

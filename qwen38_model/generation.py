@@ -88,11 +88,11 @@ class DecodeEngine:
         self.state.position = 0
         self.sampler.reset(prompt, seed, cfg.eos_token_ids)
 
-    def prefill(self, prompt: torch.Tensor, cfg: SamplingConfig) -> None:
-        """All prompt tokens in one forward (every op takes T tokens), then the first new token from the
-        last row's logits, selected exactly as a step selects."""
+    def prefill(self, prompt: torch.Tensor, cfg: SamplingConfig, progress=None) -> None:
+        """The prompt through the model's chunked prefill (every op takes T tokens), then the first new
+        token from the last row's logits, selected exactly as a step selects."""
         positions = self.state.reserve(prompt.shape[0])
-        logits = self.model.run(prompt, positions, self.state, Scratch(self.device), logits_to_keep=1)
+        logits = self.model.prefill(prompt, positions, self.state, logits_to_keep=1, progress=progress)
         self.position.fill_(prompt.shape[0] - 1)
         select_next_token(logits[0], self.sampler, cfg, self.token, self.position)
 
@@ -146,8 +146,10 @@ def resolve_seed(seed: int | None, generator: torch.Generator | None) -> int:
 
 
 def run_generation(engine: DecodeEngine, prompt: torch.Tensor, cfg: SamplingConfig, max_new_tokens: int,
-                   seed: int, stop: StopCondition, streamer=None) -> tuple[list[int], GenerationStats]:
-    """prompt int32 [T] on the engine's device. Returns the new tokens (stop token included)."""
+                   seed: int, stop: StopCondition, streamer=None,
+                   prefill_progress=None) -> tuple[list[int], GenerationStats]:
+    """prompt int32 [T] on the engine's device. Returns the new tokens (stop token included).
+    prefill_progress: optional callable(tokens_done, tokens_total) called after each prompt chunk."""
     stats = GenerationStats(prompt_tokens=prompt.shape[0], graph=engine.use_graph)
     if prompt.shape[0] + max_new_tokens > engine.max_seq_len:
         raise ValueError(f"context overflow: {prompt.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
@@ -174,7 +176,7 @@ def run_generation(engine: DecodeEngine, prompt: torch.Tensor, cfg: SamplingConf
 
     sync()
     start = time.perf_counter()
-    engine.prefill(prompt, cfg)
+    engine.prefill(prompt, cfg, prefill_progress)
     launch_copy(0)
     sync()
     stats.prefill_s = time.perf_counter() - start

@@ -11,19 +11,29 @@ from qwen38_ops.attention import workspace_numel
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
-from .scratch import Activation, Scratch
+from .scratch import QK, Activation, Scratch
 from .state import GDNState, KVCache
 
 LANES = ("f32", "int8", "int8x2")
 ops = torch.ops.qwen38
 
+# From this many rows a Q8_0 projection runs as a GEMM instead of the GEMV (which keeps 4 rows per pass
+# over the weights): the int lanes on int8 tensor cores (q8_0_gemm_*), the f32 lane as dequantize-then-
+# cuBLAS float32 (exact, the lane's contract). Measured on the H200: benchmarks/ops/bench_q8_gemm.py, NOTES.md.
+INT_GEMM_MIN_ROWS = 8
+F32_GEMM_MIN_ROWS = 64
+# The f32 lane dequantizes this many weight rows at a time (bounded scratch: 8192 x 17408 floats = 570 MB).
+DEQUANTIZE_ROWS = 8192
+
 
 class Linear(nn.Module):
     """y = x W^T. Dense weights (float32/bfloat16/float16) go through F.linear (cuBLAS); Q8_0 weights
-    through our GEMV in the model's activation lane."""
+    through our GEMV in the model's activation lane, or our GEMM for prompt-sized row counts.
+    scratch_role names its output buffer, shared by the same projection of every layer."""
 
-    def __init__(self, weight: torch.Tensor | Q8Tensor, lane: str):
+    def __init__(self, weight: torch.Tensor | Q8Tensor, lane: str, scratch_role: str):
         super().__init__()
+        self.scratch_role = scratch_role
         if isinstance(weight, Q8Tensor):
             self.register_buffer("weight_q", weight.q)
             self.register_buffer("weight_d", weight.d)
@@ -41,16 +51,34 @@ class Linear(nn.Module):
         return (self.weight_q if self.lane else self.weight).shape[1]
 
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
-        out = scratch.empty(self, "out", (act.x.shape[0], self.out_features))
+        rows = act.x.shape[0]
+        out = scratch.empty(self, "out", (rows, self.out_features))
+        gemm = rows >= INT_GEMM_MIN_ROWS and self.in_features % 64 == 0  # the GEMM's stage is 64 wide
         if self.lane is None:
             self._dense(act.x, out, scratch)
         elif self.lane == "f32":
-            ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
+            if rows >= F32_GEMM_MIN_ROWS and out.is_cuda:
+                self._dequantized_matmul(act.x, out, scratch)
+            else:
+                ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
         elif self.lane == "int8":
-            ops.q8_0_gemv_int8(act.q, act.d, self.weight_q, self.weight_d, out)
+            (ops.q8_0_gemm_int8 if gemm else ops.q8_0_gemv_int8)(act.q, act.d, self.weight_q, self.weight_d, out)
         else:
-            ops.q8_0_gemv_int8x2(act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out)
+            (ops.q8_0_gemm_int8x2 if gemm else ops.q8_0_gemv_int8x2)(
+                act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out)
         return out
+
+    def _dequantized_matmul(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
+        """The f32 lane's contract, literally: dequantize to float32, float32 cuBLAS GEMM (no TF32 unless
+        the user enabled it globally), DEQUANTIZE_ROWS weight rows at a time."""
+        for n0 in range(0, self.out_features, DEQUANTIZE_ROWS):
+            n1 = min(n0 + DEQUANTIZE_ROWS, self.out_features)
+            w = scratch.empty("f32_lane", "dequantized", (n1 - n0, self.in_features))
+            w.copy_(self.weight_q[n0:n1])
+            w.view(n1 - n0, -1, QK).mul_(self.weight_d[n0:n1, :, None])
+            y = scratch.empty("f32_lane", "dequantized_out", (x.shape[0], n1 - n0))
+            torch.mm(x, w.t(), out=y)
+            out[:, n0:n1].copy_(y)
 
     def _dense(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
         if self.weight.device.type == "cpu":
@@ -76,9 +104,9 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, config: Qwen38Config, w: dict, lane: str):
         super().__init__()
         self.config = config
-        self.qkvz = Linear(w["qkvz"], lane)  # rows [q | k | v | z]
-        self.ba = Linear(w["ba"], lane)  # rows [b (beta) | a (decay)]
-        self.out_proj = Linear(w["ssm_out"], lane)
+        self.qkvz = Linear(w["qkvz"], lane, "gdn.qkvz")  # rows [q | k | v | z]
+        self.ba = Linear(w["ba"], lane, "gdn.ba")  # rows [b (beta) | a (decay)]
+        self.out_proj = Linear(w["ssm_out"], lane, "gdn.out")
         self.register_buffer("conv_weight", w["ssm_conv1d"])
         self.register_buffer("a_neg", w["ssm_a"])
         self.register_buffer("dt_bias", w["ssm_dt"])
@@ -109,8 +137,8 @@ class GatedAttention(nn.Module):
     def __init__(self, config: Qwen38Config, w: dict, lane: str):
         super().__init__()
         self.config = config
-        self.qgkv = Linear(w["qgkv"], lane)  # rows [query_0 | gate_0 | ... | k | v]
-        self.o_proj = Linear(w["attn_output"], lane)
+        self.qgkv = Linear(w["qgkv"], lane, "attn.qgkv")  # rows [query_0 | gate_0 | ... | k | v]
+        self.o_proj = Linear(w["attn_output"], lane, "attn.out")
         self.register_buffer("q_norm", w["attn_q_norm"])
         self.register_buffer("k_norm", w["attn_k_norm"])
 
@@ -135,8 +163,8 @@ class GatedAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: Qwen38Config, w: dict, lane: str):
         super().__init__()
-        self.gate_up = Linear(w["gate_up"], lane)  # rows [gate | up]
-        self.down = Linear(w["ffn_down"], lane)
+        self.gate_up = Linear(w["gate_up"], lane, "mlp.gate_up")  # rows [gate | up]
+        self.down = Linear(w["ffn_down"], lane, "mlp.down")
 
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
         hidden = scratch.activation(self, "hidden", act.x.shape[0], self.down.in_features, input_lane(self.down))

@@ -19,6 +19,11 @@ from .state import Qwen38State
 
 ops = torch.ops.qwen38
 
+# Prompt tokens per forward pass. Scratch memory grows with it (one layer's buffers: ~0.5 MB per token at
+# the 27B shape in the int8 lane, so ~2 GB here); tensor-core GEMM speed saturates far below it
+# (benchmarks/prefill.py measures the chunk sizes).
+PREFILL_CHUNK = 4096
+
 # Matrices that read the same activation are concatenated at load so one GEMV serves them.
 FUSED_GROUPS = {
     "qkvz": ("attn_qkv", "attn_gate"),
@@ -55,7 +60,7 @@ class Qwen38ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self._load_layer(checkpoint, i, device, dtype, quantize)
                                     for i in range(config.num_layers))
         self.register_buffer("norm", load("output_norm"))
-        self.lm_head = Linear(load("output"), lane)
+        self.lm_head = Linear(load("output"), lane, "lm_head")
 
     def _load_layer(self, checkpoint: Checkpoint, i: int, device, dtype, quantize) -> DecoderLayer:
         attention = self.config.layer_types[i] == ATTENTION
@@ -125,18 +130,46 @@ class Qwen38ForCausalLM(nn.Module):
         for ids in input_ids.to(self.device, torch.int32):
             seq_state = state or self.new_state(ids.shape[0])
             positions = seq_state.reserve(ids.shape[0])
-            logits.append(self.run(ids, positions, seq_state, Scratch(self.device), logits_to_keep))
+            logits.append(self.prefill(ids, positions, seq_state, logits_to_keep))
         return CausalLMOutput(torch.stack(logits), state)
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen38State, logits_to_keep: int = 0,
+                chunk_size: int = PREFILL_CHUNK, progress=None) -> torch.Tensor:
+        """run() over a prompt in chunks of chunk_size tokens, so scratch memory is bounded by the chunk
+        whatever the prompt length; returns the logits of the last logits_to_keep rows (0: all).
+        progress: optional callable(tokens_done, tokens_total), called after each chunk."""
+        total = ids.shape[0]
+        first_kept = total - (logits_to_keep if 0 < logits_to_keep < total else total)
+        scratch = Scratch(self.device)
+        logits = []
+        for start in range(0, total, chunk_size):
+            end = min(start + chunk_size, total)
+            residual, delta = self.trunk(ids[start:end], positions[start:end], state, scratch)
+            if end > first_kept:
+                rows = self.head(residual, delta, scratch, end - max(start, first_kept))
+                logits.append(rows if end == total else rows.clone())  # scratch is reused by the next chunk
+            if progress is not None:
+                progress(end, total)
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen38State, scratch: Scratch,
             logits_to_keep: int = 0) -> torch.Tensor:
         """The stack over ids int32 [T] at positions int32 [T] (both on the device), updating state's
         caches; returns logits float32 [T', V] in a scratch buffer. The decode step is this with T = 1,
         the token and position tensors held on the device and one Scratch kept across steps."""
+        return self.head(*self.trunk(ids, positions, state, scratch), scratch, logits_to_keep)
+
+    def trunk(self, ids, positions, state: Qwen38State, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding and every layer; returns the residual stream and the last layer's output, whose sum
+        the final norm takes."""
         residual = self.embed_tokens(ids, scratch)
         delta = None
         for layer, layer_state in zip(self.layers, state.layers):
             delta = layer(residual, delta, layer_state, positions, scratch)
+        return residual, delta
+
+    def head(self, residual, delta, scratch: Scratch, logits_to_keep: int = 0) -> torch.Tensor:
+        """Final norm and LM head over the last logits_to_keep rows (0: all)."""
         if 0 < logits_to_keep < residual.shape[0]:
             residual, delta = residual[-logits_to_keep:], delta[-logits_to_keep:]
         act = scratch.activation(self, "final_norm", *residual.shape, input_lane(self.lm_head))
@@ -150,11 +183,14 @@ class Qwen38ForCausalLM(nn.Module):
                  seed: int | None = None, generator: torch.Generator | None = None,
                  eos_token_id: int | list[int] | None = None, stop_strings: str | list[str] | None = None,
                  tokenizer=None, streamer=None, max_seq_len: int | None = None,
-                 kv_dtype: torch.dtype = torch.float32, use_graph: bool | None = None) -> torch.Tensor:
+                 kv_dtype: torch.dtype = torch.float32, use_graph: bool | None = None,
+                 prefill_progress=None) -> torch.Tensor:
         """transformers' generate() for one sequence: returns prompt + new ids [1, T + n] (stop token
         included). Sampling is reproducible for a seed (or a torch.Generator to draw one from). eos_token_id
         defaults to the checkpoint's; stop_strings need the tokenizer. On CUDA each step is a graph replay
-        (use_graph=False for eager launches); statistics of the last call are in self.last_generation_stats."""
+        (use_graph=False for eager launches); statistics of the last call are in self.last_generation_stats.
+        prefill_progress: optional callable(tokens_done, tokens_total), called after each prompt chunk of
+        PREFILL_CHUNK tokens (a progress bar for long prompts)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"generate() takes input_ids of shape [1, T] (batched decode is not supported yet), "
                              f"found {tuple(input_ids.shape)}")
@@ -174,7 +210,7 @@ class Qwen38ForCausalLM(nn.Module):
         prompt = input_ids[0].to(self.device, torch.int32)
         tokens, self.last_generation_stats = run_generation(
             engine, prompt, cfg, max_new_tokens, resolve_seed(seed, generator),
-            StopCondition(frozenset(eos), stops, tokenizer), streamer)
+            StopCondition(frozenset(eos), stops, tokenizer), streamer, prefill_progress)
         if streamer is not None:
             streamer.end()
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)

@@ -1,8 +1,14 @@
-"""Output buffers for the model's ops, found by (owner, name).
+"""Output buffers for the model's ops, found by (owner's role, name); an owner may also be a role string.
 
-A forward over a prompt uses a fresh Scratch (buffers allocated as the ops need them). The decode step
-keeps one Scratch for its lifetime: the warm-up step allocates every buffer once, and a captured CUDA
-graph then replays on exactly those addresses, with no allocation inside the step."""
+A buffer is shared by every layer: the key is the owner's role (`scratch_role`, else its class name), not
+the owner itself, because each buffer is dead by the time the next layer's module of the same role writes
+it (the one value that crosses layers, the MLP's output `delta`, is read by the next layer's first norm,
+before that layer's MLP runs). So scratch memory is one layer's worth, not 64 layers' -- what lets a
+prompt chunk of thousands of tokens fit -- and the decode step touches fewer addresses.
+
+A prompt chunk uses a fresh Scratch or one kept across chunks. The decode step keeps one Scratch for its
+lifetime: the warm-up step allocates every buffer once, and a captured CUDA graph then replays on exactly
+those addresses, with no allocation inside the step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +37,8 @@ class Scratch:
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
 
     def empty(self, owner, name: str, shape, dtype=torch.float32) -> torch.Tensor:
-        key = (id(owner), name)
+        role = owner if isinstance(owner, str) else getattr(owner, "scratch_role", type(owner).__name__)
+        key = (role, name)
         buf = self._buffers.get(key)
         if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype:
             buf = torch.empty(shape, dtype=dtype, device=self.device)

@@ -1,4 +1,5 @@
-"""Q8_0 GEMV, y = x W^T, in three activation lanes.
+"""Q8_0 GEMV, y = x W^T, in three activation lanes, and the tensor-core GEMM of the two integer lanes for
+prompt-sized T (q8_0_gemm_int8, q8_0_gemm_int8x2: same arguments, same math, same references).
 
 weight_q int8 [N, K] and weight_d fp16 [N, K/32] (one scale per 32 values along K), x rows [T, K]:
 - f32 lane: x float32; equals dequantize-then-matmul.
@@ -10,4 +11,6 @@ from .reference import q8_gemv as ref
 
 for _name in ("q8_0_gemv", "q8_0_gemv_int8", "q8_0_gemv_int8x2"):
     register(_name, getattr(ref, _name))
+register("q8_0_gemm_int8", ref.q8_0_gemv_int8)
+register("q8_0_gemm_int8x2", ref.q8_0_gemv_int8x2)
 

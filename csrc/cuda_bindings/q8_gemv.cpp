@@ -1,14 +1,16 @@
-// CUDA bindings of the q8_gemv family: argument checks, device guard, launch on the current stream.
-// The kernel reads weights and activations with 16-byte loads, hence the alignment checks.
+// CUDA bindings of the q8_gemv family (the GEMV and, for prompt-sized T, the tensor-core GEMM of
+// q8_gemm.cu, which takes the same arguments): argument checks, device guard, launch on the current stream.
+// The kernels read weights and activations with 16-byte loads, hence the alignment checks.
 #include <ATen/ATen.h>
 
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "checks.h"
-#include "../kernels/q8_gemv.h"
+#include "../kernels/q8_gemm.h"
 
 namespace qwen38 {
 namespace {
@@ -68,6 +70,21 @@ void run(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& weigh
               overridden ? " (QWEN38_Q8_GEMV_CONFIG names a config that is not compiled?)" : "");
 }
 
+// The GEMM's extra requirements (q8_gemm.h): K in whole 64-byte stages, 8-byte scale pairs.
+void run_gemm(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& weight_q) {
+  QWEN38_CHECK(a.K % 64 == 0, op, ": K must be a multiple of 64 (two Q8_0 blocks per stage), found K = ", a.K);
+  QWEN38_CHECK(reinterpret_cast<uintptr_t>(a.x_d) % 8 == 0 && (a.T <= 1 || a.x_d_stride % 2 == 0), op,
+              ": x_d's rows must start 8-byte aligned (scale pairs), found address ", text(a.x_d), " row stride ",
+              a.x_d_stride);
+  const c10::cuda::CUDAGuard guard(weight_q.device());
+  // Benchmarking knob: QWEN38_Q8_GEMM_TILE=32|64|128 replaces the default token tile (read at every call).
+  const char* env = std::getenv("QWEN38_Q8_GEMM_TILE");
+  const int tile = env != nullptr && env[0] != '\0' ? std::atoi(env) : q8_0_gemm_default_tile(act, a.N, a.T);
+  const cudaError_t err = q8_0_gemm(act, a, tile, current_stream());
+  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err),
+              env != nullptr ? " (QWEN38_Q8_GEMM_TILE must be 32, 64 or 128)" : "");
+}
+
 void q8_0_gemv_f32(const at::Tensor& x, const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& out) {
   constexpr const char* op = "q8_0_gemv";
   Q8GemvArgs a;
@@ -80,9 +97,10 @@ void q8_0_gemv_f32(const at::Tensor& x, const at::Tensor& weight_q, const at::Te
   run(op, Q8Act::F32, a, weight_q);
 }
 
-void q8_0_gemv_int8(const at::Tensor& x_q, const at::Tensor& x_d, const at::Tensor& weight_q,
-                    const at::Tensor& weight_d, at::Tensor& out) {
-  constexpr const char* op = "q8_0_gemv_int8";
+template <bool kGemm>
+void q8_0_int8(const at::Tensor& x_q, const at::Tensor& x_d, const at::Tensor& weight_q, const at::Tensor& weight_d,
+               at::Tensor& out) {
+  const char* op = kGemm ? "q8_0_gemm_int8" : "q8_0_gemv_int8";
   Q8GemvArgs a;
   check_weights(op, weight_q, weight_d, a);
   a.T = static_cast<int>(token_rows(op, x_q));
@@ -93,12 +111,13 @@ void q8_0_gemv_int8(const at::Tensor& x_q, const at::Tensor& x_d, const at::Tens
   a.x_d = x_d.data_ptr<float>();
   a.x_d_stride = x_d.stride(0);
   check_out(op, out, a, weight_q);
-  run(op, Q8Act::Int8, a, weight_q);
+  (kGemm ? run_gemm : run)(op, Q8Act::Int8, a, weight_q);
 }
 
-void q8_0_gemv_int8x2(const at::Tensor& x_q, const at::Tensor& x_q_lo, const at::Tensor& x_d,
-                      const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& out) {
-  constexpr const char* op = "q8_0_gemv_int8x2";
+template <bool kGemm>
+void q8_0_int8x2(const at::Tensor& x_q, const at::Tensor& x_q_lo, const at::Tensor& x_d, const at::Tensor& weight_q,
+                 const at::Tensor& weight_d, at::Tensor& out) {
+  const char* op = kGemm ? "q8_0_gemm_int8x2" : "q8_0_gemv_int8x2";
   Q8GemvArgs a;
   check_weights(op, weight_q, weight_d, a);
   a.T = static_cast<int>(token_rows(op, x_q));
@@ -112,7 +131,7 @@ void q8_0_gemv_int8x2(const at::Tensor& x_q, const at::Tensor& x_q_lo, const at:
   a.x_d = x_d.data_ptr<float>();
   a.x_d_stride = x_d.stride(0);
   check_out(op, out, a, weight_q);
-  run(op, Q8Act::Int8x2, a, weight_q);
+  (kGemm ? run_gemm : run)(op, Q8Act::Int8x2, a, weight_q);
 }
 
 }  // namespace
@@ -120,6 +139,8 @@ void q8_0_gemv_int8x2(const at::Tensor& x_q, const at::Tensor& x_q_lo, const at:
 
 TORCH_LIBRARY_IMPL(qwen38, CUDA, m) {
   m.impl("q8_0_gemv", &qwen38::q8_0_gemv_f32);
-  m.impl("q8_0_gemv_int8", &qwen38::q8_0_gemv_int8);
-  m.impl("q8_0_gemv_int8x2", &qwen38::q8_0_gemv_int8x2);
+  m.impl("q8_0_gemv_int8", &qwen38::q8_0_int8<false>);
+  m.impl("q8_0_gemv_int8x2", &qwen38::q8_0_int8x2<false>);
+  m.impl("q8_0_gemm_int8", &qwen38::q8_0_int8<true>);
+  m.impl("q8_0_gemm_int8x2", &qwen38::q8_0_int8x2<true>);
 }

@@ -129,7 +129,7 @@ def run_cuda(lane, act, weight_q, weight_d, out=None):
     return out
 
 
-def check_against_reference(lane, act, weight_q, weight_d, out, rows=None):
+def check_against_reference(lane, act, weight_q, weight_d, out, rows=None, rel_bound=REL_BOUND):
     """Compare out (CUDA) with the float64 CPU reference, on all rows or a subset of them."""
     assert not out.isnan().any(), "some outputs were not written (still NaN)"
     act_cpu = tuple(a.cpu() for a in act)
@@ -140,7 +140,7 @@ def check_against_reference(lane, act, weight_q, weight_d, out, rows=None):
     wq, wd = wq.cpu(), wd.cpu()
     expected = torch.empty(got.shape, dtype=torch.float64)
     ref_for(lane)(*act_cpu, wq, wd, expected)
-    bound = REL_BOUND * abs_dot(lane, act_cpu, wq, wd) + 1e-30
+    bound = rel_bound * abs_dot(lane, act_cpu, wq, wd) + 1e-30
     err = (got.cpu().double() - expected).abs()
     worst = (err / bound).max().item()
     assert worst <= 1.0, f"error {worst:.3g}x the bound (max abs err {err.max().item():.3g})"

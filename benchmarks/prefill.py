@@ -1,0 +1,275 @@
+"""Prompt processing (prefill) of the Qwen3.8-27B shape on one GPU, against the tensor-core peaks of this run.
+
+    python -m benchmarks.prefill [--model PATH] [--json PATH] [--lengths 128,512,2048,8192,32768]
+                                 [--lanes int8,int8x2,f32] [--chunks 2048,4096,8192]
+
+Measured in ONE run (synthetic Q8_0 weights made on the GPU unless --model): the tensor-core peaks of
+torch._int_mm and bf16 torch.mm on the trunk's matrix shapes at T = 512 and 4096 (the fast column-major
+layout, prefill-ceilings.md); our Q8_0 GEMM on the same shapes; GEMV vs GEMM for small T (the verify
+sizes); ppN tok/s and time to first token for each length (from an empty state, KV bf16); a per-part
+split at pp512 and pp4096 (GEMMs, GDN core, attention core, other); the other activation lanes at pp512;
+the prefill chunk size; decode tg128 on the same model (it must not regress); peak memory per length.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+
+from benchmarks.decode import QWEN38_27B, SyntheticQ8Checkpoint, set_lane, time_steps
+from benchmarks.ops.common import env_info, print_table, write_json
+from qwen38_model import Qwen38ForCausalLM
+from qwen38_model import layers as model_layers
+from qwen38_model.config import ATTENTION, GDN
+from qwen38_model.generation import DecodeEngine
+from qwen38_model.layers import GatedAttention, GatedDeltaNet, Linear
+from qwen38_model.sampling import SamplingConfig
+
+ops = torch.ops.qwen38
+
+
+def trunk_shapes(config) -> list[tuple[int, int, int]]:
+    """(N, K, count) of every Q8_0 matrix of the trunk (the LM head runs on one row in prefill)."""
+    c = config
+    n_gdn, n_attn = c.layer_types.count(GDN), c.layer_types.count(ATTENTION)
+    qkvz = 2 * c.linear_num_key_heads * c.linear_key_head_dim + 2 * c.linear_value_dim
+    qgkv = 2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
+    return [(qkvz, c.hidden_size, n_gdn), (2 * c.linear_num_value_heads, c.hidden_size, n_gdn),
+            (c.hidden_size, c.linear_value_dim, n_gdn), (qgkv, c.hidden_size, n_attn),
+            (c.hidden_size, c.num_attention_heads * c.head_dim, n_attn),
+            (2 * c.intermediate_size, c.hidden_size, c.num_layers), (c.hidden_size, c.intermediate_size, c.num_layers)]
+
+
+def median_time(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    return statistics.median(times)
+
+
+def matrix_table(config, lengths=(512, 4096)) -> tuple[list[dict], dict]:
+    """Per shape and T: seconds of torch._int_mm, bf16 torch.mm and our int8 GEMM; trunk totals."""
+    rows, totals = [], {}
+    for T in lengths:
+        total = dict(int_mm=0.0, bf16_mm=0.0, q8_gemm_int8=0.0)
+        for N, K, count in trunk_shapes(config):
+            w8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda")
+            wd = (torch.rand(N, K // 32, device="cuda") * 4e-4 + 2e-4).half()
+            x8 = torch.randint(-127, 128, (T, K), dtype=torch.int8, device="cuda")
+            xd = torch.rand(T, K // 32, device="cuda") * 0.01
+            wb, xb = torch.randn(N, K, device="cuda").bfloat16(), torch.randn(T, K, device="cuda").bfloat16()
+            out = torch.empty(T, N, device="cuda")
+            t = dict(
+                int_mm=median_time(lambda: torch._int_mm(x8, w8.t())) if N % 8 == 0 else float("nan"),
+                bf16_mm=median_time(lambda: torch.mm(xb, wb.t())),
+                q8_gemm_int8=median_time(lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out)))
+            flop = 2 * T * N * K
+            for k in total:
+                total[k] += t[k] * count if t[k] == t[k] else t["bf16_mm"] * count
+            rows.append(dict(T=T, N=N, K=K, count=count, **{f"{k}_tops": flop / v / 1e12 for k, v in t.items()},
+                             gemm_of_int_mm=t["int_mm"] / t["q8_gemm_int8"]))
+            del w8, wd, x8, xd, wb, xb, out
+        totals[T] = {k: dict(s=v, tok_s=T / v) for k, v in total.items()}
+        totals[T]["gemm_of_int_mm"] = total["int_mm"] / total["q8_gemm_int8"]
+    torch.cuda.empty_cache()
+    return rows, totals
+
+
+def small_t_table(config, tokens=(1, 2, 4, 8, 16, 32)) -> list[dict]:
+    """Trunk matrix time per token count for the GEMV and the GEMM (int8 lane): where the GEMM starts."""
+    rows = []
+    mats = [(torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda"),
+             (torch.rand(N, K // 32, device="cuda") * 4e-4 + 2e-4).half(), count)
+            for N, K, count in trunk_shapes(config)]
+    for T in tokens:
+        row = dict(T=T)
+        for name, op in (("gemv", ops.q8_0_gemv_int8), ("gemm", ops.q8_0_gemm_int8)):
+            total = 0.0
+            for w8, wd, count in mats:
+                x8 = torch.randint(-127, 128, (T, w8.shape[1]), dtype=torch.int8, device="cuda")
+                xd = torch.rand(T, w8.shape[1] // 32, device="cuda") * 0.01
+                out = torch.empty(T, w8.shape[0], device="cuda")
+                total += median_time(lambda: op(x8, xd, w8, wd, out)) * count
+            row[f"{name}_ms"] = total * 1e3
+        rows.append(row)
+    t1 = rows[0]["gemv_ms"]
+    for row in rows:
+        row["gemv_of_t1"] = row["gemv_ms"] / t1
+        row["gemm_of_t1"] = row["gemm_ms"] / t1
+    del mats
+    torch.cuda.empty_cache()
+    return rows
+
+
+def time_prefill(model, length: int, reps: int, chunk: int | None = None) -> dict:
+    """Seconds for model.prefill of `length` tokens from an empty state (median of reps), peak memory."""
+    ids = torch.randint(0, model.config.vocab_size, (length,), dtype=torch.int32, device="cuda")
+    kwargs = {} if chunk is None else dict(chunk_size=chunk)
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(reps):
+        state = model.new_state(length + 1, torch.bfloat16)
+        positions = state.reserve(length)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.prefill(ids, positions, state, logits_to_keep=1, **kwargs)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        del state
+    t = statistics.median(times)
+    return dict(seconds=t, tok_s=length / t, ttft_s=t, peak_gb=torch.cuda.max_memory_allocated() / 1e9)
+
+
+def part_split(model, length: int) -> dict:
+    """Milliseconds of one prefill by part, from CUDA events around modules: every Q8_0 projection
+    (GEMMs), the GDN and attention mixers without their projections, the rest (embedding, norms, SwiGLU,
+    head)."""
+    marks = []
+    handles = []
+    for module in model.modules():
+        if isinstance(module, Linear):
+            kind = "gemm"
+        elif isinstance(module, GatedDeltaNet):
+            kind = "gdn_mixer"
+        elif isinstance(module, GatedAttention):
+            kind = "attention_mixer"
+        else:
+            continue
+
+        def pre(mod, args, kind=kind):
+            marks.append([kind, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), mod])
+            marks[-1][1].record()
+
+        def post(mod, args, out, kind=kind):
+            for m in reversed(marks):
+                if m[3] is mod:
+                    m[2].record()
+                    break
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    ids = torch.randint(0, model.config.vocab_size, (length,), dtype=torch.int32, device="cuda")
+    state = model.new_state(length + 1, torch.bfloat16)
+    positions = state.reserve(length)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    model.prefill(ids, positions, state, logits_to_keep=1)
+    stop.record()
+    torch.cuda.synchronize()
+    for h in handles:
+        h.remove()
+    split = dict(gemm=0.0, gdn_mixer=0.0, attention_mixer=0.0, gemm_in_gdn=0.0, gemm_in_attention=0.0)
+    for kind, a, b, mod in marks:
+        ms = a.elapsed_time(b)
+        split[kind] += ms
+        if kind == "gemm" and mod.scratch_role.startswith("gdn."):
+            split["gemm_in_gdn"] += ms
+        elif kind == "gemm" and mod.scratch_role.startswith("attn."):
+            split["gemm_in_attention"] += ms
+    total = start.elapsed_time(stop)
+    result = dict(total=total, gemm=split["gemm"], gdn_core=split["gdn_mixer"] - split["gemm_in_gdn"],
+                  attention_core=split["attention_mixer"] - split["gemm_in_attention"])
+    result["other"] = total - result["gemm"] - result["gdn_core"] - result["attention_core"]
+    return {k: round(v, 3) for k, v in result.items()}
+
+
+def decode_tg128(model) -> float:
+    engine = DecodeEngine(model, 512, torch.bfloat16, use_graph=True)
+    graph = engine.graph_for(SamplingConfig())
+    t = time_steps(engine, graph.replay, 128, 0)
+    del engine, graph
+    torch.cuda.empty_cache()
+    return 1 / t
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a real checkpoint instead of the synthetic 27B shape")
+    parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-prefill.json)")
+    parser.add_argument("--lengths", default="128,512,2048,4096,8192,32768")
+    parser.add_argument("--lanes", default="int8,int8x2,f32", help="the first is the default; others run pp512")
+    parser.add_argument("--chunks", default="2048,4096,8192", help="prefill chunk sizes compared at the longest length")
+    parser.add_argument("--no-matrices", action="store_true", help="skip the per-shape GEMM table")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.prefill needs a CUDA GPU")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    lanes = args.lanes.split(",")
+    env = env_info()
+    results = dict(env=env, lengths={}, lanes={})
+
+    if not args.no_matrices:
+        rows, totals = matrix_table(QWEN38_27B)
+        results["matrices"], results["trunk_matrices"] = rows, totals
+        print_table(rows, ["T", "N", "K", "count", "int_mm_tops", "bf16_mm_tops", "q8_gemm_int8_tops", "gemm_of_int_mm"],
+                    title="trunk matrices: TOPS (peak probes vs our Q8_0 GEMM)")
+        for T, tot in totals.items():
+            print(f"T={T}: trunk matrices alone: int_mm {tot['int_mm']['tok_s']:.0f} tok/s, bf16 mm "
+                  f"{tot['bf16_mm']['tok_s']:.0f}, our int8 GEMM {tot['q8_gemm_int8']['tok_s']:.0f} "
+                  f"({tot['gemm_of_int_mm']:.1%} of int_mm)")
+        results["small_t"] = small_t_table(QWEN38_27B)
+        print_table(results["small_t"], ["T", "gemv_ms", "gemm_ms", "gemv_of_t1", "gemm_of_t1"],
+                    title="small T: trunk matrices, int8 lane (ms per call of every matrix)")
+
+    start = time.perf_counter()
+    if args.model:
+        model = Qwen38ForCausalLM.from_pretrained(args.model, device="cuda", lane=lanes[0])
+    else:
+        with torch.no_grad():
+            model = Qwen38ForCausalLM(QWEN38_27B, SyntheticQ8Checkpoint(QWEN38_27B), "cuda", torch.bfloat16,
+                                      None, lanes[0]).eval()
+    torch.cuda.synchronize()
+    results["load_s"] = time.perf_counter() - start
+    results["weights_gb"] = model.weight_bytes() / 1e9
+
+    time_prefill(model, 512, 1)  # warm-up: first launches, cuBLAS handles, allocator
+    table = []
+    for length in lengths:
+        r = time_prefill(model, length, reps=3 if length <= 4096 else 1)
+        results["lengths"][f"pp{length}"] = r
+        table.append(dict(lane=lanes[0], test=f"pp{length}", tok_s=r["tok_s"], ttft_s=r["ttft_s"], peak_gb=r["peak_gb"]))
+    for length in (512, 4096):
+        results[f"split_pp{length}_ms"] = part_split(model, length)
+        print(f"split pp{length} (ms): {results[f'split_pp{length}_ms']}")
+    longest = max(lengths)
+    results["chunks"] = {}
+    for chunk in [int(x) for x in args.chunks.split(",")]:
+        r = time_prefill(model, longest, 1, chunk)
+        results["chunks"][chunk] = r
+        table.append(dict(lane=lanes[0], test=f"pp{longest} chunk {chunk}", tok_s=r["tok_s"], ttft_s=r["ttft_s"],
+                          peak_gb=r["peak_gb"]))
+    for lane in lanes[1:]:
+        set_lane(model, lane)
+        r = time_prefill(model, 512, 3)
+        results["lanes"][lane] = dict(pp512=r)
+        table.append(dict(lane=lane, test="pp512", tok_s=r["tok_s"], ttft_s=r["ttft_s"], peak_gb=r["peak_gb"]))
+    set_lane(model, lanes[0])
+    results["tg128_tok_s"] = decode_tg128(model)
+    results["pp512_tok_s"] = results["lengths"].get("pp512", {}).get("tok_s")
+    results["pp4096_tok_s"] = results["lengths"].get("pp4096", {}).get("tok_s")
+    results["thresholds"] = dict(int_gemm_min_rows=model_layers.INT_GEMM_MIN_ROWS,
+                                 f32_gemm_min_rows=model_layers.F32_GEMM_MIN_ROWS)
+    results["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    print_table(table, ["lane", "test", "tok_s", "ttft_s", "peak_gb"], title=f"prefill on {env.get('gpu')} (KV bf16)")
+    print(f"decode tg128 ({lanes[0]}, same model, same run): {results['tg128_tok_s']:.1f} tok/s; "
+          f"weights {results['weights_gb']:.1f} GB; build {results['load_s']:.1f} s")
+    if not args.json:
+        stamp = datetime.date.today().isoformat()
+        gpu = str(env.get("gpu", "gpu")).replace(" ", "-")
+        args.json = f"benchmarks/results/{stamp}-{gpu}-{env.get('commit', 'unknown')}-prefill.json"
+    write_json(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+// Q8_0 GEMM on int8 tensor cores for prompt-sized T (see q8_gemm.h for the math).
+//
+// Why it is shaped like this.
+// - One mma.sync m16n8k32.s8 is exactly one Q8_0 block (32 weights along K) for a 16-token x 8-row tile,
+//   so every block's int32 dot is exact and comes out of the tensor core ready for its two scales, with no
+//   integer partial to carry across blocks. This is what llama.cpp's MMQ computes too.
+// - The scaling is the cost: per block and output, int -> float, one product of the two scales and one FMA
+//   run on the FP32 pipe next to each MMA, so the kernel is bound by those 3 FP32 instructions per output
+//   per block rather than by the tensor cores. The int -> float is the exponent trick (|dot| <= 32*127*127
+//   < 2^22), not I2F, which is quarter rate on this chip.
+// - A = activation tokens (M), B = weight rows (N): both are [rows, K] with K contiguous, which is what
+//   ldmatrix hands to the s8 fragments (row-major A, column-major B) with no transpose; the accumulator's
+//   row pairs then fall on consecutive output features of one token.
+// - Block tile: 2 x 4 warps, each 16*M_TILES tokens x 32 weight rows; K in stages of 64 bytes (two blocks)
+//   through a 4-deep cp.async pipeline. Rows are padded from 64 to 80 bytes in shared memory so the eight
+//   16-byte rows of every ldmatrix phase fall on distinct banks.
+// - Grid x = token tiles, y = weight-row tiles: the blocks in flight together share weight tiles (read once
+//   from HBM, then from L2) while the whole activation (T x K int8, a few MB) stays L2-resident.
+// - Accumulation is float32 in block order: the GEMV's double accumulation would halve the FP rate this
+//   kernel is bound by.
+#include "q8_gemm.h"
+
+#include <cstdint>
+
+namespace qwen38 {
+namespace {
+
+constexpr int kStages = 4;
+constexpr int kStageK = 64;    // bytes (= int8 weights) of K per stage: two Q8_0 blocks
+constexpr int kRowPitch = 80;  // shared-memory bytes per tile row
+constexpr int kWarpsM = 2, kWarpsN = 4;
+constexpr int kThreads = 32 * kWarpsM * kWarpsN;
+constexpr int kTileRows = 32 * kWarpsN;  // weight rows per block
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// kBytes from global to shared; with fill == false the destination is zero-filled and src is not read.
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool fill) {
+  const int src_bytes = fill ? kBytes : 0;
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(shared_address(dst)), "l"(src),
+                 "n"(kBytes), "r"(src_bytes)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const unsigned char* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+// c = a (16 tokens x 32) . b (32 x 8 weight rows), exact int32, from zero.
+__device__ __forceinline__ void mma_block(int (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};"
+      : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+}
+
+// Exact for |v| < 2^22: 1.5 * 2^23 + v has unit spacing, so its bit pattern is 0x4B400000 + v.
+__device__ __forceinline__ float small_int_to_float(int v) {
+  return __int_as_float(v + 0x4B400000) - 12582912.0f;
+}
+
+template <bool kTwoWord, int kMTiles>
+struct Tile {
+  static constexpr int kTokens = 16 * kMTiles * kWarpsM;
+  static constexpr int kXBytes = kTokens * kRowPitch;
+  static constexpr int kWBytes = kTileRows * kRowPitch;
+  static constexpr int kWOffset = (kTwoWord ? 2 : 1) * kXBytes;  // two-word: x_lo tile at kXBytes
+  static constexpr int kXdOffset = kWOffset + kWBytes;     // float [kTokens][2]
+  static constexpr int kWdOffset = kXdOffset + kTokens * 8;  // half [kTileRows][2]
+  static constexpr int kStageBytes = kWdOffset + kTileRows * 4;
+  static constexpr int kSmemBytes = kStages * kStageBytes;
+};
+
+template <bool kTwoWord, int kMTiles>
+__global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kernel(const Q8GemvArgs a) {
+  using T = Tile<kTwoWord, kMTiles>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tok0 = blockIdx.x * T::kTokens;
+  const int row0 = blockIdx.y * kTileRows;
+  const int blocks_per_row = a.K / 32;
+  const int8_t* x = static_cast<const int8_t*>(a.x);
+
+  auto load_stage = [&](int kt) {
+    unsigned char* s = smem + (kt % kStages) * T::kStageBytes;
+    const int64_t k0 = static_cast<int64_t>(kt) * kStageK;
+    for (int c = threadIdx.x; c < T::kTokens * 4; c += kThreads) {
+      const int r = c >> 2, part = (c & 3) * 16;
+      const bool fill = tok0 + r < a.T;
+      const int64_t tok = fill ? tok0 + r : 0;  // any legal address: nothing is read when not filling
+      cp_async<16>(s + r * kRowPitch + part, x + tok * a.x_stride + k0 + part, fill);
+      if constexpr (kTwoWord)
+        cp_async<16>(s + T::kXBytes + r * kRowPitch + part, a.x_lo + tok * a.x_lo_stride + k0 + part, fill);
+    }
+    for (int c = threadIdx.x; c < kTileRows * 4; c += kThreads) {
+      const int r = c >> 2, part = (c & 3) * 16;
+      const bool fill = row0 + r < a.N;
+      const int64_t row = fill ? row0 + r : 0;
+      cp_async<16>(s + T::kWOffset + r * kRowPitch + part, a.weight_q + row * a.K + k0 + part, fill);
+    }
+    for (int r = threadIdx.x; r < T::kTokens; r += kThreads) {
+      const bool fill = tok0 + r < a.T;
+      const int64_t tok = fill ? tok0 + r : 0;
+      cp_async<8>(s + T::kXdOffset + r * 8, a.x_d + tok * a.x_d_stride + 2 * kt, fill);
+    }
+    for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
+      const bool fill = row0 + r < a.N;
+      const int64_t row = fill ? row0 + r : 0;
+      cp_async<4>(s + T::kWdOffset + r * 4, a.weight_d + row * blocks_per_row + 2 * kt, fill);
+    }
+  };
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp_tok = (warp / kWarpsN) * 16 * kMTiles;  // this warp's first token within the tile
+  const int warp_row = (warp % kWarpsN) * 32;            // and first weight row
+  const int group = lane >> 2, quad = lane & 3;          // accumulator layout: token group (+8), rows 2*quad (+1)
+
+  float acc[kMTiles][4][4];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+
+  auto compute_stage = [&](int kt) {
+    const unsigned char* s = smem + (kt % kStages) * T::kStageBytes;
+    const float* xd = reinterpret_cast<const float*>(s + T::kXdOffset);
+    const __half* wd = reinterpret_cast<const __half*>(s + T::kWdOffset);
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {
+      // A (tokens): matrices = rows 0-7 / 8-15 x bytes 0-15 / 16-31 -> registers a0..a3 of m16n8k32.
+      uint32_t xa[kMTiles][4], xa_lo[kMTiles][4];
+      const int a_off = (lane & 15) * kRowPitch + blk * 32 + (lane >> 4) * 16;
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        ldmatrix_x4(xa[mi], s + (warp_tok + mi * 16) * kRowPitch + a_off);
+        if constexpr (kTwoWord) ldmatrix_x4(xa_lo[mi], s + T::kXBytes + (warp_tok + mi * 16) * kRowPitch + a_off);
+      }
+      // B (weight rows): one x4 = two n8 tiles, (rows 0-7: bytes 0-15, 16-31), (rows 8-15: ...).
+      uint32_t wb[4][2];
+      const int b_off = ((lane & 7) + (lane >> 4) * 8) * kRowPitch + blk * 32 + ((lane >> 3) & 1) * 16;
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        uint32_t r[4];
+        ldmatrix_x4(r, s + T::kWOffset + (warp_row + p * 16) * kRowPitch + b_off);
+        wb[2 * p][0] = r[0];
+        wb[2 * p][1] = r[1];
+        wb[2 * p + 1][0] = r[2];
+        wb[2 * p + 1][1] = r[3];
+      }
+      float dx[kMTiles][2], dw[4][2];
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) dx[mi][h] = xd[(warp_tok + mi * 16 + group + 8 * h) * 2 + blk];
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) dw[ni][e] = __half2float(wd[(warp_row + ni * 8 + 2 * quad + e) * 2 + blk]);
+
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+          int c[4];
+          mma_block(c, xa[mi], wb[ni]);
+          float v[4];
+          if constexpr (kTwoWord) {
+            int c_lo[4];
+            mma_block(c_lo, xa_lo[mi], wb[ni]);
+            // 127 * hi + lo (exact product and sum, rounded once); the 1/127 is applied at the store.
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = fmaf(small_int_to_float(c[e]), 127.0f, small_int_to_float(c_lo[e]));
+          } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = small_int_to_float(c[e]);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mi][ni][e] = fmaf(v[e], dx[mi][e >> 1] * dw[ni][e & 1], acc[mi][ni][e]);
+        }
+    }
+  };
+
+  const int num_k = a.K / kStageK;
+#pragma unroll
+  for (int kt = 0; kt < kStages - 1; ++kt) {
+    if (kt < num_k) load_stage(kt);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < num_k; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage kt is visible to every warp, and the stage refilled below is no longer read
+    if (kt + kStages - 1 < num_k) load_stage(kt + kStages - 1);
+    cp_async_commit();
+    compute_stage(kt);
+  }
+
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = tok0 + warp_tok + mi * 16 + group + 8 * (e >> 1);
+        const int row = row0 + warp_row + ni * 8 + 2 * quad + (e & 1);
+        if (tok < a.T && row < a.N)
+          a.out[static_cast<int64_t>(tok) * a.out_stride + row] = kTwoWord ? acc[mi][ni][e] / 127.0f : acc[mi][ni][e];
+      }
+}
+
+template <bool kTwoWord, int kMTiles>
+cudaError_t launch(const Q8GemvArgs& a, cudaStream_t stream) {
+  using T = Tile<kTwoWord, kMTiles>;
+  auto kernel = q8_0_gemm_kernel<kTwoWord, kMTiles>;
+  static const cudaError_t attr_err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (attr_err != cudaSuccess) return attr_err;
+  const unsigned grid_x = static_cast<unsigned>((a.T + T::kTokens - 1) / T::kTokens);
+  const unsigned grid_y = static_cast<unsigned>((a.N + kTileRows - 1) / kTileRows);
+  if (grid_y > 65535u) return cudaErrorInvalidValue;
+  kernel<<<dim3(grid_x, grid_y), kThreads, T::kSmemBytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <bool kTwoWord>
+cudaError_t dispatch(const Q8GemvArgs& a, int tile_tokens, cudaStream_t stream) {
+  switch (tile_tokens) {
+    case 32: return launch<kTwoWord, 1>(a, stream);
+    case 64: return launch<kTwoWord, 2>(a, stream);
+    case 128: return launch<kTwoWord, 4>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Blocks resident per SM for a tile (what the launch bounds and shared memory allow), read once.
+template <bool kTwoWord, int kMTiles>
+int resident_blocks() {
+  static const int blocks = [] {
+    int n = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, q8_0_gemm_kernel<kTwoWord, kMTiles>, kThreads,
+                                                  Tile<kTwoWord, kMTiles>::kSmemBytes);
+    return n > 0 ? n : 1;
+  }();
+  return blocks;
+}
+
+int multiprocessors() {
+  static const int count = [] {
+    int device = 0, n = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    return n > 0 ? n : 1;
+  }();
+  return count;
+}
+
+}  // namespace
+
+// Small T: the smallest tile (the weights are streamed once whatever the tile; less work is wasted).
+// Otherwise 64 or 128 tokens, whichever needs less time in whole waves: a wave of resident blocks takes
+// about tile * resident time units, and a partial last wave costs a whole one (at T = 512 the 5120-row
+// projections make 160 blocks of 128 tokens for 132 SMs: a second wave 21% full).
+int q8_0_gemm_default_tile(Q8Act act, int N, int T) {
+  if (T <= 32) return 32;
+  if (T <= 64) return 64;
+  const bool two_word = act == Q8Act::Int8x2;
+  const int sms = multiprocessors();
+  auto cost = [&](int tile, int resident) {
+    const long blocks = static_cast<long>((T + tile - 1) / tile) * ((N + kTileRows - 1) / kTileRows);
+    const long slots = static_cast<long>(sms) * resident;
+    return ((blocks + slots - 1) / slots) * tile * resident;
+  };
+  const long c64 = cost(64, two_word ? resident_blocks<true, 2>() : resident_blocks<false, 2>());
+  const long c128 = cost(128, two_word ? resident_blocks<true, 4>() : resident_blocks<false, 4>());
+  return c64 < c128 ? 64 : 128;
+}
+
+cudaError_t q8_0_gemm(Q8Act act, const Q8GemvArgs& args, int tile_tokens, cudaStream_t stream) {
+  if (args.N == 0 || args.T == 0) return cudaSuccess;
+  if (args.K <= 0 || args.K % kStageK != 0) return cudaErrorInvalidValue;
+  switch (act) {
+    case Q8Act::Int8: return dispatch<false>(args, tile_tokens, stream);
+    case Q8Act::Int8x2: return dispatch<true>(args, tile_tokens, stream);
+    case Q8Act::F32: break;
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace qwen38

@@ -1,0 +1,131 @@
+"""q8_gemm: the tensor-core GEMM of the two integer lanes (q8_0_gemm_int8, q8_0_gemm_int8x2) for
+prompt-sized T. Same arguments and references as the GEMV lanes (test_q8_gemv.py has the helpers).
+
+CPU (CI): opcheck. CUDA (-m cuda): the kernel against the float64 reference, outputs poisoned with NaN,
+at T across every tile boundary (32/64/128 tokens, each tile forced), odd N and K, the 27B shapes at
+T = 512; strided activation rows; two runs give the same bits; graph replay == eager; bad arguments raise.
+
+Error bound: each block's int32 dot is exact and the K/32 scaled block sums are added in float32 in block
+order, so |y - y_ref| <= (K/32 + 4) * 2^-24 * sum_k |w_k x_k| (one rounding per add, per scale product and
+per int -> float of the two-word lane's 127 hi + lo).
+"""
+import pytest
+import torch
+
+import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from test_q8_gemv import check_against_reference, make_activation, make_weights, sample_rows
+
+from cuda_helpers import assert_cuda_kernel, capture_graph, cuda, needs_gpu, run_in_child
+
+ops = torch.ops.qwen38
+LANES = ["int8", "int8x2"]
+SHAPES_27B = [(16480, 5120), (34816, 5120), (14336, 5120), (5120, 6144), (5120, 17408)]
+ODD_SHAPES = [(1, 64), (7, 128), (33, 192), (130, 576), (257, 1088), (100, 6144)]
+TILES = ["32", "64", "128"]
+
+
+def op_for(lane):
+    return {"int8": ops.q8_0_gemm_int8, "int8x2": ops.q8_0_gemm_int8x2}[lane]
+
+
+def rel_bound(K):
+    return (K // 32 + 4) * 2.0**-24
+
+
+def run_cuda(lane, act, weight_q, weight_d, out=None):
+    T, N = act[0].shape[0], weight_q.shape[0]
+    out = torch.empty(T, N, device="cuda") if out is None else out
+    out.fill_(float("nan"))
+    op_for(lane)(*act, weight_q, weight_d, out)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_opcheck_cpu(lane):
+    weight_q, weight_d = make_weights(6, 128)
+    act = make_activation(lane, 3, 128)
+    torch.library.opcheck(op_for(lane).default, (*act, weight_q, weight_d, torch.empty(3, 6)))
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("N,K", ODD_SHAPES)
+def test_cuda_odd_shapes_every_tile(lane, N, K, tile, monkeypatch):
+    monkeypatch.setenv("QWEN38_Q8_GEMM_TILE", tile)
+    assert_cuda_kernel(f"q8_0_gemm_{lane}")
+    weight_q, weight_d = make_weights(N, K, device="cuda", seed=N + K)
+    for T in (2, 17, 32, 33, 64, 65, 129, 300):
+        act = make_activation(lane, T, K, device="cuda", seed=T)
+        check_against_reference(lane, act, weight_q, weight_d, run_cuda(lane, act, weight_q, weight_d),
+                                rel_bound=rel_bound(K))
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
+def test_cuda_27b_shapes(lane, N, K):
+    """The default tile at T = 512, sampled rows against the reference, and the same bits twice."""
+    weight_q, weight_d = make_weights(N, K, device="cuda", seed=7)
+    act = make_activation(lane, 512, K, device="cuda", seed=8)
+    out = run_cuda(lane, act, weight_q, weight_d)
+    rows = sample_rows(N, count=1024)
+    check_against_reference(lane, tuple(a[::7] for a in act), weight_q, weight_d, out[::7], rows=rows,
+                            rel_bound=rel_bound(K))
+    assert torch.equal(run_cuda(lane, act, weight_q, weight_d), out), "two runs differ"
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("lane", LANES)
+def test_cuda_strided_activation_rows(lane):
+    """Activations and outputs may be row slices of wider buffers (fused projections)."""
+    N, K, T = 70, 576, 40
+    weight_q, weight_d = make_weights(N, K, device="cuda")
+    act = make_activation(lane, T, K + 64, device="cuda")
+    sliced = tuple(a[:, : K // 32] if a.dtype == torch.float32 else a[:, :K] for a in act)
+    out = torch.empty(T, N + 5, device="cuda")[:, :N]
+    run_cuda(lane, sliced, weight_q, weight_d, out=out)
+    check_against_reference(lane, sliced, weight_q, weight_d, out, rel_bound=rel_bound(K))
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("lane", LANES)
+def test_cuda_graph_replay_bitwise(lane):
+    N, K, T = 1000, 1024, 100
+    weight_q, weight_d = make_weights(N, K, device="cuda")
+    act = make_activation(lane, T, K, device="cuda")
+    out = torch.empty(T, N, device="cuda")
+    eager = run_cuda(lane, act, weight_q, weight_d, out).clone()
+    graph = capture_graph(lambda: op_for(lane)(*act, weight_q, weight_d, out))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), "graph replay differs from eager"
+
+
+def check_bad_arguments():
+    N, K, T = 64, 256, 40
+    weight_q, weight_d = make_weights(N, K, device="cuda")
+    x_q, x_d = make_activation("int8", T, K, device="cuda")
+    out = torch.empty(T, N, device="cuda")
+    wq_96, wd_96 = weight_q[:, :96].contiguous(), weight_d[:, :3].contiguous()
+    xq_96, xd_3 = x_q[:, :96].contiguous(), x_d[:, :3].contiguous()
+    xd_odd = torch.empty(T, K // 32 + 1, device="cuda")[:, 1:]
+    xd_odd.copy_(x_d)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.q8_0_gemm_int8(xq_96, xd_3, wq_96, wd_96, out)
+    with pytest.raises(RuntimeError, match="8-byte aligned"):
+        ops.q8_0_gemm_int8(x_q, xd_odd, weight_q, weight_d, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.q8_0_gemm_int8(x_q, x_d, weight_q, weight_d, out[:, :10])
+
+
+@cuda
+@needs_gpu
+def test_cuda_bad_arguments_raise():
+    run_in_child(__file__, "check_bad_arguments")
