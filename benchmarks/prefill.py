@@ -238,7 +238,7 @@ def main(argv=None) -> dict:
         r = time_prefill(model, length, reps=3 if length <= 4096 else 1)
         results["lengths"][f"pp{length}"] = r
         table.append(dict(lane=lanes[0], test=f"pp{length}", tok_s=r["tok_s"], ttft_s=r["ttft_s"], peak_gb=r["peak_gb"]))
-    for length in (512, 4096):
+    for length in sorted({512, min(4096, max(lengths))}):
         results[f"split_pp{length}_ms"] = part_split(model, length)
         print(f"split pp{length} (ms): {results[f'split_pp{length}_ms']}")
     longest = max(lengths)

@@ -3,8 +3,9 @@
 # leave logs and JSON under $OUT. Run through the device tool from the repo root with carry
 # [".whl", ".oracle"] (scripts/prepare_device.sh fills both here; the device has no network and does not
 # see ../shared):
-#   bash scripts/device_check.sh [-k PYTEST_EXPR] [BENCH_MODULE ...]
-# e.g. QWEN38_COMMIT=1a2b3c4 bash scripts/device_check.sh -k gemv benchmarks.ops.bench_q8_gemv
+#   bash scripts/device_check.sh [-k PYTEST_EXPR] ["BENCH_MODULE [ARGS]" ...]
+# e.g. QWEN38_COMMIT=1a2b3c4 bash scripts/device_check.sh -k gemv benchmarks.ops.bench_q8_gemv \
+#        "benchmarks.prefill --lengths 512,4096"
 # (the device copy of the tree has no .git: QWEN38_COMMIT, the hash of the commit sent, names it in logs and results)
 # At most 8 files come back from $OUT: build.log, tests.log, bench.log, benchmarks.json.
 set -uo pipefail
@@ -32,8 +33,10 @@ python3 -m pytest "${test_args[@]}" 2>&1 | tee "$OUT/tests.log"
 test_rc=${PIPESTATUS[0]}
 
 for bench in "$@"; do
+  read -r -a words <<<"$bench"  # a module, then its own arguments
+  module=${words[0]}
   echo "== $bench" | tee -a "$OUT/bench.log"
-  python3 -m "$bench" --json "$OUT/bench/${bench##*.}.json" 2>&1 | tee -a "$OUT/bench.log"
+  python3 -m "$module" "${words[@]:1}" --json "$OUT/bench/${module##*.}.json" 2>&1 | tee -a "$OUT/bench.log"
 done
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
