@@ -126,7 +126,9 @@ __device__ __forceinline__ void load_tile_async(CacheT* dst, const CacheT* __res
   constexpr int kVec = 16 / (int)sizeof(CacheT);
   constexpr int kChunksPerRow = kHeadDim / kVec;
   static_assert(kRows * kChunksPerRow % kThreads == 0, "every thread copies the same number of chunks");
-#pragma unroll
+  // Unrolled by 4, not fully: the 16 64-bit source addresses at hd = 256 pushed the float32 instance to
+  // spills (ptxas -v), and the bf16 hd = 256 instance from 232 to 255 registers.
+#pragma unroll 4
   for (int k = 0; k < kRows * kChunksPerRow / kThreads; ++k) {
     const int chunk = k * kThreads + threadIdx.x;
     const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * kVec;
@@ -142,7 +144,8 @@ template <typename Tile, int kRows, int kHeadDim>
 __device__ __forceinline__ void split_tile(__nv_bfloat16* planes, const float* raw) {
   constexpr int kQuads = kHeadDim / 4;
   static_assert(kRows * kQuads % kThreads == 0, "every thread splits the same number of quads");
-#pragma unroll
+  // 4 quads in flight, not all 16 (hd = 256): 64 more live registers beside O spilled (ptxas -v).
+#pragma unroll 4
   for (int k = 0; k < kRows * kQuads / kThreads; ++k) {
     const int quad = k * kThreads + threadIdx.x;
     const int r = quad / kQuads, col = (quad % kQuads) * 4;
@@ -354,10 +357,11 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
     l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
     const int i = first_row + warp * 16 + g + 8 * h;
     if (i >= num_rows) continue;
+    const float inv_l = 1.0f / l[h];
     float* dst = out + head_offset(i) + 2 * c;
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j)
-      *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[j][2 * h] / l[h], o[j][2 * h + 1] / l[h]);
+      *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[j][2 * h] * inv_l, o[j][2 * h + 1] * inv_l);
   }
 }
 
