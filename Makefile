@@ -4,16 +4,35 @@
 PY ?= python3
 PROMPT ?= The quick brown fox
 MODEL ?=
+# Where torch comes from when none is installed and there is no NVIDIA GPU: the CPU wheels. A bare
+# `pip install torch` on Linux pulls a CUDA build (~5 GB), useless without a GPU.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install demo test test-cuda
+.PHONY: torch install demo test test-cuda
 
-install:
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch
-	$(PY) -m pip install -q setuptools wheel ninja
+# An installed torch is kept (the extension is built against it); otherwise the build is chosen by
+# whether `nvidia-smi` lists a GPU.
+torch:
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		$(PY) -c "import torch; print('torch', torch.__version__, 'is installed: keeping it,', \
+			f'a CUDA {torch.version.cuda} build' if torch.version.cuda else 'a CPU build')"; \
+	elif nvidia-smi -L >/dev/null 2>&1; then \
+		echo "no torch installed, an NVIDIA GPU is present: installing PyPI's torch (a CUDA build)"; \
+		$(PY) -m pip install torch; \
+	else \
+		echo "no torch installed, no NVIDIA GPU: installing the CPU build of torch from $(TORCH_CPU_INDEX)"; \
+		$(PY) -m pip install torch --index-url $(TORCH_CPU_INDEX); \
+	fi
+
+# setuptools, wheel and ninja are pyproject.toml's build requirements: without build isolation pip
+# does not install them (and an isolated build would pull another torch).
+install: torch
+	$(PY) -m pip install -q "setuptools>=77" wheel ninja
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	@$(PY) -c "import qwen38_ops; print('qwen38_ops:', qwen38_ops.BUILD_SUMMARY)"
 
 demo: install
-	$(PY) -m qwen38_model generate $(if $(MODEL),--model $(MODEL)) --prompt "$(PROMPT)"
+	$(PY) -m qwen38_model generate $(if $(MODEL),--model "$(MODEL)") --prompt "$(PROMPT)"
 
 test: install
 	$(PY) -m pytest -q -rs

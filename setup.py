@@ -1,33 +1,70 @@
-"""Builds qwen38_ops._C: the op schemas (csrc/bindings.cpp) always, the CUDA kernels when possible.
+"""Builds qwen38_ops._C: the op schemas (csrc/bindings.cpp) always, the CUDA kernels when the toolkit works.
 
-CUDA sources are compiled when the installed torch is a CUDA build and cpp_extension finds CUDA_HOME
-(not torch.cuda.is_available(): a GPU-less builder can still compile them), unless QWEN38_NO_CUDA=1.
+The CUDA sources are compiled when the installed torch is a CUDA build and a probe of the toolkit passes:
+CUDA_HOME/bin/nvcc runs and reports its release, and CUDA_HOME/include holds cuda_runtime.h and
+cuda_bf16.h. An `nvcc` on the PATH is not enough (a wrapper script without the toolkit behind it made the
+build fail). The probe does not ask for a GPU: a GPU-less builder can compile the kernels.
+QWEN38_NO_CUDA=1 skips them; QWEN38_CUDA_ARCH (default 90) picks the GPU architecture.
+
+The build's summary and the torch version it compiles against go to qwen38_ops/_build_info.py:
+`import qwen38_ops` refuses a _C built against another torch (C++ extensions are tied to one torch).
 Install with --no-build-isolation: an isolated build environment would pull another torch.
 """
 import glob
 import os
+import subprocess
 
 import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
+ARCH = os.environ.get("QWEN38_CUDA_ARCH", "90")
 
-def want_cuda() -> bool:
+
+def cuda_toolkit_problem() -> str | None:
+    """Why the CUDA kernels cannot be compiled here, or None when they can."""
     if os.environ.get("QWEN38_NO_CUDA", "0") == "1":
-        return False
-    return torch.version.cuda is not None and CUDA_HOME is not None
+        return "QWEN38_NO_CUDA=1"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    if CUDA_HOME is None:
+        return "no CUDA toolkit found (set CUDA_HOME, or put the toolkit's nvcc on the PATH)"
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{nvcc} does not run ({e})"
+    if "release" not in version:
+        return f"{nvcc} --version reports no release"
+    for header in ("cuda_runtime.h", "cuda_bf16.h"):
+        if not os.path.isfile(os.path.join(CUDA_HOME, "include", header)):
+            return f"{header} not found in {CUDA_HOME}/include (set CUDA_HOME to the CUDA toolkit)"
+    return None
 
 
-def extension():
+def extension(cuda: bool):
     sources = ["csrc/bindings.cpp"]
-    if not want_cuda():
+    if not cuda:
         return CppExtension("qwen38_ops._C", sources, extra_compile_args={"cxx": ["-O2"]})
     sources += sorted(glob.glob("csrc/kernels/*.cu")) + sorted(glob.glob("csrc/cuda_bindings/*.cpp"))
-    arch = os.environ.get("QWEN38_CUDA_ARCH", "90")
     # No --use_fast_math: the int8 lane must reproduce ggml's activation rounding, and approximate
     # exp/rsqrt/division move values across rounding boundaries (measured: 1.8e-2 vs llama.cpp's logits).
-    nvcc = ["-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}", "--expt-relaxed-constexpr"]
+    nvcc = ["-O3", "-lineinfo", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}", "--expt-relaxed-constexpr"]
     return CUDAExtension("qwen38_ops._C", sources, extra_compile_args={"cxx": ["-O2"], "nvcc": nvcc})
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtension})
+def write_build_info(cuda: bool, summary: str) -> None:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen38_ops", "_build_info.py")
+    with open(path, "w") as f:
+        f.write("# Written by setup.py when qwen38_ops._C is built; checked by `import qwen38_ops`.\n"
+                f"TORCH_VERSION = {torch.__version__!r}\nCUDA_KERNELS = {cuda!r}\nSUMMARY = {summary!r}\n")
+
+
+problem = cuda_toolkit_problem()
+if problem is None:
+    summary = f"CUDA kernels for sm_{ARCH} (torch {torch.__version__}, CUDA_HOME={CUDA_HOME})"
+else:
+    summary = f"CPU-only build: {problem}; every op runs its plain-PyTorch reference"
+print(f"qwen38: {summary}", flush=True)
+write_build_info(problem is None, summary)
+setup(ext_modules=[extension(problem is None)], cmdclass={"build_ext": BuildExtension})

@@ -39,6 +39,12 @@ class GenerationStats:
         # The first new token comes from the prefill's logits; the rest are decode steps.
         return (self.new_tokens - 1) / self.decode_s if self.decode_s and self.new_tokens > 1 else 0.0
 
+    def __str__(self) -> str:
+        # Time to first token = the prefill: it ends with the first new token selected.
+        mode = "CUDA graph" if self.graph else "eager"
+        return (f"prefill: {self.prompt_tokens} tokens, {self.prefill_tok_s:.1f} tok/s, time to first token "
+                f"{self.prefill_s:.3f} s | decode ({mode}): {self.new_tokens} tokens, {self.decode_tok_s:.1f} tok/s")
+
 
 class DecodeEngine:
     """Static decode buffers for one sequence of up to max_seq_len tokens, and the captured step graphs

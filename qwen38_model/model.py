@@ -82,6 +82,9 @@ class Qwen38ForCausalLM(nn.Module):
         dequantize-then-matmul); benchmarks/NOTES.md has the measurements behind the default.
         progress: optional callable(bytes_read, bytes_total), called as tensors arrive."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            why = f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device={str(device)!r} but {why} (device='cpu' runs the plain-PyTorch reference ops)")
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if quantize not in (None, "q8_0"):

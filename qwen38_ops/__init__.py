@@ -10,8 +10,22 @@ import warnings
 
 import torch
 
-from . import _C  # noqa: F401  (loads the schemas and, in a CUDA build, the kernels)
-from . import attention, embedding, gdn, norm_quant, q8_gemv, sampling  # noqa: F401
+REBUILD = "`python -m pip install --no-build-isolation -e .` in the source checkout (or `make install`)"
+
+try:
+    from . import _build_info
+except ImportError:
+    raise ImportError(f"qwen38_ops is not built: run {REBUILD}") from None
+# A C++ extension is tied to the torch it was compiled against: another torch fails with undefined
+# symbols (or worse), so say what to do before loading it.
+if _build_info.TORCH_VERSION != torch.__version__:
+    raise ImportError(f"qwen38_ops._C was built against torch {_build_info.TORCH_VERSION}, but torch "
+                      f"{torch.__version__} is installed: rebuild with {REBUILD}")
+
+from . import _C  # noqa: E402,F401  (loads the schemas and, in a CUDA build, the kernels)
+from . import attention, embedding, gdn, norm_quant, q8_gemv, sampling  # noqa: E402,F401
+
+BUILD_SUMMARY = _build_info.SUMMARY  # which build this is: CUDA kernels, or CPU-only and why
 
 
 @functools.cache
@@ -25,8 +39,7 @@ def warn_if_no_cuda_kernels() -> None:
     """Warn once when CUDA tensors will run through the slow references."""
     if not cuda_kernels_available():
         warnings.warn(
-            "qwen38_ops was built without CUDA kernels, so CUDA tensors run the plain-PyTorch reference ops "
-            "(correct but slow). Rebuild with a CUDA build of torch and nvcc on the PATH: "
-            "`python -m pip install --no-build-isolation -e .` (QWEN38_NO_CUDA must not be 1).",
+            f"qwen38_ops has no CUDA kernels ({BUILD_SUMMARY}), so CUDA tensors run the plain-PyTorch "
+            f"reference ops (correct but slow). With a CUDA build of torch and the CUDA toolkit, rebuild: {REBUILD}.",
             stacklevel=3,
         )
