@@ -79,6 +79,9 @@ TORCH_LIBRARY(qwen38, m) {
   // split-K combine (size from qwen38_ops.attention.workspace_numel); contents undefined afterwards.
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, Tensor(a!) out, "
         "Tensor(b!) workspace) -> ()");
+  // attention's out without its workspace, for prompts (tensor cores; a bf16 cache rounds q and p to bf16).
+  m.def("attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, "
+        "Tensor(a!) out) -> ()");
   // out [T, Hq*hd] = attn [T, Hq, hd] * sigmoid(gate) with gate read from qgkv's interleaved q|gate rows.
   m.def("attn_output_gate(Tensor attn, Tensor qgkv, Tensor(a!) out, Tensor(b!)? out_q, Tensor(c!)? out_q_lo, "
         "Tensor(d!)? out_d) -> ()");

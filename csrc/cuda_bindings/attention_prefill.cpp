@@ -1,0 +1,78 @@
+// CUDA binding of attention_prefill: argument checks, device guard, launch on the current stream.
+#include <ATen/ATen.h>
+#include <cuda_bf16.h>
+
+#include "checks.h"
+#include "../kernels/attention_prefill.h"
+
+namespace qwen38 {
+namespace {
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& positions, double scale, at::Tensor& out) {
+  constexpr const char* op = "attention_prefill";
+  QWEN38_CHECK_CUDA("attention_prefill", q);
+  QWEN38_CHECK_DTYPE("attention_prefill", q, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("attention_prefill", q);
+  QWEN38_CHECK(q.dim() == 3, op, ": q must be [T, Hq, hd], found ", q.sizes());
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  QWEN38_CHECK(attention_prefill_head_dim_supported((int)head_dim), op,
+              ": head_dim must be one of 32, 64, 128, 256 (one kernel instance each), found ", head_dim);
+
+  QWEN38_CHECK(k_cache.device() == q.device() && v_cache.device() == q.device(), op,
+              ": k_cache and v_cache must be on ", q.device(), ", found ", k_cache.device(), " and ", v_cache.device());
+  QWEN38_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16, op,
+              ": k_cache must be float32 or bfloat16, found ", k_cache.scalar_type());
+  QWEN38_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), op, ": v_cache must have k_cache's dtype ",
+              k_cache.scalar_type(), ", found ", v_cache.scalar_type());
+  QWEN38_CHECK(k_cache.dim() == 3 && k_cache.size(2) == head_dim, op,
+              ": k_cache must be [max_seq, Hkv, hd] with hd = ", head_dim, ", found ", k_cache.sizes());
+  QWEN38_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must be shaped like k_cache ", k_cache.sizes(),
+              ", found ", v_cache.sizes());
+  QWEN38_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache and v_cache must be contiguous");
+  QWEN38_CHECK(k_cache.size(0) <= INT32_MAX, op, ": max_seq must fit in int32, found ", k_cache.size(0));
+  const int64_t num_kv_heads = k_cache.size(1), max_seq = k_cache.size(0);
+  QWEN38_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op,
+              ": Hq must be a multiple of Hkv, found Hq ", num_heads, ", Hkv ", num_kv_heads);
+  const int64_t row_blocks = (num_tokens * (num_heads / num_kv_heads) + kAttentionPrefillRows - 1) /
+                             kAttentionPrefillRows;
+  QWEN38_CHECK(row_blocks <= 65535, op, ": T * Hq / Hkv must be at most 65535 * ", kAttentionPrefillRows,
+              " (one grid row of blocks per ", kAttentionPrefillRows, " query rows), found T ", num_tokens);
+
+  QWEN38_CHECK(positions.device() == q.device(), op, ": positions must be on ", q.device(), ", found ",
+              positions.device());
+  QWEN38_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 1 && positions.size(0) == num_tokens &&
+                  positions.is_contiguous(),
+              op, ": positions must be contiguous int32 [T] = [", num_tokens, "], found ", positions.scalar_type(),
+              " ", positions.sizes());
+
+  QWEN38_CHECK_SAME_DEVICE("attention_prefill", q, out);
+  QWEN38_CHECK_DTYPE("attention_prefill", out, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("attention_prefill", out);
+  QWEN38_CHECK(out.sizes() == q.sizes(), op, ": out must be shaped like q ", q.sizes(), ", found ", out.sizes());
+  QWEN38_CHECK(aligned16(q) && aligned16(k_cache) && aligned16(v_cache) && aligned16(out), op,
+              ": q, k_cache, v_cache and out must be 16-byte aligned (the kernel moves them in 16-byte pieces)");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  cudaError_t err;
+  if (k_cache.scalar_type() == at::kFloat) {
+    err = attention_prefill_launch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                                          positions.data_ptr<int32_t>(), (float)scale, out.data_ptr<float>(),
+                                          (int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim,
+                                          (int)max_seq, current_stream());
+  } else {
+    err = attention_prefill_launch<__nv_bfloat16>(
+        q.data_ptr<float>(), reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), positions.data_ptr<int32_t>(), (float)scale,
+        out.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim, (int)max_seq,
+        current_stream());
+  }
+  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+}  // namespace qwen38
+
+TORCH_LIBRARY_IMPL(qwen38, CUDA, m) { m.impl("attention_prefill", &qwen38::attention_prefill); }

@@ -1,0 +1,214 @@
+"""attention_prefill: causal GQA attention of a prompt chunk over the KV cache (tensor-core kernel).
+
+CPU (CI): opcheck, and the reference against an explicit per-token softmax loop. CUDA (-m cuda): the kernel
+against the float64 reference on random inputs, at odd T around the 64-row block (1, 7, 63, 64, 65, 200),
+continuing from cached positions (first position 0, 5, 1000), non-consecutive positions, the oracle and 27B
+shapes and every head dim, both cache dtypes; outputs NaN-poisoned before each run and cache rows past the
+last position NaN (a read past the causal bound shows); two runs give the same bits; bad arguments raise.
+
+Bars, by cache dtype (errors relative to the reference's scale; figures printed with -s):
+- float32 (bf16 hi + lo split, three MMAs, ~1e-5): rel L2 <= 3e-5.
+- bfloat16 (q and p rounded to bf16, flash-attention's usual precision): max abs error <= 2e-2 max|ref|,
+  rel L2 <= 1e-2.
+"""
+import pytest
+import torch
+
+import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from qwen38_ops.reference import attention_prefill as ref
+
+from cuda_helpers import TORCH_ERROR_CONTROL, assert_cuda_kernel, cuda, needs_gpu, progress, run_in_child
+
+ops = torch.ops.qwen38
+
+# (Hq, Hkv, hd): the oracle and the 27B model.
+ORACLE = (4, 2, 32)
+M27B = (24, 4, 256)
+CACHE_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def make_inputs(T, shape, positions, cache_dtype, device="cpu", seed=0):
+    """q [T, Hq, hd] (N(0, 1.5^2)), caches with random rows 0..max(positions) and NaN rows after them."""
+    hq, hkv, hd = shape
+    g = torch.Generator().manual_seed(seed)
+    last = max(positions)
+    max_seq = last + 9
+    k = torch.randn(max_seq, hkv, hd, generator=g, dtype=torch.float64)
+    v = torch.randn(max_seq, hkv, hd, generator=g, dtype=torch.float64)
+    k[last + 1 :] = float("nan")
+    v[last + 1 :] = float("nan")
+    q = torch.randn(T, hq, hd, generator=g) * 1.5
+    pos = torch.tensor(positions, dtype=torch.int32)
+    return [x.to(device) for x in (q, k.to(cache_dtype), v.to(cache_dtype), pos)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: opcheck and the reference against an independent formula.
+
+def test_opcheck_cpu():
+    q, k_cache, v_cache, positions = make_inputs(3, ORACLE, [2, 5, 9], torch.float32)
+    out = torch.empty_like(q)
+    torch.library.opcheck(ops.attention_prefill.default, (q, k_cache, v_cache, positions, 32**-0.5, out))
+
+
+def test_reference_vs_softmax_loop():
+    """Non-consecutive and repeated positions, GQA 6 query heads on 2 kv heads."""
+    hq, hkv, hd = 6, 2, 16
+    positions = [4, 9, 2, 9, 0]
+    q, k_cache, v_cache, pos = make_inputs(len(positions), (hq, hkv, hd), positions, torch.float64)
+    q = q.double()
+    out = torch.empty_like(q)
+    scale = hd**-0.5
+    ref.attention_prefill(q, k_cache, v_cache, pos, scale, out)
+    for t, p in enumerate(positions):
+        for h in range(hq):
+            kv = h // (hq // hkv)  # GQA: consecutive query heads share a kv head
+            weights = torch.softmax(k_cache[: p + 1, kv] @ q[t, h] * scale, dim=0)
+            torch.testing.assert_close(out[t, h], weights @ v_cache[: p + 1, kv], rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA: the kernel against the reference.
+
+def expected_float64(q, k_cache, v_cache, positions, scale):
+    """The reference in float64 on the CPU over the very values the kernel reads (bf16 is exact in float64)."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    ref.attention_prefill(q.double(), k_cache.double(), v_cache.double(), positions, scale, out)
+    return out
+
+
+def run_cuda(q, k_cache, v_cache, positions, scale):
+    out = torch.full(q.shape, float("nan"), device="cuda")  # poison: every element must be written
+    ops.attention_prefill(q, k_cache, v_cache, positions, scale, out)
+    return out
+
+
+def assert_within_bars(got, expected, cache_dtype, label):
+    assert torch.isfinite(got).all(), f"{label}: non-finite outputs"
+    err = got.cpu().double() - expected
+    rel_l2 = (err.norm() / expected.norm()).item()
+    max_rel = (err.abs().max() / expected.abs().max()).item()
+    print(f"{label} {str(cache_dtype)[6:]}: rel L2 {rel_l2:.2e}, max abs / max|ref| {max_rel:.2e}")
+    if cache_dtype == torch.float32:
+        assert rel_l2 <= 3e-5, (label, rel_l2, max_rel)
+    else:
+        assert rel_l2 <= 1e-2 and max_rel <= 2e-2, (label, rel_l2, max_rel)
+
+
+CASES = (
+    # (shape, T, first position): T around the 64-row block, from position 0 and continuing a cache
+    [(s, T, first) for s in (ORACLE, M27B) for T in (1, 7, 63, 64, 65, 200) for first in (0, 5, 1000)]
+    # the 27B shape at a 512-token chunk over a 1.5k context; every head dim and group size 1..8
+    + [(M27B, 512, 1024), ((8, 1, 64), 65, 5), ((2, 2, 64), 7, 0), ((6, 3, 128), 63, 1000),
+       ((12, 2, 128), 200, 0), ((7, 1, 256), 33, 300)]
+)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c[0][0]}x{c[0][1]}_hd{c[0][2]}_T{c[1]}_from{c[2]}")
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_attention_prefill_cuda_matches_reference(case, cache_dtype):
+    assert_cuda_kernel("attention_prefill")
+    shape, T, first = case
+    positions = list(range(first, first + T))
+    q, k_cache, v_cache, pos = make_inputs(T, shape, positions, cache_dtype, seed=T + first)
+    scale = shape[2] ** -0.5
+    expected = expected_float64(q, k_cache, v_cache, pos, scale)
+    got = run_cuda(q.cuda(), k_cache.cuda(), v_cache.cuda(), pos.cuda(), scale)
+    assert_within_bars(got, expected, cache_dtype, f"{shape} T={T} from {first}")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape", [ORACLE, M27B])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_attention_prefill_cuda_unordered_positions(shape, cache_dtype):
+    """Positions shuffled, repeated and far apart inside one 64-row block and across blocks: each row masks
+    by its own position, and a block walks to the largest position among its rows."""
+    g = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, 700, (90,), generator=g).tolist() + [0, 0, 1500, 3, 1500, 64, 63, 65]
+    q, k_cache, v_cache, pos = make_inputs(len(positions), shape, positions, cache_dtype, seed=9)
+    scale = shape[2] ** -0.5
+    expected = expected_float64(q, k_cache, v_cache, pos, scale)
+    got = run_cuda(q.cuda(), k_cache.cuda(), v_cache.cuda(), pos.cuda(), scale)
+    assert_within_bars(got, expected, cache_dtype, f"{shape} unordered")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_attention_prefill_cuda_deterministic(cache_dtype):
+    """Two runs give the same bits (no atomics, a fixed reduction order)."""
+    q, k_cache, v_cache, pos = make_inputs(200, M27B, list(range(300, 500)), cache_dtype, device="cuda", seed=3)
+    first = run_cuda(q, k_cache, v_cache, pos, 256**-0.5)
+    assert torch.equal(first, run_cuda(q, k_cache, v_cache, pos, 256**-0.5))
+
+
+@cuda
+@needs_gpu
+def test_opcheck_cuda():
+    for cache_dtype in CACHE_DTYPES:
+        q, k_cache, v_cache, positions = make_inputs(3, ORACLE, [2, 5, 9], cache_dtype, device="cuda")
+        out = torch.empty_like(q)
+        torch.library.opcheck(ops.attention_prefill.default, (q, k_cache, v_cache, positions, 32**-0.5, out))
+
+
+def check_bad_inputs():
+    """Every wrong argument raises a RuntimeError naming the op and the argument (run in a child process
+    by test_bad_inputs_raise)."""
+    q, k_cache, v_cache, positions = make_inputs(2, ORACLE, [3, 4], torch.float32, device="cuda")
+    out = torch.empty_like(q)
+    prefill = ops.attention_prefill
+    progress()
+    with pytest.raises(RuntimeError, match="attention_prefill: q must be a CUDA tensor"):
+        prefill(q.cpu(), k_cache, v_cache, positions, 0.1, out)
+    progress()
+    with pytest.raises(RuntimeError, match="attention_prefill: q must be Float"):
+        prefill(q.double(), k_cache, v_cache, positions, 0.1, out)
+    progress()
+    with pytest.raises(RuntimeError, match="q must be contiguous"):
+        prefill(q.transpose(0, 1), k_cache, v_cache, positions, 0.1, out)
+    progress()
+    with pytest.raises(RuntimeError, match="head_dim must be one of"):
+        prefill(q[..., :24].contiguous(), k_cache[..., :24].contiguous(), v_cache[..., :24].contiguous(),
+                positions, 0.1, out[..., :24].contiguous())
+    progress()
+    with pytest.raises(RuntimeError, match="k_cache must be float32 or bfloat16"):
+        prefill(q, k_cache.half(), v_cache.half(), positions, 0.1, out)
+    progress()
+    with pytest.raises(RuntimeError, match="v_cache must have k_cache's dtype"):
+        prefill(q, k_cache, v_cache.bfloat16(), positions, 0.1, out)
+    progress()
+    with pytest.raises(RuntimeError, match="v_cache must be shaped like k_cache"):
+        prefill(q, k_cache, v_cache[:-1], positions, 0.1, out)
+    progress()
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must be contiguous"):
+        prefill(q, k_cache.transpose(0, 1).contiguous().transpose(0, 1), v_cache, positions, 0.1, out)
+    progress()
+    with pytest.raises(RuntimeError, match="Hq must be a multiple of Hkv"):
+        prefill(q[:, :3].contiguous(), k_cache, v_cache, positions, 0.1, out[:, :3].contiguous())
+    progress()
+    with pytest.raises(RuntimeError, match="positions must be contiguous int32"):
+        prefill(q, k_cache, v_cache, positions.long(), 0.1, out)
+    progress()
+    with pytest.raises(RuntimeError, match="positions must be on"):
+        prefill(q, k_cache, v_cache, positions.cpu(), 0.1, out)
+    progress()
+    with pytest.raises(RuntimeError, match="out must be shaped like q"):
+        prefill(q, k_cache, v_cache, positions, 0.1, out[:1])
+    progress()
+    with pytest.raises(RuntimeError, match="out must be Float"):
+        prefill(q, k_cache, v_cache, positions, 0.1, out.double())
+    progress()
+    misaligned = torch.empty(q.numel() + 1, device="cuda")[1:].view(q.shape).copy_(q)
+    with pytest.raises(RuntimeError, match="must be 16-byte aligned"):
+        prefill(misaligned, k_cache, v_cache, positions, 0.1, out)
+
+
+@cuda
+@needs_gpu
+def test_bad_inputs_raise():
+    """check_bad_inputs in a child process (see cuda_helpers.run_in_child for why), after the control
+    TORCH_ERROR_CONTROL."""
+    run_in_child(__file__, "check_bad_inputs", preamble=TORCH_ERROR_CONTROL)
