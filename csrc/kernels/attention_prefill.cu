@@ -174,21 +174,19 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
   __nv_bfloat16* k_planes = q_planes + kPlanes * Tile::kQPlane;        // [planes][kBlockN][kStride]
   __nv_bfloat16* v_planes = k_planes + kPlanes * Tile::kKVPlane;       // [planes][kBlockN][kStride]
   float* raw = reinterpret_cast<float*>(v_planes + kPlanes * Tile::kKVPlane);  // [kBlockN][hd], float32 lane
-  __shared__ int row_ctx[kBlockM];  // cache rows each row of the block sees (0: a row past T * G)
+  __shared__ int row_ctx[kBlockM];   // cache rows each row of the block sees (0: a row past T * G)
+  __shared__ int row_head[kBlockM];  // token * Hq + query head: where the row's q and out live (-1: past T * G)
 
   const int group = num_heads / num_kv_heads;
   const int kv_head = blockIdx.x;
   const int first_row = (gridDim.y - 1 - blockIdx.y) * kBlockM;
-  const int num_rows = num_tokens * group;
-  // Where row i's q and out live: token i / G, head kv_head * G + i % G.
-  auto head_offset = [&](int i) {
-    return ((int64_t)(i / group) * num_heads + kv_head * group + i % group) * kHeadDim;
-  };
-
   if (threadIdx.x < kBlockM) {
-    const int i = first_row + threadIdx.x;
-    row_ctx[threadIdx.x] = i < num_rows ? context_length(positions[i / group], max_seq) : 0;
+    const int i = first_row + threadIdx.x, token = i / group;
+    const bool valid = token < num_tokens;
+    row_ctx[threadIdx.x] = valid ? context_length(positions[token], max_seq) : 0;
+    row_head[threadIdx.x] = valid ? token * num_heads + kv_head * group + i % group : -1;
   }
+  __syncthreads();
   // q * scale * log2(e) into the Q planes (rows past T * G are zeros).
   constexpr int kQuads = kHeadDim / 4;
   static_assert(kBlockM * kQuads % kThreads == 0, "every thread loads the same number of quads");
@@ -196,10 +194,9 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
   for (int k = 0; k < kBlockM * kQuads / kThreads; ++k) {
     const int quad = k * kThreads + threadIdx.x;
     const int r = quad / kQuads, col = (quad % kQuads) * 4;
-    const int i = first_row + r;
     float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (i < num_rows) {
-      x = *reinterpret_cast<const float4*>(q + head_offset(i) + col);
+    if (row_head[r] >= 0) {
+      x = *reinterpret_cast<const float4*>(q + (int64_t)row_head[r] * kHeadDim + col);
       x = make_float4(x.x * scale_log2, x.y * scale_log2, x.z * scale_log2, x.w * scale_log2);
     }
     store_planes<kSplit>(q_planes + r * kStride + col, Tile::kQPlane, x);
@@ -355,10 +352,10 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
     l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
-    const int i = first_row + warp * 16 + g + 8 * h;
-    if (i >= num_rows) continue;
+    const int head = row_head[warp * 16 + g + 8 * h];
+    if (head < 0) continue;
     const float inv_l = 1.0f / l[h];
-    float* dst = out + head_offset(i) + 2 * c;
+    float* dst = out + (int64_t)head * kHeadDim + 2 * c;
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j)
       *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[j][2 * h] * inv_l, o[j][2 * h + 1] * inv_l);
