@@ -153,8 +153,11 @@ class GatedAttention(nn.Module):
         ops.attn_qk_norm_rope_store(qgkv, self.q_norm, self.k_norm, positions, c.rms_norm_eps, c.rope_theta,
                                     c.rotary_dim, q, cache.k, cache.v)
         attn = scratch.empty(self, "attn", q.shape)
-        workspace = scratch.empty(self, "workspace", (workspace_numel(rows, c.num_attention_heads, c.head_dim),))
-        ops.attention(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)
+        if rows > 1:  # a prompt chunk (or a verify batch): flash attention on tensor cores
+            ops.attention_prefill(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn)
+        else:  # the decode step: split-K over the cache, combined in a fixed order
+            workspace = scratch.empty(self, "workspace", (workspace_numel(rows, c.num_attention_heads, c.head_dim),))
+            ops.attention(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)
         out = scratch.activation(self, "gated", rows, c.num_attention_heads * c.head_dim, input_lane(self.o_proj))
         ops.attn_output_gate(attn, qgkv, *out.outs())
         return self.o_proj(out, scratch)

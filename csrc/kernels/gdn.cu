@@ -2,7 +2,8 @@
 // delta-rule recurrence on the float32 state [Hv, dv, dk] (key index fastest).
 //
 // Decode (T = 1) is what these kernels are shaped for; T > 1 (prefill, verification) runs the same
-// recurrence token by token inside one launch, so the state is still read once and written once.
+// recurrence token by token inside one launch (next token's inputs in flight while one is computed), so
+// the state is still read once and written once; the conv runs its tokens in parallel runs.
 #include "gdn.h"
 
 #include <cuda_runtime.h>
@@ -75,11 +76,17 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cuda
 }
 
 // ---------------------------------------------------------------------------------------------------
-// gdn_conv. Depthwise: a channel never mixes with another, so one thread owns one channel for all T
-// tokens and keeps its taps-1 previous inputs in registers (the ring is read once and written once per
-// call, however many tokens). The L2 norm needs a whole head, so the q and k region is cut into blocks of
-// exactly one head (blockDim = head_k_dim rounded up to a warp); the v region only needs the SiLU and is
-// cut into blocks of the same width. Block-uniform `normalize` keeps the __syncthreads legal.
+// gdn_conv. Depthwise: a channel never mixes with another, so one thread owns one channel for a run of
+// up to kConvTokens tokens and keeps its taps-1 previous inputs in registers. The L2 norm needs a whole
+// head, so the q and k region is cut into blocks of exactly one head (blockDim = head_k_dim rounded up to
+// a warp); the v region only needs the SiLU and is cut into blocks of the same width. Block-uniform
+// `normalize` keeps the __syncthreads legal.
+// Prompts: blockIdx.y picks a run of kConvTokens tokens, whose first taps-1 inputs come from the
+// previous tokens' rows of qkv (or from conv_state before token 0), so the runs are independent. One
+// thread per channel over all T was latency-bound (one dependent global load per token: ~0.2 ms per layer
+// at T = 512, measured). Only the first run reads conv_state, so it alone writes the new state, after its
+// reads: no other block touches it.
+constexpr int kConvTokens = 16;  // >= taps - 1 (8 at most), so only run 0 reads conv_state
 template <int kTaps>
 __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, float* __restrict__ conv_state,
                                 const float* __restrict__ conv_weight, float* __restrict__ out,
@@ -97,17 +104,22 @@ __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_s
     active = channel < channels;
   }
 
+  // Input t of the conv (t < 0: conv_state's row taps-1+t, the inputs before this call).
+  auto input = [&](int t) {
+    return t >= 0 ? qkv[t * qkv_row_stride + channel] : conv_state[(int64_t)(kTaps - 1 + t) * channels + channel];
+  };
+  const int first = blockIdx.y * kConvTokens, last = min(first + kConvTokens, num_tokens);
   float weight[kTaps];
   float window[kTaps - 1];  // oldest first, like conv_state's rows
 #pragma unroll
   for (int i = 0; i < kTaps; ++i) weight[i] = active ? conv_weight[(int64_t)channel * kTaps + i] : 0.0f;
 #pragma unroll
-  for (int i = 0; i < kTaps - 1; ++i) window[i] = active ? conv_state[(int64_t)i * channels + channel] : 0.0f;
+  for (int i = 0; i < kTaps - 1; ++i) window[i] = active ? input(first - (kTaps - 1) + i) : 0.0f;
 
   __shared__ float warp_sums[2][32];  // double-buffered by token parity: one barrier per token
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = (blockDim.x + 31) >> 5;
 
-  for (int t = 0; t < num_tokens; ++t) {
+  for (int t = first; t < last; ++t) {
     const float x = active ? qkv[t * qkv_row_stride + channel] : 0.0f;
     float acc = 0.0f;
 #pragma unroll
@@ -128,9 +140,12 @@ __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_s
     }
     if (active) out[t * out_row_stride + channel] = y;
   }
-  if (active) {
+  if (active && blockIdx.y == 0) {
+    float next[kTaps - 1];  // the last taps-1 inputs of [conv_state ; qkv], all read before any write
 #pragma unroll
-    for (int i = 0; i < kTaps - 1; ++i) conv_state[(int64_t)i * channels + channel] = window[i];
+    for (int i = 0; i < kTaps - 1; ++i) next[i] = input(num_tokens - (kTaps - 1) + i);
+#pragma unroll
+    for (int i = 0; i < kTaps - 1; ++i) conv_state[(int64_t)i * channels + channel] = next[i];
   }
 }
 
@@ -227,23 +242,31 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
   const int q_offset = key_head * dk;
   const int k_offset = (num_k_heads + key_head) * dk;
   const int v_offset = 2 * num_k_heads * dk + head * dv + row;
-  for (int t = 0; t < num_tokens; ++t) {
+  // Token t+1's inputs are loaded while token t is computed: without this the loop waited one L2 round
+  // trip per token (prompts: ~1 us per token per layer, measured at T = 512).
+  float k[kChunks][kVec], q[kChunks][kVec], v = 0.0f, beta_t = 0.0f, decay_t = 0.0f;
+  auto load_token = [&](int t, float (&k_out)[kChunks][kVec], float (&q_out)[kChunks][kVec], float& v_out,
+                        float& beta_out, float& decay_out) {
     const float* x = qkv + t * qkv_row_stride;
-    float k[kChunks][kVec], q[kChunks][kVec];
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
       const int key = (i * 32 + lane) * kVec;
       if (owns[i]) {
-        load_vec<kVec>(x + k_offset + key, k[i]);
-        load_vec<kVec>(x + q_offset + key, q[i]);
+        load_vec<kVec>(x + k_offset + key, k_out[i]);
+        load_vec<kVec>(x + q_offset + key, q_out[i]);
       } else {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) k[i][e] = q[i][e] = 0.0f;
+        for (int e = 0; e < kVec; ++e) k_out[i][e] = q_out[i][e] = 0.0f;
       }
     }
-    const float v = x[v_offset];
-    const float beta_t = beta[t * num_v_heads + head];
-    const float decay_t = decay[t * num_v_heads + head];
+    v_out = x[v_offset];
+    beta_out = beta[t * num_v_heads + head];
+    decay_out = decay[t * num_v_heads + head];
+  };
+  if (num_tokens > 0) load_token(0, k, q, v, beta_t, decay_t);
+  for (int t = 0; t < num_tokens; ++t) {
+    float k_next[kChunks][kVec], q_next[kChunks][kVec], v_next = 0.0f, beta_next = 0.0f, decay_next = 0.0f;
+    if (t + 1 < num_tokens) load_token(t + 1, k_next, q_next, v_next, beta_next, decay_next);
 
     float sk = 0.0f, sq = 0.0f, kq = 0.0f;
 #pragma unroll
@@ -264,8 +287,15 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) s[i][e] = decay_t * s[i][e] + delta * k[i][e];
+      for (int e = 0; e < kVec; ++e) {
+        s[i][e] = decay_t * s[i][e] + delta * k[i][e];
+        k[i][e] = k_next[i][e];
+        q[i][e] = q_next[i][e];
+      }
     }
+    v = v_next;
+    beta_t = beta_next;
+    decay_t = decay_next;
   }
 
 #pragma unroll
@@ -297,7 +327,7 @@ cudaError_t gdn_conv_launch(const float* qkv, int64_t qkv_row_stride, float* con
   const int threads = (head_k_dim + 31) / 32 * 32;
   const int num_qk_heads = 2 * num_k_heads;
   const int rest = channels - num_qk_heads * head_k_dim;
-  const dim3 grid(num_qk_heads + (rest + threads - 1) / threads);
+  const dim3 grid(num_qk_heads + (rest + threads - 1) / threads, (num_tokens + kConvTokens - 1) / kConvTokens);
 #define QWEN38_GDN_CONV(K)                                                                                  \
   case K:                                                                                                   \
     return launch_kernel(gdn_conv_kernel<K>, grid, dim3(threads), stream, qkv, qkv_row_stride, conv_state, \

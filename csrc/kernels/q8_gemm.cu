@@ -96,33 +96,56 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
   const int blocks_per_row = a.K / 32;
   const int8_t* x = static_cast<const int8_t*>(a.x);
 
+  // Each thread copies the same chunks at every stage, only K advances: the addresses, predicates and
+  // shared-memory offsets are computed once here (per-stage recomputation was most of the kernel's integer
+  // instructions, next to the FP32 scaling work that bounds it).
+  constexpr int kXCopies = (T::kTokens * 4 + kThreads - 1) / kThreads;  // 16-byte chunks of x per thread
+  constexpr int kWCopies = kTileRows * 4 / kThreads;
+  const int8_t* x_src[kXCopies];
+  const int8_t* x_lo_src[kXCopies];
+  int x_dst[kXCopies];
+  bool x_copy[kXCopies], x_fill[kXCopies];
+#pragma unroll
+  for (int i = 0; i < kXCopies; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int r = c >> 2, part = (c & 3) * 16;
+    x_copy[i] = c < T::kTokens * 4;
+    x_fill[i] = x_copy[i] && tok0 + r < a.T;
+    const int64_t tok = x_fill[i] ? tok0 + r : 0;  // any legal address: nothing is read when not filling
+    x_src[i] = x + tok * a.x_stride + part;
+    x_lo_src[i] = kTwoWord ? a.x_lo + tok * a.x_lo_stride + part : nullptr;
+    x_dst[i] = r * kRowPitch + part;
+  }
+  const int8_t* w_src[kWCopies];
+  int w_dst[kWCopies];
+  bool w_fill[kWCopies];
+#pragma unroll
+  for (int i = 0; i < kWCopies; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int r = c >> 2, part = (c & 3) * 16;
+    w_fill[i] = row0 + r < a.N;
+    w_src[i] = a.weight_q + (w_fill[i] ? row0 + r : 0) * static_cast<int64_t>(a.K) + part;
+    w_dst[i] = T::kWOffset + r * kRowPitch + part;
+  }
+  const int scale_row = threadIdx.x;  // threads < kTokens copy x_d pairs, threads < kTileRows weight_d pairs
+  const bool xd_copy = scale_row < T::kTokens, xd_fill = xd_copy && tok0 + scale_row < a.T;
+  const float* xd_src = a.x_d + (xd_fill ? tok0 + scale_row : 0) * a.x_d_stride;
+  const bool wd_copy = scale_row < kTileRows, wd_fill = wd_copy && row0 + scale_row < a.N;
+  const __half* wd_src = a.weight_d + (wd_fill ? row0 + scale_row : 0) * static_cast<int64_t>(blocks_per_row);
+
   auto load_stage = [&](int kt) {
     unsigned char* s = smem + (kt % kStages) * T::kStageBytes;
     const int64_t k0 = static_cast<int64_t>(kt) * kStageK;
-    for (int c = threadIdx.x; c < T::kTokens * 4; c += kThreads) {
-      const int r = c >> 2, part = (c & 3) * 16;
-      const bool fill = tok0 + r < a.T;
-      const int64_t tok = fill ? tok0 + r : 0;  // any legal address: nothing is read when not filling
-      cp_async<16>(s + r * kRowPitch + part, x + tok * a.x_stride + k0 + part, fill);
-      if constexpr (kTwoWord)
-        cp_async<16>(s + T::kXBytes + r * kRowPitch + part, a.x_lo + tok * a.x_lo_stride + k0 + part, fill);
+#pragma unroll
+    for (int i = 0; i < kXCopies; ++i) {
+      if (!x_copy[i]) continue;
+      cp_async<16>(s + x_dst[i], x_src[i] + k0, x_fill[i]);
+      if constexpr (kTwoWord) cp_async<16>(s + T::kXBytes + x_dst[i], x_lo_src[i] + k0, x_fill[i]);
     }
-    for (int c = threadIdx.x; c < kTileRows * 4; c += kThreads) {
-      const int r = c >> 2, part = (c & 3) * 16;
-      const bool fill = row0 + r < a.N;
-      const int64_t row = fill ? row0 + r : 0;
-      cp_async<16>(s + T::kWOffset + r * kRowPitch + part, a.weight_q + row * a.K + k0 + part, fill);
-    }
-    for (int r = threadIdx.x; r < T::kTokens; r += kThreads) {
-      const bool fill = tok0 + r < a.T;
-      const int64_t tok = fill ? tok0 + r : 0;
-      cp_async<8>(s + T::kXdOffset + r * 8, a.x_d + tok * a.x_d_stride + 2 * kt, fill);
-    }
-    for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
-      const bool fill = row0 + r < a.N;
-      const int64_t row = fill ? row0 + r : 0;
-      cp_async<4>(s + T::kWdOffset + r * 4, a.weight_d + row * blocks_per_row + 2 * kt, fill);
-    }
+#pragma unroll
+    for (int i = 0; i < kWCopies; ++i) cp_async<16>(s + w_dst[i], w_src[i] + k0, w_fill[i]);
+    if (xd_copy) cp_async<8>(s + T::kXdOffset + scale_row * 8, xd_src + 2 * kt, xd_fill);
+    if (wd_copy) cp_async<4>(s + T::kWdOffset + scale_row * 4, wd_src + 2 * kt, wd_fill);
   };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
