@@ -1,79 +1,238 @@
-"""Command line: `python -m qwen38_model generate --prompt TEXT [--model PATH] ...`.
+"""Command line: `qwen38 generate --prompt TEXT [--model PATH] ...` (or `python -m qwen38_model ...`).
 
 Without --model it runs the built-in synthetic default model (created on first use), so the command
 works on a fresh machine with or without a GPU. User mistakes are one line on stderr and exit code 2."""
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
+import resource
+import secrets
 import sys
 import time
 
 import torch
 
+from . import __version__
 from .errors import Qwen38Error
+from .state import KVCache
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What sampling uses where neither the command line nor the checkpoint sets a value: greedy, and
+# transformers' defaults for the filters.
+SAMPLING_DEFAULTS = {"temperature": 0.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+# llama.cpp's converter copies generation_config.json into these GGUF keys (llama.cpp's own defaults).
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                      "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
+CPU_WARN_BYTES = 2e9  # above this the CPU reference path takes seconds or more per token
+PREFILL_BAR_TOKENS = 1024  # longer prompts show a prefill progress bar on a terminal
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (the help text says what happens)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
+def device_arg(text: str) -> torch.device:
+    try:
+        return torch.device(text)
+    except RuntimeError as e:  # argparse turns ArgumentTypeError into a usage error (exit code 2)
+        raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+
+
+def program_name() -> str:
+    """The usage line names the command as it was run: the console script or the module."""
+    return "qwen38" if pathlib.Path(sys.argv[0]).name == "qwen38" else "python -m qwen38_model"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m qwen38_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=program_name(), formatter_class=HelpFormatter,
+                                     description="Qwen3.8 (qwen35 / qwen3_5) from PyTorch: generate text, or run "
+                                                 "the GPU benchmarks.")
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    parser.add_argument("--version", action="version", version=f"qwen38 {__version__} (torch {torch.__version__}, {build})")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from a prompt, streamed")
-    g.add_argument("--model", help="a .gguf file or an HF folder (default: the built-in synthetic model)")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed", formatter_class=HelpFormatter,
+                       description="Generate text from a prompt, streamed to stdout; statistics go to stderr.")
+    g.add_argument("--model", metavar="PATH", help="a .gguf file or an HF folder (default: the built-in synthetic model)")
+    source = g.add_mutually_exclusive_group()
+    source.add_argument("--prompt", metavar="TEXT", help="the prompt (default: --prompt-file, else read from standard input)")
+    source.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this file ('-': standard input)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template (the "
+                   "reply is printed, not the templated prompt)")
+    g.add_argument("--system", metavar="TEXT", help="a system message (implies --chat)")
     g.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--min-new-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    g.add_argument("--dtype", choices=DTYPES, default=None, help="dense-weight dtype")
-    g.add_argument("--quantize", choices=["q8_0"], default=None, help="quantize dense weights at load")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="stop after N new tokens")
+    g.add_argument("--min-new-tokens", type=int, default=0, metavar="N", help="no end-of-sequence before N tokens")
+    g.add_argument("--max-context", type=int, metavar="N", help="KV cache size in tokens; prompt + new tokens must fit "
+                   "(default: prompt + max new tokens, at least 4096, at most the model's context)")
+    s = g.add_argument_group("sampling", "Unset values come from the checkpoint's generation_config.json (a "
+                             "GGUF: its general.sampling.* keys), as transformers and llama.cpp read them; "
+                             "else the defaults shown.")
+    s.add_argument("--temperature", type=float, metavar="T", help=f"0 = greedy (default: {SAMPLING_DEFAULTS['temperature']})")
+    s.add_argument("--top-k", type=int, metavar="K", help=f"0 = off (default: {SAMPLING_DEFAULTS['top_k']})")
+    s.add_argument("--top-p", type=float, metavar="P", help=f"default: {SAMPLING_DEFAULTS['top_p']}")
+    s.add_argument("--min-p", type=float, metavar="P", help=f"default: {SAMPLING_DEFAULTS['min_p']}")
+    s.add_argument("--repetition-penalty", type=float, metavar="X", help=f"default: {SAMPLING_DEFAULTS['repetition_penalty']}")
+    s.add_argument("--presence-penalty", type=float, default=0.0, metavar="X", help="subtracted once from every generated "
+                   "token's logit (vLLM's meaning)")
+    s.add_argument("--seed", type=int, metavar="N", help="default: a random seed, printed so that the run can be repeated")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
+    g.add_argument("--device", type=device_arg, help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--dtype", choices=DTYPES, help="dense-weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--quantize", choices=["q8_0"], help="quantize dense weights at load")
     g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
-    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32")
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV cache dtype")
     g.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
-    sub.add_parser("bench", help="decode benchmark at the 27B shape: benchmarks/decode.py (its own options)")
+    sub.add_parser("bench", help="GPU benchmarks at the 27B shape: decode (benchmarks/decode.py), or prefill "
+                   "with --prefill (benchmarks/prefill.py); `bench [--prefill] --help` lists their options")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # everything after `bench` belongs to benchmarks/decode.py
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
         return argparse.Namespace(command="bench", bench_args=argv[1:])
     return parser.parse_args(argv)
 
 
 def bench(args: argparse.Namespace) -> None:
     """benchmarks/ lives beside the package in a source checkout (pip install -e .), not in a wheel."""
-    import pathlib
-
     root = pathlib.Path(__file__).resolve().parents[1]
-    if not (root / "benchmarks" / "decode.py").is_file():
-        raise FileNotFoundError(f"benchmarks/decode.py not found next to {root / 'qwen38_model'}: "
+    prefill = "--prefill" in args.bench_args
+    name = "prefill" if prefill else "decode"
+    if not (root / "benchmarks" / f"{name}.py").is_file():
+        raise FileNotFoundError(f"benchmarks/{name}.py not found next to {root / 'qwen38_model'}: "
                                 "`bench` needs a source checkout")
-    if not torch.cuda.is_available():
-        raise ValueError("the decode benchmark needs a CUDA GPU")
+    bench_args = [a for a in args.bench_args if a != "--prefill"]
+    if not torch.cuda.is_available() and not {"-h", "--help"} & set(bench_args):
+        raise ValueError(f"the {name} benchmark needs a CUDA GPU (`bench{' --prefill' if prefill else ''} --help` "
+                         "lists its options)")
     sys.path.insert(0, str(root))
-    from benchmarks.decode import main as decode_main
+    if prefill:
+        from benchmarks.prefill import main as bench_main
+    else:
+        from benchmarks.decode import main as bench_main
+    bench_main(bench_args)
 
-    decode_main(args.bench_args)
 
+def progress_bar(label: str, unit: str, scale: float, decimals: int):
+    """A progress bar (done/total and rate) on a terminal; silent in logs, where the summary line suffices."""
+    start = time.perf_counter()
 
-def progress_bar(start: float):
-    """A loading bar (bytes, GB/s) on a terminal; silent in logs, where the summary line suffices."""
     def show(done: int, total: int) -> None:
         if not sys.stderr.isatty():
             return
-        elapsed = max(time.perf_counter() - start, 1e-9)
+        rate = done / scale / max(time.perf_counter() - start, 1e-9)
         bar = "#" * int(30 * min(done / total, 1.0)) if total else ""
-        sys.stderr.write(f"\rloading [{bar:<30}] {done / 1e9:6.2f}/{total / 1e9:.2f} GB  {done / 1e9 / elapsed:5.2f} GB/s")
+        sys.stderr.write(f"\r{label} [{bar:<30}] {done / scale:.{decimals}f}/{total / scale:.{decimals}f} {unit}  "
+                         f"{rate:.{decimals}f} {unit}/s")
         sys.stderr.flush()
 
     return show
+
+
+def prefill_bar():
+    """The prefill's progress on its own line of the terminal: a long prompt takes a while before the
+    first token. None in logs."""
+    if not sys.stderr.isatty():
+        return None
+    sys.stdout.flush()
+    sys.stderr.write("\n")
+    show = progress_bar("prefill", "tokens", 1, 0)
+
+    def update(done: int, total: int) -> None:
+        show(done, total)
+        if done >= total:
+            sys.stderr.write("\n")
+
+    return update
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        prompt = args.prompt
+    elif args.prompt_file not in (None, "-"):
+        try:
+            prompt = pathlib.Path(args.prompt_file).read_text()
+        except OSError as e:
+            raise ValueError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+    elif args.prompt_file is None and sys.stdin.isatty():
+        raise ValueError("no prompt: give --prompt TEXT or --prompt-file PATH, or pipe it on standard input")
+    else:
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    return prompt
+
+
+def checkpoint_sampling(path: pathlib.Path) -> dict:
+    """Sampling settings the checkpoint was released with: an HF folder's generation_config.json, or a
+    GGUF's general.sampling.* keys."""
+    if path.is_dir():
+        config_file = path / "generation_config.json"
+        return from_generation_config(json.loads(config_file.read_text())) if config_file.is_file() else {}
+    from .checkpoint import open_checkpoint
+
+    return from_gguf_metadata(open_checkpoint(path).source.metadata)
+
+
+def from_generation_config(config: dict) -> dict:
+    """transformers' reading: without do_sample the decoding is greedy, whatever the temperature."""
+    settings = {k: config[k] for k in ("top_k", "top_p", "min_p", "repetition_penalty") if config.get(k) is not None}
+    settings["temperature"] = float(config.get("temperature") or 1.0) if config.get("do_sample") else 0.0
+    return settings
+
+
+def from_gguf_metadata(metadata: dict) -> dict:
+    return {name: metadata[key] for key, name in GGUF_SAMPLING_KEYS.items() if key in metadata}
+
+
+def sampling_settings(args: argparse.Namespace, path: pathlib.Path) -> dict:
+    """Command line over checkpoint over SAMPLING_DEFAULTS, each of its default's type (top_k an int)."""
+    given = {k: getattr(args, k) for k in SAMPLING_DEFAULTS if getattr(args, k) is not None}
+    merged = {**SAMPLING_DEFAULTS, **checkpoint_sampling(path), **given}
+    return {k: type(SAMPLING_DEFAULTS[k])(v) for k, v in merged.items()}
+
+
+def checkpoint_bytes(path: pathlib.Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return path.stat().st_size if path.is_file() else 0
+
+
+def memory_line(model) -> str:
+    """Weights, the decode state (KV caches + GDN states) and the peak: allocated on the GPU, the
+    process's resident set on the CPU."""
+    # The decode engine of the last generate() holds the state: fixed-size buffers, allocated once.
+    state = model._engine.state
+    kv = gdn = 0
+    for layer in state.layers:
+        size = sum(t.numel() * t.element_size() for t in vars(layer).values())
+        if isinstance(layer, KVCache):
+            kv += size
+        else:
+            gdn += size
+    if model.device.type == "cuda":
+        peak, where = torch.cuda.max_memory_allocated(model.device), "allocated on the GPU"
+    else:
+        peak, where = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "resident"  # Linux: KiB
+    return (f"memory: weights {model.weight_bytes() / 1e9:.2f} GB, KV cache {kv / 1e9:.3f} GB "
+            f"({state.max_seq_len} tokens), GDN state {gdn / 1e9:.3f} GB, peak {peak / 1e9:.2f} GB {where}")
+
+
+def encode_prompt(args: argparse.Namespace, tokenizer) -> torch.Tensor:
+    """The prompt's ids [1, T]: as given, or under the chat template (--chat, --system)."""
+    prompt = read_prompt(args)
+    if args.chat or args.system is not None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        extra = {"enable_thinking": False} if args.no_thinking else {}
+        prompt = tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}], **extra)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt encodes to no tokens")
+    return ids
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -82,33 +241,42 @@ def generate(args: argparse.Namespace) -> None:
     from .synthetic import default_model_path
     from .tokenizer import load_tokenizer
 
-    path = args.model or default_model_path()
+    # Every user mistake is reported before the (possibly long) load of the weights.
+    path = pathlib.Path(args.model) if args.model else default_model_path()
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and checkpoint_bytes(path) > CPU_WARN_BYTES:
+        sys.stderr.write(f"warning: a {checkpoint_bytes(path) / 1e9:.1f} GB checkpoint on the CPU: the CPU path runs "
+                         "the plain-PyTorch reference ops (exact, float64 inside), meant for tests and tiny models; "
+                         "expect minutes per token\n")
+    tokenizer = load_tokenizer(path)
+    ids = encode_prompt(args, tokenizer)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
+    if args.max_context is not None and ids.shape[1] + args.max_new_tokens > args.max_context:
+        raise ValueError(f"context overflow: {ids.shape[1]} prompt tokens + --max-new-tokens {args.max_new_tokens} "
+                         f"> --max-context {args.max_context}")
+    sampling = sampling_settings(args, path)
     start = time.perf_counter()
-    model = Qwen38ForCausalLM.from_pretrained(path, device=args.device, dtype=DTYPES.get(args.dtype),
+    model = Qwen38ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES.get(args.dtype),
                                               quantize=args.quantize, lane=args.lane,
-                                              progress=progress_bar(start))
+                                              progress=progress_bar("loading", "GB", 1e9, 2))
     seconds = time.perf_counter() - start
     sys.stderr.write(f"\rloaded {path} on {model.device}: {model.weight_bytes() / 1e9:.2f} GB in {seconds:.1f} s "
                      f"({model.weight_bytes() / 1e9 / seconds:.2f} GB/s)\n")
-    tokenizer = load_tokenizer(path)
-    prompt = args.prompt
-    if args.chat:
-        extra = {"enable_thinking": False} if args.no_thinking else {}
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], **extra)
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    if ids.shape[1] == 0:
-        raise ValueError("the prompt encodes to no tokens")
-    sys.stdout.write(args.prompt if not args.chat else prompt)
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    settings = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
+    sys.stderr.write(f"sampling: {settings}, seed {seed}\n" if sampling["temperature"] > 0 else f"greedy: {settings}\n")
+    if not (args.chat or args.system is not None):
+        sys.stdout.write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
+    temperature = sampling.pop("temperature")
     model.generate(ids, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                   do_sample=args.temperature > 0, temperature=args.temperature or 1.0, top_k=args.top_k,
-                   top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                   presence_penalty=args.presence_penalty, seed=args.seed, stop_strings=args.stop or None,
-                   tokenizer=tokenizer, streamer=TextStreamer(tokenizer), kv_dtype=KV_DTYPES[args.kv_dtype],
-                   use_graph=False if args.eager else None)
-    s = model.last_generation_stats
-    mode = "CUDA graph" if s.graph else "eager"
-    sys.stderr.write(f"prefill: {s.prompt_tokens} tokens, {s.prefill_tok_s:.1f} tok/s | decode ({mode}): "
-                     f"{s.new_tokens} tokens, {s.decode_tok_s:.1f} tok/s\n")
+                   do_sample=temperature > 0, temperature=temperature or 1.0, **sampling,
+                   presence_penalty=args.presence_penalty, seed=seed, stop_strings=args.stop or None,
+                   tokenizer=tokenizer, streamer=TextStreamer(tokenizer, skip_special_tokens=True),
+                   max_seq_len=args.max_context, kv_dtype=KV_DTYPES[args.kv_dtype],
+                   use_graph=False if args.eager else None,
+                   prefill_progress=prefill_bar() if ids.shape[1] > PREFILL_BAR_TOKENS else None)
+    sys.stderr.write(f"{model.last_generation_stats}\n{memory_line(model)}\n")
 
 
 def main(argv=None) -> int:

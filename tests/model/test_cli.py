@@ -1,28 +1,184 @@
-"""The README's main command, as a user runs it: streamed text, then the prefill/decode line."""
+"""The command line as a user runs it: streamed text, the statistics and memory lines, prompts from a file
+or stdin, sampling defaults from the checkpoint, help with defaults, --version, bench --help without a GPU,
+and every user mistake as one line with exit code 2. Most cases call main() in this process (a
+subprocess costs a torch import); the README's command and the console script run as subprocesses."""
+import io
+import json
+import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
+import pytest
+import torch
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "qwen38_model", *args], capture_output=True, text=True, timeout=300)
+from qwen38_model import __main__ as cli
+from qwen38_model import __version__
+
+
+def run_cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "qwen38_model", *args], capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def run_main(capsys, monkeypatch, *args, stdin: str = ""):
+    """main() in this process: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def test_generate_on_the_default_model():
     result = run_cli("generate", "--prompt", "The quick brown fox", "--max-new-tokens", "8")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The quick brown fox") and len(result.stdout) > len("The quick brown fox")
-    assert "decode (eager): 8 tokens" in result.stderr or "decode (CUDA graph): 8 tokens" in result.stderr
+    assert re.search(r"prefill: \d+ tokens, [\d.]+ tok/s, time to first token [\d.]+ s \| "
+                     r"decode \((eager|CUDA graph)\): 8 tokens, [\d.]+ tok/s", result.stderr), result.stderr
+    assert re.search(r"memory: weights [\d.]+ GB, KV cache [\d.]+ GB \(\d+ tokens\), GDN state [\d.]+ GB, "
+                     r"peak [\d.]+ GB", result.stderr), result.stderr
 
 
-def test_chat_and_sampling_options():
-    result = run_cli("generate", "--prompt", "Hi", "--chat", "--no-thinking", "--max-new-tokens", "4",
-                     "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
-    assert result.returncode == 0, result.stderr
-    assert "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" in result.stdout
+def test_console_script_names_itself_in_usage():
+    script = pathlib.Path(sys.executable).parent / "qwen38"
+    if not script.is_file():
+        pytest.skip(f"console script not installed next to {sys.executable}")
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("usage: qwen38 "), result.stdout
 
 
-def test_user_mistakes_are_one_line():
-    result = run_cli("generate", "--model", "/no/such/model.gguf", "--prompt", "x")
-    assert result.returncode == 2
-    assert result.stderr.strip() == "error: /no/such/model.gguf: no such file or folder"
-    assert "Traceback" not in result.stderr
+def test_help_shows_defaults_and_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(["generate", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # help lines wrap with the terminal width
+    for expected in ["--max-new-tokens N stop after N new tokens (default: 64)", "(default: int8)",
+                     "0 = greedy (default: 0.0)", "0 = off (default: 50)", "generation_config.json",
+                     "--prompt-file PATH", "--system TEXT", "--max-context N", "a random seed, printed"]:
+        assert expected in text, expected
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"qwen38 {__version__} (torch {torch.__version__}")
+
+
+def test_chat_prints_the_reply_not_the_template(capsys, monkeypatch):
+    code, out, err = run_main(capsys, monkeypatch, "generate", "--prompt", "Hi", "--chat", "--no-thinking",
+                              "--system", "Be brief.", "--max-new-tokens", "4", "--temperature", "0.8",
+                              "--top-p", "0.9", "--seed", "3")
+    assert code == 0, err
+    assert "<|im_start|>" not in out and "Be brief." not in out and out.endswith("\n")
+    assert "sampling: temperature 0.8, top_k 50, top_p 0.9, min_p 0, repetition_penalty 1, seed 3" in err
+    # --system alone implies --chat: the same reply.
+    code, again, err = run_main(capsys, monkeypatch, "generate", "--prompt", "Hi", "--no-thinking",
+                                "--system", "Be brief.", "--max-new-tokens", "4", "--temperature", "0.8",
+                                "--top-p", "0.9", "--seed", "3")
+    assert code == 0 and again == out, err
+
+
+def test_prompt_from_file_stdin_and_option_agree(capsys, monkeypatch, tmp_path):
+    prompt = "Once upon a time"
+    (tmp_path / "prompt.txt").write_text(prompt)
+    runs = [run_main(capsys, monkeypatch, "generate", "--prompt", prompt, "--max-new-tokens", "5"),
+            run_main(capsys, monkeypatch, "generate", "--prompt-file", str(tmp_path / "prompt.txt"),
+                     "--max-new-tokens", "5"),
+            run_main(capsys, monkeypatch, "generate", "--max-new-tokens", "5", stdin=prompt),
+            run_main(capsys, monkeypatch, "generate", "--prompt-file", "-", "--max-new-tokens", "5", stdin=prompt)]
+    assert all(code == 0 for code, _, _ in runs), runs
+    assert len({out for _, out, _ in runs}) == 1 and runs[0][1].startswith(prompt)
+    assert all("greedy: temperature 0" in err for _, _, err in runs)
+
+
+def test_random_seed_is_printed_and_repeats_the_run(capsys, monkeypatch):
+    args = ("generate", "--prompt", "Once upon a time", "--max-new-tokens", "6", "--temperature", "1.0")
+    code, first, err = run_main(capsys, monkeypatch, *args)
+    assert code == 0, err
+    seed = re.search(r", seed (\d+)\n", err).group(1)
+    code, again, _ = run_main(capsys, monkeypatch, *args, "--seed", seed)
+    assert code == 0 and again == first
+
+
+def test_sampling_defaults_come_from_generation_config(capsys, monkeypatch, tmp_path, oracle_dir):
+    folder = tmp_path / "hf"
+    shutil.copytree(oracle_dir / "hf", folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    args = ("generate", "--model", str(folder), "--prompt", "Hi", "--max-new-tokens", "3", "--seed", "1")
+    code, _, err = run_main(capsys, monkeypatch, *args)
+    assert code == 0, err
+    assert "sampling: temperature 0.6, top_k 20, top_p 0.95, min_p 0, repetition_penalty 1, seed 1" in err
+    code, _, err = run_main(capsys, monkeypatch, *args, "--top-k", "5", "--temperature", "0")
+    assert code == 0 and "greedy: temperature 0, top_k 5, top_p 0.95" in err, err
+
+
+def test_sampling_defaults_readers():
+    assert cli.from_generation_config({"temperature": 0.7, "top_k": 20}) == {"top_k": 20, "temperature": 0.0}
+    assert cli.from_generation_config({"do_sample": True, "top_p": 0.8}) == {"top_p": 0.8, "temperature": 1.0}
+    gguf_keys = {"general.sampling.temp": 0.6, "general.sampling.top_k": 20, "general.sampling.penalty_repeat": 1.1,
+                 "general.name": "x"}
+    assert cli.from_gguf_metadata(gguf_keys) == {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1}
+
+
+def test_max_context_sizes_the_cache(capsys, monkeypatch):
+    code, _, err = run_main(capsys, monkeypatch, "generate", "--prompt", "Hello", "--max-new-tokens", "4",
+                            "--max-context", "64")
+    assert code == 0 and "(64 tokens)" in err, err
+    code, _, err = run_main(capsys, monkeypatch, "generate", "--prompt", "Hello there", "--max-new-tokens", "8",
+                            "--max-context", "8")
+    assert code == 2 and one_line_error(code, err).startswith("error: context overflow"), err
+
+
+def test_long_prompt_shows_a_prefill_bar(capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdin", io.StringIO(" a" * 1100))
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(["generate", "--max-new-tokens", "2"]) == 0
+    bar = re.findall(r"prefill \[#*\s*\] (\d+)/(\d+) tokens", terminal.getvalue())
+    assert bar and bar[-1][0] == bar[-1][1] and int(bar[-1][1]) > cli.PREFILL_BAR_TOKENS, terminal.getvalue()[-500:]
+
+
+@pytest.mark.parametrize("args, option", [(["--help"], "--contexts"), (["--prefill", "--help"], "--lengths")])
+def test_bench_help_works_without_a_gpu(capsys, args, option):
+    with pytest.raises(SystemExit) as exit_info:  # the benchmark's own argparse prints its help
+        cli.main(["bench", *args])
+    assert exit_info.value.code == 0 and option in capsys.readouterr().out
+
+
+def one_line_error(code: int, err: str) -> str:
+    assert code == 2 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_user_mistakes_are_one_line(capsys, monkeypatch, tmp_path):
+    def error(*args, stdin=""):
+        return one_line_error(*run_main(capsys, monkeypatch, *args, stdin=stdin)[::2])
+
+    assert error("generate", "--model", "/no/such/model.gguf", "--prompt", "x") == \
+        "error: /no/such/model.gguf: no such file or folder"
+    assert error("generate", "--prompt-file", str(tmp_path / "none.txt")) == \
+        f"error: --prompt-file {tmp_path / 'none.txt'}: No such file or directory"
+    assert error("generate") == "error: the prompt is empty"
+    assert error("generate", "--prompt", "x", "--max-new-tokens", "0") == "error: --max-new-tokens must be >= 1, found 0"
+    if not torch.cuda.is_available():
+        assert error("generate", "--prompt", "x", "--device", "cuda").startswith("error: device='cuda' but ")
+        assert error("bench").startswith("error: the decode benchmark needs a CUDA GPU")
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own usage errors: exit code 2 as well
+        cli.parse_args(["generate", "--device", "nonsense"])
+    assert exit_info.value.code == 2
+
+
+def test_a_large_checkpoint_on_the_cpu_is_warned(capsys, monkeypatch, tmp_path):
+    big = tmp_path / "big.gguf"
+    with open(big, "wb") as f:  # sparse: no disk used
+        f.truncate(int(cli.CPU_WARN_BYTES) + 1)
+    code, _, err = run_main(capsys, monkeypatch, "generate", "--model", str(big), "--prompt", "x", "--device", "cpu")
+    assert code == 2 and err.startswith("warning: a 2.0 GB checkpoint on the CPU: the CPU path runs the plain-PyTorch "
+                                        "reference ops"), err
