@@ -22,8 +22,9 @@
 // - bfloat16: q and p rounded to bf16 for the MMAs (flash-attention's usual precision), fp32 accumulate.
 // - float32 (the exactness lane): every operand is split x = hi + lo, hi = bf16(x), lo = bf16(x - hi)
 //   (|x - hi - lo| <= 2^-16 |x|), and a product is hi*hi + hi*lo + lo*hi (the dropped lo*lo is <= 2^-16 of
-//   it): three MMAs, ~1e-5 relative. The float32 tile lands raw (cp.async) in a staging buffer and is split
-//   once per block into bf16 hi and lo planes, so the MMA loop is the bf16 loop run on two planes.
+//   it): three MMAs, ~6e-6 relative (kFloatPlanes). The float32 tile lands raw (cp.async) in a staging
+//   buffer and is split once per block into bf16 hi and lo planes, so the MMA loop is the bf16 loop run
+//   over pairs of planes.
 //
 // Shared memory rows are padded by 16 bytes (hd + 8 bf16): the 8 row addresses of an ldmatrix then fall
 // on 8 distinct groups of 4 banks for every supported hd.
@@ -41,13 +42,18 @@ constexpr int kBlockM = kAttentionPrefillRows;
 constexpr int kWarps = kBlockM / 16;  // one m16 row block per warp
 constexpr int kThreads = kWarps * 32;
 
+// bf16 planes a float32 operand is split into: 2 (hi + lo, three MMAs a product) measures ~6e-6 relative
+// (rel L2, CPU emulation of this kernel); 3 (six MMAs, 16-row KV tiles at hd = 256) would take it to the
+// float32 accumulation's own ~1e-7.
+constexpr int kFloatPlanes = 2;
+
 template <typename CacheT, int kHeadDim>
 struct PrefillTile {
-  static constexpr bool kSplit = sizeof(CacheT) == 4;  // float32 cache: bf16 hi + lo planes
-  static constexpr int kPlanes = kSplit ? 2 : 1;
-  // KV rows per tile. Shared memory at hd = 256: bf16 Q + K + V planes 99 KB (two blocks an SM); float32
-  // with 32-row tiles: Q 66 KB + K, V 33 KB each + raw staging 32 KB = 164 KB (one block an SM).
-  static constexpr int kBlockN = kSplit && kHeadDim > 128 ? 32 : 64;
+  static constexpr bool kSplit = sizeof(CacheT) == 4;  // float32 cache: staged raw, split into planes
+  static constexpr int kPlanes = kSplit ? kFloatPlanes : 1;
+  // KV rows per tile, as shared memory allows. At hd = 256: bf16 Q + K + V planes 99 KB (two blocks an SM);
+  // float32 (2 planes, 32-row tiles) Q 66 KB + K, V 33 KB each + raw staging 32 KB = 164 KB (one block).
+  static constexpr int kBlockN = kPlanes * kHeadDim <= 256 ? 64 : (kPlanes * kHeadDim <= 512 ? 32 : 16);
   static constexpr int kStride = kHeadDim + 8;  // bf16 elements per shared-memory row (16-byte pad)
   static constexpr int kQPlane = kBlockM * kStride;
   static constexpr int kKVPlane = kBlockN * kStride;
@@ -96,24 +102,44 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// (x0, x1) -> bf16x2 hi = (bf16(x0), bf16(x1)) and lo = bf16 of the remainders (x - hi is exact in float).
-// The first element sits in the low half, as the MMA fragments and ldmatrix order them.
-__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const float2 hf = __bfloat1622float2(h);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
-  hi = *reinterpret_cast<const unsigned*>(&h);
-  lo = *reinterpret_cast<const unsigned*>(&l);
+// (x0, x1) -> kPlanes bf16x2 words: word p = bf16 of what words 0..p-1 left (each remainder is exact in
+// float), so the words sum to x within 2^(-8 kPlanes) |x|: hi alone (1), hi + lo (2), ... The first element
+// sits in the low half, as the MMA fragments and ldmatrix order them.
+template <int kPlanes>
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned (&words)[kPlanes]) {
+#pragma unroll
+  for (int p = 0; p < kPlanes; ++p) {
+    const __nv_bfloat162 w = __floats2bfloat162_rn(x0, x1);
+    const float2 wf = __bfloat1622float2(w);
+    words[p] = *reinterpret_cast<const unsigned*>(&w);
+    x0 -= wf.x;
+    x1 -= wf.y;
+  }
 }
 
-// Four consecutive values into the hi plane at `dst` and, when split, the lo plane `plane` elements later.
-template <bool kSplit>
+// Four consecutive values into plane 0 at `dst` and plane p `p * plane` elements later.
+template <int kPlanes>
 __device__ __forceinline__ void store_planes(__nv_bfloat16* dst, int plane, float4 x) {
-  uint2 hi, lo;
-  split_bf16x2(x.x, x.y, hi.x, lo.x);
-  split_bf16x2(x.z, x.w, hi.y, lo.y);
-  *reinterpret_cast<uint2*>(dst) = hi;
-  if constexpr (kSplit) *reinterpret_cast<uint2*>(dst + plane) = lo;
+  unsigned w01[kPlanes], w23[kPlanes];
+  split_bf16x2<kPlanes>(x.x, x.y, w01);
+  split_bf16x2<kPlanes>(x.z, x.w, w23);
+#pragma unroll
+  for (int p = 0; p < kPlanes; ++p) *reinterpret_cast<uint2*>(dst + p * plane) = make_uint2(w01[p], w23[p]);
+}
+
+// Two n-tiles, d0 += a b0 and d1 += a b1 (b0 = words 0, 1 and b1 = words 2, 3 of an x4 load of B), over the
+// plane products whose orders sum below kPlanes (hi*hi; + hi*lo + lo*hi for two planes): the dropped
+// products are below 2^(-8 kPlanes) of the result.
+template <int kPlanes>
+__device__ __forceinline__ void mma_planes(float (&d0)[4], float (&d1)[4], const unsigned (&a)[kPlanes][4],
+                                           const unsigned (&b)[kPlanes][4]) {
+#pragma unroll
+  for (int pa = 0; pa < kPlanes; ++pa)
+#pragma unroll
+    for (int pb = 0; pa + pb < kPlanes; ++pb) {
+      mma_bf16(d0, a[pa], b[pb][0], b[pb][1]);
+      mma_bf16(d1, a[pa], b[pb][2], b[pb][3]);
+    }
 }
 
 // ---- tiles -----------------------------------------------------------------------------------------------
@@ -150,7 +176,7 @@ __device__ __forceinline__ void split_tile(__nv_bfloat16* planes, const float* r
     const int quad = k * kThreads + threadIdx.x;
     const int r = quad / kQuads, col = (quad % kQuads) * 4;
     const float4 x = *reinterpret_cast<const float4*>(raw + r * kHeadDim + col);
-    store_planes<true>(planes + r * Tile::kStride + col, kRows * Tile::kStride, x);
+    store_planes<Tile::kPlanes>(planes + r * Tile::kStride + col, kRows * Tile::kStride, x);
   }
 }
 
@@ -199,7 +225,7 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
       x = *reinterpret_cast<const float4*>(q + (int64_t)row_head[r] * kHeadDim + col);
       x = make_float4(x.x * scale_log2, x.y * scale_log2, x.z * scale_log2, x.w * scale_log2);
     }
-    store_planes<kSplit>(q_planes + r * kStride + col, Tile::kQPlane, x);
+    store_planes<kPlanes>(q_planes + r * kStride + col, Tile::kQPlane, x);
   }
   __syncthreads();
   int block_ctx = 0;
@@ -258,14 +284,7 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
         unsigned kb[kPlanes][4];
 #pragma unroll
         for (int p = 0; p < kPlanes; ++p) ldmatrix_x4(kb[p], k_lane + p * Tile::kKVPlane + j * 8 * kStride + kk * 16);
-        mma_bf16(s[j], qa[0], kb[0][0], kb[0][1]);
-        mma_bf16(s[j + 1], qa[0], kb[0][2], kb[0][3]);
-        if constexpr (kSplit) {
-          mma_bf16(s[j], qa[0], kb[1][0], kb[1][1]);
-          mma_bf16(s[j + 1], qa[0], kb[1][2], kb[1][3]);
-          mma_bf16(s[j], qa[1], kb[0][0], kb[0][1]);
-          mma_bf16(s[j + 1], qa[1], kb[0][2], kb[0][3]);
-        }
+        mma_planes<kPlanes>(s[j], s[j + 1], qa, kb);
       }
     }
 
@@ -323,25 +342,22 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
     // same of s[2kk+1]).
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      unsigned pa[2][4];
-      split_bf16x2(s[2 * kk][0], s[2 * kk][1], pa[0][0], pa[1][0]);
-      split_bf16x2(s[2 * kk][2], s[2 * kk][3], pa[0][1], pa[1][1]);
-      split_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], pa[0][2], pa[1][2]);
-      split_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], pa[0][3], pa[1][3]);
+      unsigned pw[4][kPlanes], pa[kPlanes][4];
+      split_bf16x2<kPlanes>(s[2 * kk][0], s[2 * kk][1], pw[0]);
+      split_bf16x2<kPlanes>(s[2 * kk][2], s[2 * kk][3], pw[1]);
+      split_bf16x2<kPlanes>(s[2 * kk + 1][0], s[2 * kk + 1][1], pw[2]);
+      split_bf16x2<kPlanes>(s[2 * kk + 1][2], s[2 * kk + 1][3], pw[3]);
+#pragma unroll
+      for (int p = 0; p < kPlanes; ++p)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[p][r] = pw[r][p];
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; j += 2) {
         unsigned vb[kPlanes][4];
 #pragma unroll
         for (int p = 0; p < kPlanes; ++p)
           ldmatrix_x4_trans(vb[p], v_lane + p * Tile::kKVPlane + kk * 16 * kStride + j * 8);
-        mma_bf16(o[j], pa[0], vb[0][0], vb[0][1]);
-        mma_bf16(o[j + 1], pa[0], vb[0][2], vb[0][3]);
-        if constexpr (kSplit) {
-          mma_bf16(o[j], pa[0], vb[1][0], vb[1][1]);
-          mma_bf16(o[j + 1], pa[0], vb[1][2], vb[1][3]);
-          mma_bf16(o[j], pa[1], vb[0][0], vb[0][1]);
-          mma_bf16(o[j + 1], pa[1], vb[0][2], vb[0][3]);
-        }
+        mma_planes<kPlanes>(o[j], o[j + 1], pa, vb);
       }
     }
   }
