@@ -311,7 +311,7 @@ int q8_0_gemm_default_tile(Q8Act act, int N, int T) {
   };
   const long c64 = cost(64, two_word ? resident_blocks<true, 2>() : resident_blocks<false, 2>());
   const long c128 = cost(128, two_word ? resident_blocks<true, 4>() : resident_blocks<false, 4>());
-  return c64 < c128 ? 64 : 128;
+  return c64 <= c128 ? 64 : 128;  // ties: 64 (two blocks per SM, twice the warps to hide latency)
 }
 
 cudaError_t q8_0_gemm(Q8Act act, const Q8GemvArgs& args, int tile_tokens, cudaStream_t stream) {
