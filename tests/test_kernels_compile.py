@@ -1,5 +1,9 @@
 """Every CUDA kernel file compiles with bare nvcc for sm_90. The .cu files include no torch headers,
-so this runs on a CPU-only machine with the CUDA toolkit (CI): a CUDA error cannot land unnoticed."""
+so this runs on a CPU-only machine with the CUDA toolkit (CI): a CUDA error cannot land unnoticed.
+
+A check, not a build: every stage still runs (front end, NVVM, ptxas, host compiler), so an error in the
+C++, in inline PTX or in a resource limit fails it, but with the optimizers off (attention.cu: 7.9 s at
+-O3, 3.6 s with the flags below, measured on the 2-core CI machine), every file at once."""
 import os
 import pathlib
 import shutil
@@ -7,17 +11,25 @@ import subprocess
 
 import pytest
 
-KERNELS = sorted((pathlib.Path(__file__).resolve().parents[1] / "csrc" / "kernels").glob("*.cu"))
+KERNELS_DIR = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "kernels"
+FLAGS = ["-arch=sm_90", "-std=c++17", "--expt-relaxed-constexpr", "-O0", "-Xcicc", "-O0", "-Xptxas", "-O0"]
 
 
-@pytest.mark.parametrize("source", KERNELS, ids=[k.name for k in KERNELS])
-def test_kernel_compiles_for_sm90(source, tmp_path):
+def test_every_kernel_compiles_for_sm90(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         if os.environ.get("CI") == "true":
             pytest.fail("nvcc not found: CI must compile-check the CUDA kernels")
         pytest.skip("nvcc not found")
-    cmd = [nvcc, "-arch=sm_90", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
-           "-c", str(source), "-o", str(tmp_path / "kernel.o")]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-4000:]
+    kernels = sorted(KERNELS_DIR.glob("*.cu"))  # globbed at run time: new files are checked too
+    assert kernels, f"no .cu files in {KERNELS_DIR}"
+    # Messages go to files, not pipes: a long template error could fill a pipe nobody reads yet.
+    logs = {source: tmp_path / f"{source.stem}.log" for source in kernels}
+    runs = {}
+    for source, log in logs.items():
+        with open(log, "w") as out:
+            runs[source] = subprocess.Popen([nvcc, *FLAGS, "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o")],
+                                            stdout=out, stderr=subprocess.STDOUT)
+    failures = [f"{source.name} (exit {code}):\n{logs[source].read_text()[-4000:]}"
+                for source, process in runs.items() if (code := process.wait()) != 0]
+    assert not failures, "\n\n".join(failures)
