@@ -83,14 +83,14 @@ def run_cuda(q, k_cache, v_cache, positions, scale):
     return out
 
 
-def assert_within_bars(got, expected, cache_dtype, label):
+def assert_within_bars(got, expected, cache_dtype, label, float32_rel_l2=3e-5):
     assert torch.isfinite(got).all(), f"{label}: non-finite outputs"
     err = got.cpu().double() - expected
     rel_l2 = (err.norm() / expected.norm()).item()
     max_rel = (err.abs().max() / expected.abs().max()).item()
     print(f"{label} {str(cache_dtype)[6:]}: rel L2 {rel_l2:.2e}, max abs / max|ref| {max_rel:.2e}")
     if cache_dtype == torch.float32:
-        assert rel_l2 <= 3e-5, (label, rel_l2, max_rel)
+        assert rel_l2 <= float32_rel_l2, (label, rel_l2, max_rel)
     else:
         assert rel_l2 <= 1e-2 and max_rel <= 2e-2, (label, rel_l2, max_rel)
 
@@ -133,6 +133,22 @@ def test_attention_prefill_cuda_unordered_positions(shape, cache_dtype):
     expected = expected_float64(q, k_cache, v_cache, pos, scale)
     got = run_cuda(q.cuda(), k_cache.cuda(), v_cache.cuda(), pos.cuda(), scale)
     assert_within_bars(got, expected, cache_dtype, f"{shape} unordered")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape,T", [(ORACLE, 65), (M27B, 16)])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_attention_prefill_cuda_long_context(shape, T, cache_dtype):
+    """A chunk at position 32000. O accumulates in the MMA accumulators over all ctx / 16 MMAs of a row;
+    if each MMA rounds its fp32 sum toward zero (as tensor cores were measured to on earlier GPUs), that
+    alone simulates to rel L2 2e-6 at 1.5k, 1.4e-5 at 8k, 4.6e-5 at 32k on this data: float32 bar 1e-4 here."""
+    positions = list(range(32000, 32000 + T))
+    q, k_cache, v_cache, pos = make_inputs(T, shape, positions, cache_dtype, seed=11)
+    scale = shape[2] ** -0.5
+    expected = expected_float64(q, k_cache, v_cache, pos, scale)
+    got = run_cuda(q.cuda(), k_cache.cuda(), v_cache.cuda(), pos.cuda(), scale)
+    assert_within_bars(got, expected, cache_dtype, f"{shape} T={T} from 32000", float32_rel_l2=1e-4)
 
 
 @cuda
