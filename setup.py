@@ -60,11 +60,16 @@ def write_build_info(cuda: bool, summary: str) -> None:
                 f"TORCH_VERSION = {torch.__version__!r}\nCUDA_KERNELS = {cuda!r}\nSUMMARY = {summary!r}\n")
 
 
-problem = cuda_toolkit_problem()
-if problem is None:
-    summary = f"CUDA kernels for sm_{ARCH} (torch {torch.__version__}, CUDA_HOME={CUDA_HOME})"
-else:
-    summary = f"CPU-only build: {problem}; every op runs its plain-PyTorch reference"
-print(f"qwen38: {summary}", flush=True)
-write_build_info(problem is None, summary)
-setup(ext_modules=[extension(problem is None)], cmdclass={"build_ext": BuildExtension})
+def main() -> None:
+    problem = cuda_toolkit_problem()
+    if problem is None:
+        summary = f"CUDA kernels for sm_{ARCH} (torch {torch.__version__}, CUDA_HOME={CUDA_HOME})"
+    else:
+        summary = f"CPU-only build: {problem}; every op runs its plain-PyTorch reference"
+    print(f"qwen38: {summary}", flush=True)
+    write_build_info(problem is None, summary)
+    setup(ext_modules=[extension(problem is None)], cmdclass={"build_ext": BuildExtension})
+
+
+if __name__ == "__main__":  # pip and `python setup.py` run it as __main__; tests import the probe
+    main()
