@@ -1,0 +1,107 @@
+"""Install as a newcomer does it: the README's `make demo` in a fresh virtual environment; the build's CUDA
+probe on toolkits that only look usable; the torch version check at import; the package metadata."""
+import importlib.metadata
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import qwen38_model
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup_py():
+    """setup.py as a module (its build runs only as __main__), for its CUDA toolkit probe."""
+    spec = importlib.util.spec_from_file_location("qwen38_setup", REPO / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_toolkit(root: pathlib.Path, nvcc_script: str, headers=()) -> pathlib.Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\n{nvcc_script}\n")
+    nvcc.chmod(0o755)
+    for header in headers:
+        (root / "include" / header).write_text("")
+    return root
+
+
+def test_cuda_probe_wants_a_working_nvcc_and_the_headers(setup_py, monkeypatch, tmp_path):
+    monkeypatch.delenv("QWEN38_NO_CUDA", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # as under a CUDA build of torch
+    release = "echo 'Cuda compilation tools, release 13.0, V13.0.88'"
+    cases = {  # the issue's machine: an nvcc wrapper whose toolkit is missing
+        "wrapper": (fake_toolkit(tmp_path / "a", "exec /no/such/cuda/bin/nvcc \"$@\""), "reports no release"),
+        "no headers": (fake_toolkit(tmp_path / "b", release), "cuda_runtime.h not found in"),
+        "no bf16 header": (fake_toolkit(tmp_path / "c", release, ["cuda_runtime.h"]), "cuda_bf16.h not found in"),
+    }
+    for name, (home, reason) in cases.items():
+        monkeypatch.setattr(setup_py, "CUDA_HOME", str(home))
+        assert reason in (setup_py.cuda_toolkit_problem() or ""), name
+    monkeypatch.setattr(setup_py, "CUDA_HOME", str(fake_toolkit(tmp_path / "d", release, ["cuda_runtime.h", "cuda_bf16.h"])))
+    assert setup_py.cuda_toolkit_problem() is None
+    monkeypatch.setenv("QWEN38_NO_CUDA", "1")
+    assert setup_py.cuda_toolkit_problem() == "QWEN38_NO_CUDA=1"
+    monkeypatch.delenv("QWEN38_NO_CUDA")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert setup_py.cuda_toolkit_problem() == f"torch {torch.__version__} is a CPU build"
+
+
+def test_import_refuses_an_extension_built_for_another_torch():
+    code = "import torch; torch.__version__ = '0.0.1'; import qwen38_ops"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert (f"ImportError: qwen38_ops._C was built against torch {torch.__version__}, but torch 0.0.1 is installed: "
+            "rebuild with `python -m pip install --no-build-isolation -e .`") in result.stderr, result.stderr
+
+
+def test_package_metadata():
+    meta = importlib.metadata.metadata("qwen38")
+    assert meta["Version"] == qwen38_model.__version__
+    assert meta["License-Expression"] == "MIT" and (REPO / "LICENSE").read_text().startswith("MIT License")
+    assert not any(r.startswith("ninja") for r in importlib.metadata.requires("qwen38")), "ninja is build-only"
+
+
+def test_make_demo_in_a_fresh_venv(tmp_path):
+    """The README's path, literally: `make demo` in a new virtual environment on this checkout's files.
+    The venv sees the system's packages (--system-site-packages) so that the installed torch is reused
+    instead of downloaded again; everything else (setuptools, the editable install, the build of the
+    extension, the console script) happens in the venv."""
+    if not (REPO / ".git").exists() or shutil.which("make") is None:
+        pytest.skip("needs a git checkout (to list its files) and make")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split("\0")
+    checkout = tmp_path / "qwen38"
+    for name in filter(None, files):
+        if (REPO / name).is_file():  # a file deleted in the working tree is still listed
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, checkout / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    # A fresh shell with the venv activated: no make state of an outer `make test`.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHONPATH")}
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", VIRTUAL_ENV=str(venv))
+    start = time.perf_counter()
+    result = subprocess.run(["make", "demo"], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
+    print(f"make demo in a fresh venv: {time.perf_counter() - start:.1f} s")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"torch {torch.__version__} is installed: keeping it" in result.stdout
+    assert "qwen38_ops: CPU-only build" in result.stdout or "qwen38_ops: CUDA kernels" in result.stdout
+    assert "The quick brown fox" in result.stdout and "decode (" in result.stderr, result.stderr[-3000:]
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import qwen38_model; print(qwen38_model.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert where.stdout.strip() == str(checkout / "qwen38_model" / "__init__.py"), where.stdout + where.stderr
+    version = subprocess.run([str(venv / "bin" / "qwen38"), "--version"], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert version.stdout.startswith(f"qwen38 {qwen38_model.__version__} "), version.stdout + version.stderr
