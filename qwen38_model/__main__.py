@@ -222,10 +222,10 @@ def memory_line(model) -> str:
             f"({state.max_seq_len} tokens), GDN state {gdn / 1e9:.3f} GB, peak {peak / 1e9:.2f} GB {where}")
 
 
-def encode_prompt(args: argparse.Namespace, tokenizer) -> torch.Tensor:
-    """The prompt's ids [1, T]: as given, or under the chat template (--chat, --system)."""
+def encode_prompt(args: argparse.Namespace, tokenizer, chat: bool) -> torch.Tensor:
+    """The prompt's ids [1, T]: as given, or under the chat template."""
     prompt = read_prompt(args)
-    if args.chat or args.system is not None:
+    if chat:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         extra = {"enable_thinking": False} if args.no_thinking else {}
         prompt = tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}], **extra)
@@ -249,7 +249,8 @@ def generate(args: argparse.Namespace) -> None:
                          "the plain-PyTorch reference ops (exact, float64 inside), meant for tests and tiny models; "
                          "expect minutes per token\n")
     tokenizer = load_tokenizer(path)
-    ids = encode_prompt(args, tokenizer)
+    chat = args.chat or args.system is not None
+    ids = encode_prompt(args, tokenizer, chat)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
     if args.max_context is not None and ids.shape[1] + args.max_new_tokens > args.max_context:
@@ -266,7 +267,7 @@ def generate(args: argparse.Namespace) -> None:
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     settings = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
     sys.stderr.write(f"sampling: {settings}, seed {seed}\n" if sampling["temperature"] > 0 else f"greedy: {settings}\n")
-    if not (args.chat or args.system is not None):
+    if not chat:
         sys.stdout.write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
     temperature = sampling.pop("temperature")
     model.generate(ids, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
