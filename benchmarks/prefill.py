@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
         print(f"split pp{length} (ms): {results[f'split_pp{length}_ms']}")
     longest = max(lengths)
     results["chunks"] = {}
-    for chunk in [int(x) for x in args.chunks.split(",")]:
+    for chunk in [int(x) for x in args.chunks.split(",") if x]:
         r = time_prefill(model, longest, 1, chunk)
         results["chunks"][chunk] = r
         table.append(dict(lane=lanes[0], test=f"pp{longest} chunk {chunk}", tok_s=r["tok_s"], ttft_s=r["ttft_s"],

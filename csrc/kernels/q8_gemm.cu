@@ -4,10 +4,10 @@
 // - One mma.sync m16n8k32.s8 is exactly one Q8_0 block (32 weights along K) for a 16-token x 8-row tile,
 //   so every block's int32 dot is exact and comes out of the tensor core ready for its two scales, with no
 //   integer partial to carry across blocks. This is what llama.cpp's MMQ computes too.
-// - The scaling is the cost: per block and output, int -> float, one product of the two scales and one FMA
-//   run on the FP32 pipe next to each MMA, so the kernel is bound by those 3 FP32 instructions per output
-//   per block rather than by the tensor cores. The int -> float is the exponent trick (|dot| <= 32*127*127
-//   < 2^22), not I2F, which is quarter rate on this chip.
+// - The scaling is the cost: per block and output, the int32 dot must become a float and be scaled by
+//   the two block scales on the FP32 pipe next to each MMA, so the kernel is bound by those instructions
+//   rather than by the tensor cores. They are cut to two FMAs (see mma_block and compute_stage): the
+//   conversion is an exponent trick folded into the MMA's accumulator input, not I2F (quarter rate).
 // - A = activation tokens (M), B = weight rows (N): both are [rows, K] with K contiguous, which is what
 //   ldmatrix hands to the s8 fragments (row-major A, column-major B) with no transpose; the accumulator's
 //   row pairs then fall on consecutive output features of one token.
@@ -16,8 +16,8 @@
 //   16-byte rows of every ldmatrix phase fall on distinct banks.
 // - Grid x = token tiles, y = weight-row tiles: the blocks in flight together share weight tiles (read once
 //   from HBM, then from L2) while the whole activation (T x K int8, a few MB) stays L2-resident.
-// - Accumulation is float32 in block order: the GEMV's double accumulation would halve the FP rate this
-//   kernel is bound by.
+// - Accumulation is float32 in block order (two roundings per block: dot * dw, then the FMA with dx): the
+//   GEMV's double accumulation would halve the FP rate this kernel is bound by.
 #include "q8_gemm.h"
 
 #include <cstdint>
@@ -62,17 +62,22 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const unsigned cha
                : "r"(shared_address(p)));
 }
 
-// c = a (16 tokens x 32) . b (32 x 8 weight rows), exact int32, from zero.
-__device__ __forceinline__ void mma_block(int (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+// The int -> float conversion rides in the MMA: the accumulator starts at the bit pattern of
+// kMagic = 1.5 * 2^23, and for |dot| < 2^22 the integer sum kMagicBits + dot is the bit pattern of the float
+// kMagic + dot (unit spacing there). So the result, read as floats, is kMagic + dot exactly, and no integer
+// instruction is spent on the conversion (|dot| <= 32 * 127 * 127 < 2^19).
+constexpr int kMagicBits = 0x4B400000;
+constexpr float kMagic = 12582912.0f;
+
+// c = kMagic + a (16 tokens x 32) . b (32 x 8 weight rows), as floats, exact.
+__device__ __forceinline__ void mma_block(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  int d[4];
   asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%10, %10, %10, %10};"
-      : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
-}
-
-// Exact for |v| < 2^22: 1.5 * 2^23 + v has unit spacing, so its bit pattern is 0x4B400000 + v.
-__device__ __forceinline__ float small_int_to_float(int v) {
-  return __int_as_float(v + 0x4B400000) - 12582912.0f;
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(kMagicBits));
+#pragma unroll
+  for (int e = 0; e < 4; ++e) c[e] = __int_as_float(d[e]);
 }
 
 template <bool kTwoWord, int kMTiles>
@@ -197,25 +202,36 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
 #pragma unroll
         for (int e = 0; e < 2; ++e) dw[ni][e] = __half2float(wd[(warp_row + ni * 8 + 2 * quad + e) * 2 + blk]);
 
+      // int8: fmaf(kMagic + dot, dw, -kMagic * dw) = dot * dw rounded once (kMagic * dw = 3 * 2^22 * dw is
+      // exact for an fp16 dw), then one FMA with dx: two FP32 instructions per output and block, where
+      // convert + scale product + FMA took four (this kernel is bound by them, not by the tensor cores).
+      float magic_dw[4][2];
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) magic_dw[ni][e] = -kMagic * dw[ni][e];
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) {
-          int c[4];
+          float c[4];
           mma_block(c, xa[mi], wb[ni]);
-          float v[4];
           if constexpr (kTwoWord) {
-            int c_lo[4];
+            float c_lo[4];
             mma_block(c_lo, xa_lo[mi], wb[ni]);
-            // 127 * hi + lo (exact product and sum, rounded once); the 1/127 is applied at the store.
+            // 127 * hi + lo (exact differences, rounded once); the 1/127 is applied at the store.
 #pragma unroll
-            for (int e = 0; e < 4; ++e) v[e] = fmaf(small_int_to_float(c[e]), 127.0f, small_int_to_float(c_lo[e]));
+            for (int e = 0; e < 4; ++e) {
+              const float v = fmaf(c[e] - kMagic, 127.0f, c_lo[e] - kMagic);
+              acc[mi][ni][e] = fmaf(v, dx[mi][e >> 1] * dw[ni][e & 1], acc[mi][ni][e]);
+            }
           } else {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) v[e] = small_int_to_float(c[e]);
+            for (int e = 0; e < 4; ++e) {
+              const float dot_dw = fmaf(c[e], dw[ni][e & 1], magic_dw[ni][e & 1]);
+              acc[mi][ni][e] = fmaf(dot_dw, dx[mi][e >> 1], acc[mi][ni][e]);
+            }
           }
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mi][ni][e] = fmaf(v[e], dx[mi][e >> 1] * dw[ni][e & 1], acc[mi][ni][e]);
         }
     }
   };
