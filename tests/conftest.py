@@ -13,7 +13,7 @@ def oracle_dir() -> pathlib.Path:
     """$QWEN38_ORACLE, else <repo>/../shared/oracle/mini. Missing: a failure under CI, a skip elsewhere."""
     path = pathlib.Path(os.environ.get("QWEN38_ORACLE") or REPO.parent / "shared" / "oracle" / "mini")
     if not (path / "hf" / "config.json").is_file():
-        message = f"oracle not found at {path} (set QWEN38_ORACLE)"
+        message = f"oracle not found at {path}: set QWEN38_ORACLE to its mini/ folder (README: The test oracle)"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
