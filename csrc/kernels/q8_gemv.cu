@@ -249,10 +249,20 @@ cudaError_t launch(const Q8GemvArgs& a, bool pdl, cudaStream_t stream) {
                           a);
 }
 
+// 2 <= T < the GEMM's threshold (a verify batch, a short prompt): the shape's decode config with TOKENS
+// rows sharing each weight load, so the weights stream once per TOKENS rows.
+template <Q8Act ACT, int TOKENS>
+cudaError_t launch_rows(const Q8GemvArgs& a, bool pdl, cudaStream_t stream) {
+  const Q8GemvConfig cfg = q8_0_gemv_default_config(ACT, a.N, a.K, 1);
+  if (cfg.pieces == 2 && cfg.split == 1 && cfg.rows == 4) return launch<ACT, TOKENS, 2, 1, 4>(a, pdl, stream);
+  if (cfg.pieces == 4 && cfg.split == 4 && cfg.rows == 1) return launch<ACT, TOKENS, 4, 4, 1>(a, pdl, stream);
+  return launch<ACT, TOKENS, 4, 1, 2>(a, pdl, stream);
+}
+
 template <Q8Act ACT>
 cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
-  // Prefill-sized T: 4 tokens per pass over the weights (correctness path; decode speed is T == 1).
-  if (a.T > 1) return launch<ACT, 4, 4, 2, 1>(a, pdl, stream);
+  if (a.T == 2) return launch_rows<ACT, 2>(a, pdl, stream);
+  if (a.T > 2) return launch_rows<ACT, 4>(a, pdl, stream);
 #define QWEN38_Q8_GEMV_DISPATCH(P, S, R) \
   if (cfg.pieces == P && cfg.split == S && cfg.rows == R) return launch<ACT, 1, P, S, R>(a, pdl, stream);
   QWEN38_Q8_GEMV_CONFIGS(QWEN38_Q8_GEMV_DISPATCH)
