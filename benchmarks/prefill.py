@@ -14,106 +14,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import time
 
 import torch
 
 from benchmarks.decode import QWEN38_27B, SyntheticQ8Checkpoint, set_lane, time_steps
+from benchmarks.ops.bench_q8_gemm import matrix_table, small_t_table
 from benchmarks.ops.common import env_info, print_table, write_json
 from qwen38_model import Qwen38ForCausalLM
 from qwen38_model import layers as model_layers
-from qwen38_model.config import ATTENTION, GDN
 from qwen38_model.generation import DecodeEngine
 from qwen38_model.layers import GatedAttention, GatedDeltaNet, Linear
 from qwen38_model.sampling import SamplingConfig
-
-ops = torch.ops.qwen38
-
-
-def trunk_shapes(config) -> list[tuple[int, int, int]]:
-    """(N, K, count) of every Q8_0 matrix of the trunk (the LM head runs on one row in prefill)."""
-    c = config
-    n_gdn, n_attn = c.layer_types.count(GDN), c.layer_types.count(ATTENTION)
-    qkvz = 2 * c.linear_num_key_heads * c.linear_key_head_dim + 2 * c.linear_value_dim
-    qgkv = 2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
-    return [(qkvz, c.hidden_size, n_gdn), (2 * c.linear_num_value_heads, c.hidden_size, n_gdn),
-            (c.hidden_size, c.linear_value_dim, n_gdn), (qgkv, c.hidden_size, n_attn),
-            (c.hidden_size, c.num_attention_heads * c.head_dim, n_attn),
-            (2 * c.intermediate_size, c.hidden_size, c.num_layers), (c.hidden_size, c.intermediate_size, c.num_layers)]
-
-
-def median_time(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return statistics.median(times)
-
-
-def matrix_table(config, lengths=(512, 4096)) -> tuple[list[dict], dict]:
-    """Per shape and T: seconds of torch._int_mm, bf16 torch.mm and our int8 GEMM; trunk totals."""
-    rows, totals = [], {}
-    for T in lengths:
-        total = dict(int_mm=0.0, bf16_mm=0.0, q8_gemm_int8=0.0, tile64=0.0, tile128=0.0)
-        for N, K, count in trunk_shapes(config):
-            w8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda")
-            wd = (torch.rand(N, K // 32, device="cuda") * 4e-4 + 2e-4).half()
-            x8 = torch.randint(-127, 128, (T, K), dtype=torch.int8, device="cuda")
-            xd = torch.rand(T, K // 32, device="cuda") * 0.01
-            wb, xb = torch.randn(N, K, device="cuda").bfloat16(), torch.randn(T, K, device="cuda").bfloat16()
-            out = torch.empty(T, N, device="cuda")
-            t = dict(
-                int_mm=median_time(lambda: torch._int_mm(x8, w8.t())) if N % 8 == 0 else float("nan"),
-                bf16_mm=median_time(lambda: torch.mm(xb, wb.t())),
-                q8_gemm_int8=median_time(lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out)))
-            for tile in ("64", "128"):  # the default picks one of these by wave count; both measured
-                os.environ["QWEN38_Q8_GEMM_TILE"] = tile
-                t[f"tile{tile}"] = median_time(lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out))
-                del os.environ["QWEN38_Q8_GEMM_TILE"]
-            flop = 2 * T * N * K
-            for k in total:
-                total[k] += t[k] * count if t[k] == t[k] else t["bf16_mm"] * count
-            rows.append(dict(T=T, N=N, K=K, count=count, **{f"{k}_tops": flop / v / 1e12 for k, v in t.items()},
-                             gemm_of_int_mm=t["int_mm"] / t["q8_gemm_int8"]))
-            del w8, wd, x8, xd, wb, xb, out
-        totals[T] = {k: dict(s=v, tok_s=T / v) for k, v in total.items()}
-        totals[T]["gemm_of_int_mm"] = total["int_mm"] / total["q8_gemm_int8"]
-    torch.cuda.empty_cache()
-    return rows, totals
-
-
-def small_t_table(config, tokens=(1, 2, 4, 8, 16, 32)) -> list[dict]:
-    """Trunk matrix time per token count for the GEMV and the GEMM (int8 lane): where the GEMM starts."""
-    rows = []
-    mats = [(torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda"),
-             (torch.rand(N, K // 32, device="cuda") * 4e-4 + 2e-4).half(), count)
-            for N, K, count in trunk_shapes(config)]
-    for T in tokens:
-        row = dict(T=T)
-        for name, op in (("gemv", ops.q8_0_gemv_int8), ("gemm", ops.q8_0_gemm_int8)):
-            total = 0.0
-            for w8, wd, count in mats:
-                x8 = torch.randint(-127, 128, (T, w8.shape[1]), dtype=torch.int8, device="cuda")
-                xd = torch.rand(T, w8.shape[1] // 32, device="cuda") * 0.01
-                out = torch.empty(T, w8.shape[0], device="cuda")
-                total += median_time(lambda: op(x8, xd, w8, wd, out)) * count
-            row[f"{name}_ms"] = total * 1e3
-        rows.append(row)
-    t1 = rows[0]["gemv_ms"]
-    for row in rows:
-        row["gemv_of_t1"] = row["gemv_ms"] / t1
-        row["gemm_of_t1"] = row["gemm_ms"] / t1
-    del mats
-    torch.cuda.empty_cache()
-    return rows
 
 
 def time_prefill(model, length: int, reps: int, chunk: int | None = None) -> dict:
@@ -216,14 +129,11 @@ def main(argv=None) -> dict:
     if not args.no_matrices:
         rows, totals = matrix_table(QWEN38_27B)
         results["matrices"], results["trunk_matrices"] = rows, totals
-        print_table(rows, ["T", "N", "K", "count", "int_mm_tops", "bf16_mm_tops", "q8_gemm_int8_tops", "tile64_tops",
-                           "tile128_tops", "gemm_of_int_mm"],
-                    title="trunk matrices: TOPS (peak probes vs our Q8_0 GEMM)")
+        results["small_t"] = small_t_table(QWEN38_27B)
         for T, tot in totals.items():
             print(f"T={T}: trunk matrices alone: int_mm {tot['int_mm']['tok_s']:.0f} tok/s, bf16 mm "
                   f"{tot['bf16_mm']['tok_s']:.0f}, our int8 GEMM {tot['q8_gemm_int8']['tok_s']:.0f} "
-                  f"({tot['gemm_of_int_mm']:.1%} of int_mm)")
-        results["small_t"] = small_t_table(QWEN38_27B)
+                  f"({tot['gemm_of_int_mm']:.1%} of int_mm; per shape: benchmarks.ops.bench_q8_gemm)")
         print_table(results["small_t"], ["T", "gemv_ms", "gemm_ms", "gemv_of_t1", "gemm_of_t1"],
                     title="small T: trunk matrices, int8 lane (ms per call of every matrix)")
 

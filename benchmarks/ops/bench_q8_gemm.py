@@ -1,0 +1,156 @@
+"""Q8_0 GEMM (q8_0_gemm_int8) at the 27B trunk shapes against the tensor-core peaks of this run, and the
+GEMV/GEMM crossover for small T (the verify and short-prompt sizes).
+
+    python -m benchmarks.ops.bench_q8_gemm [--json PATH] [--profile]
+
+Peaks: torch._int_mm and bf16 torch.mm on the same shapes, in the fast layout (b = W.t() of a row-major
+[N, K] weight: prefill-ceilings.md's layout trap). Our GEMM is timed at its default tile and at each
+compiled tile (QWEN38_Q8_GEMM_TILE). --profile runs the GEMM once at T = 4096 on 34816 x 5120 and exits,
+for a profiler (`ncu --clock-control none -k regex:q8_0_gemm python3 -m benchmarks.ops.bench_q8_gemm
+--profile`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from qwen38_model.config import ATTENTION, GDN
+
+from .common import env_info, print_table, write_json
+
+ops = torch.ops.qwen38
+
+
+def trunk_shapes(config) -> list[tuple[int, int, int]]:
+    """(N, K, count) of every Q8_0 matrix of the trunk (the LM head runs on one row in prefill)."""
+    c = config
+    n_gdn, n_attn = c.layer_types.count(GDN), c.layer_types.count(ATTENTION)
+    qkvz = 2 * c.linear_num_key_heads * c.linear_key_head_dim + 2 * c.linear_value_dim
+    qgkv = 2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
+    return [(qkvz, c.hidden_size, n_gdn), (2 * c.linear_num_value_heads, c.hidden_size, n_gdn),
+            (c.hidden_size, c.linear_value_dim, n_gdn), (qgkv, c.hidden_size, n_attn),
+            (c.hidden_size, c.num_attention_heads * c.head_dim, n_attn),
+            (2 * c.intermediate_size, c.hidden_size, c.num_layers), (c.hidden_size, c.intermediate_size, c.num_layers)]
+
+
+def median_time(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    return statistics.median(times)
+
+
+def random_q8(N, K):
+    return (torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda"),
+            (torch.rand(N, K // 32, device="cuda") * 4e-4 + 2e-4).half())
+
+
+def matrix_table(config, lengths=(512, 4096)) -> tuple[list[dict], dict]:
+    """Per shape and T: seconds of torch._int_mm, bf16 torch.mm and our int8 GEMM; trunk totals."""
+    rows, totals = [], {}
+    for T in lengths:
+        total = dict(int_mm=0.0, bf16_mm=0.0, q8_gemm_int8=0.0, tile64=0.0, tile128=0.0)
+        for N, K, count in trunk_shapes(config):
+            w8, wd = random_q8(N, K)
+            x8 = torch.randint(-127, 128, (T, K), dtype=torch.int8, device="cuda")
+            xd = torch.rand(T, K // 32, device="cuda") * 0.01
+            wb, xb = torch.randn(N, K, device="cuda").bfloat16(), torch.randn(T, K, device="cuda").bfloat16()
+            out = torch.empty(T, N, device="cuda")
+            t = dict(
+                int_mm=median_time(lambda: torch._int_mm(x8, w8.t())) if N % 8 == 0 else float("nan"),
+                bf16_mm=median_time(lambda: torch.mm(xb, wb.t())),
+                q8_gemm_int8=median_time(lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out)))
+            for tile in ("64", "128"):  # the default picks one of these by wave count; both measured
+                os.environ["QWEN38_Q8_GEMM_TILE"] = tile
+                t[f"tile{tile}"] = median_time(lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out))
+                del os.environ["QWEN38_Q8_GEMM_TILE"]
+            flop = 2 * T * N * K
+            for k in total:
+                total[k] += t[k] * count if t[k] == t[k] else t["bf16_mm"] * count
+            rows.append(dict(T=T, N=N, K=K, count=count, **{f"{k}_tops": flop / v / 1e12 for k, v in t.items()},
+                             gemm_of_int_mm=t["int_mm"] / t["q8_gemm_int8"]))
+        totals[T] = {k: dict(s=v, tok_s=T / v) for k, v in total.items()}
+        totals[T]["gemm_of_int_mm"] = total["int_mm"] / total["q8_gemm_int8"]
+    torch.cuda.empty_cache()
+    return rows, totals
+
+
+def small_t_table(config, tokens=(1, 2, 4, 8, 16, 32), copies: int = 3) -> list[dict]:
+    """Trunk matrix time per token count for the GEMV and the GEMM (int8 lane): where the GEMM starts.
+    Each shape's time is the mean over `copies` weight copies called in turn, so no weight is L2-resident
+    when it is read (5120 x 6144 is 31 MB: alone it would stay in the 60 MB L2)."""
+    rows = []
+    mats = [([random_q8(N, K) for _ in range(copies)], count) for N, K, count in trunk_shapes(config)]
+    for T in tokens:
+        row = dict(T=T)
+        for name, op in (("gemv", ops.q8_0_gemv_int8), ("gemm", ops.q8_0_gemm_int8)):
+            total = 0.0
+            for weights, count in mats:
+                N, K = weights[0][0].shape
+                x8 = torch.randint(-127, 128, (T, K), dtype=torch.int8, device="cuda")
+                xd = torch.rand(T, K // 32, device="cuda") * 0.01
+                out = torch.empty(T, N, device="cuda")
+
+                def calls():
+                    for w8, wd in weights:
+                        op(x8, xd, w8, wd, out)
+
+                total += median_time(calls) / copies * count
+            row[f"{name}_ms"] = total * 1e3
+        rows.append(row)
+    t1 = rows[0]["gemv_ms"]
+    for row in rows:
+        row["gemv_of_t1"] = row["gemv_ms"] / t1
+        row["gemm_of_t1"] = row["gemm_ms"] / t1
+    torch.cuda.empty_cache()
+    return rows
+
+
+
+def profile_once() -> None:
+    w8, wd = random_q8(34816, 5120)
+    x8 = torch.randint(-127, 128, (4096, 5120), dtype=torch.int8, device="cuda")
+    xd = torch.rand(4096, 5120 // 32, device="cuda") * 0.01
+    out = torch.empty(4096, 34816, device="cuda")
+    ops.q8_0_gemm_int8(x8, xd, w8, wd, out)
+    torch.cuda.synchronize()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--profile", action="store_true", help="one GEMM call for a profiler, then exit")
+    args = parser.parse_args(argv)
+    if args.profile:
+        profile_once()
+        return {}
+    from benchmarks.decode import QWEN38_27B
+
+    rows, totals = matrix_table(QWEN38_27B)
+    small = small_t_table(QWEN38_27B)
+    print_table(rows, ["T", "N", "K", "count", "int_mm_tops", "bf16_mm_tops", "q8_gemm_int8_tops", "tile64_tops",
+                       "tile128_tops", "gemm_of_int_mm"], title="trunk matrices: TOPS (peak probes vs our Q8_0 GEMM)")
+    for T, tot in totals.items():
+        print(f"T={T}: trunk matrices alone: int_mm {tot['int_mm']['tok_s']:.0f} tok/s, bf16 mm "
+              f"{tot['bf16_mm']['tok_s']:.0f}, our int8 GEMM {tot['q8_gemm_int8']['tok_s']:.0f} "
+              f"({tot['gemm_of_int_mm']:.1%} of int_mm)")
+    print_table(small, ["T", "gemv_ms", "gemm_ms", "gemv_of_t1", "gemm_of_t1"],
+                title="small T: trunk matrices, int8 lane (ms per call of every matrix)")
+    results = dict(env=env_info(), matrices=rows, trunk_matrices=totals, small_t=small)
+    write_json(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
