@@ -2,6 +2,12 @@
 states so nothing measured is L2-resident (48 x 6.3 MB of recurrent state = 302 MB read+written, against
 the H200's 60 MB L2). pdl=1|0: with and without programmatic dependent launch (see csrc/kernels/gdn.cu).
 
+Two sections. Decode (T = 1, 4, 16): the figures below. Prefill (T = 8, 32, 512, 4096): each op of the
+GDN core (conv, gates, recurrent, and the three in model order) as one layer would run it on a prompt
+chunk of T tokens, graph-replayed over the 48 layers' states; us_per_token = us_per_layer / T, the number
+to hold against prefill's ~1.3 us per token per layer for the whole GDN core (b6f1a55, pp4096). T = 8
+and 32 bracket the chunked recurrence's dispatch threshold (csrc/cuda_bindings/gdn.cpp).
+
 The recurrent step is memory-bound: it reads and writes the float32 state once (48*128*128*4 B = 3.1 MB
 each way per layer). Its figure of merit is state bytes (read + written) per second over the streaming
 read probe; the target is >= 60% (the earlier implementation: 4.9 us a layer, 28%). conv and gates move
@@ -26,6 +32,8 @@ ops = torch.ops.qwen38
 HK, HV, DK, DV, TAPS = 16, 48, 128, 128, 4
 C = 2 * HK * DK + HV * DV
 LAYERS = 48
+PREFILL_TOKENS = (8, 32, 512, 4096)
+PREFILL_REPLAYS = 3  # a T = 4096 replay of the per-token recurrence was ~0.25 s (48 layers)
 
 
 def make_layers(num_tokens: int):
@@ -60,6 +68,36 @@ def pdl_setting(value: str):
             del os.environ["QWEN38_PDL"]
         else:
             os.environ["QWEN38_PDL"] = before
+
+
+def bench_prefill() -> list[dict]:
+    """Per op and per layer, the GDN core on a prompt chunk of T tokens (graph-replayed, 48 layers' states)."""
+    rows = []
+    for num_tokens in PREFILL_TOKENS:
+        L = make_layers(num_tokens)
+
+        def conv(i):
+            ops.gdn_conv(L["qkv"], L["conv_states"][i % LAYERS], L["conv_weights"][i % LAYERS], HK, DK, L["conv_out"])
+
+        def gates(i):
+            ops.gdn_gates(L["ba"], L["a_neg"], L["dt_bias"], L["beta"], L["decay"])
+
+        def recurrent(i):
+            ops.gdn_recurrent(L["conv_out"], L["beta"], L["decay"], L["states"][i % LAYERS], L["out"])
+
+        def layer(i):
+            conv(i)
+            gates(i)
+            recurrent(i)
+
+        for name, fn in (("gdn_conv", conv), ("gdn_gates", gates), ("gdn_recurrent", recurrent),
+                         ("conv+gates+recurrent", layer)):
+            t = time_graph(fn, LAYERS, replays=PREFILL_REPLAYS, warmup=1)["median_s"]
+            rows.append(dict(op=name, T=num_tokens, mode="graph", pdl="1", us_per_layer=t * 1e6,
+                             us_per_token=t * 1e6 / num_tokens))
+        del L
+        torch.cuda.empty_cache()
+    return rows
 
 
 def bench(probe_gbps: float) -> list[dict]:
@@ -122,9 +160,12 @@ def main() -> None:
     args, probe = parse_args_and_probe(__doc__)
     rows = bench(probe["best_gbps"])
     print_table(rows, ["op", "T", "mode", "pdl", "us_per_layer", "gbps", "ratio_vs_read_probe"],
-                title=f"gdn at the 27B shape, rotating over {LAYERS} layers' states")
+                title=f"gdn decode at the 27B shape, rotating over {LAYERS} layers' states")
+    prefill = bench_prefill()
+    print_table(prefill, ["op", "T", "us_per_layer", "us_per_token"],
+                title=f"gdn prefill at the 27B shape, per layer (graph over {LAYERS} layers' states)")
     write_json(args.json, dict(env=env_info(), read_probe=probe, shape=dict(Hk=HK, Hv=HV, dk=DK, dv=DV, C=C),
-                               layers=LAYERS, results=rows))
+                               layers=LAYERS, results=rows, prefill=prefill))
 
 
 if __name__ == "__main__":
