@@ -73,6 +73,7 @@ def test_package_metadata():
     assert not any(r.startswith("ninja") for r in importlib.metadata.requires("qwen38")), "ninja is build-only"
 
 
+@pytest.mark.slow  # ~20 s on the 2-core CI machine: it builds the extension again
 def test_make_demo_in_a_fresh_venv(tmp_path):
     """The README's path, literally: `make demo` in a new virtual environment on this checkout's files.
     The venv sees the system's packages (--system-site-packages) so that the installed torch is reused
