@@ -16,6 +16,9 @@ torch:
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		$(PY) -c "import torch; print('torch', torch.__version__, 'is installed: keeping it,', \
 			f'a CUDA {torch.version.cuda} build' if torch.version.cuda else 'a CPU build')"; \
+		if nvidia-smi -L >/dev/null 2>&1 && $(PY) -c "import torch, sys; sys.exit(torch.version.cuda is not None)"; then \
+			echo "an NVIDIA GPU is present: for the CUDA kernels install a CUDA build of torch (README: Building for a GPU)"; \
+		fi; \
 	elif nvidia-smi -L >/dev/null 2>&1; then \
 		echo "no torch installed, an NVIDIA GPU is present: installing PyPI's torch (a CUDA build)"; \
 		$(PY) -m pip install torch; \
