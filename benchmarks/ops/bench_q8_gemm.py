@@ -60,7 +60,7 @@ def matrix_table(config, lengths=(512, 4096)) -> tuple[list[dict], dict]:
     """Per shape and T: seconds of torch._int_mm, bf16 torch.mm and our int8 GEMM; trunk totals."""
     rows, totals = [], {}
     for T in lengths:
-        total = dict(int_mm=0.0, bf16_mm=0.0, q8_gemm_int8=0.0, tile64=0.0, tile128=0.0)
+        total = dict(int_mm=0.0, bf16_mm=0.0, q8_gemm_int8=0.0, tile32=0.0, tile64=0.0, tile128=0.0)
         for N, K, count in trunk_shapes(config):
             w8, wd = random_q8(N, K)
             x8 = torch.randint(-127, 128, (T, K), dtype=torch.int8, device="cuda")
@@ -71,7 +71,7 @@ def matrix_table(config, lengths=(512, 4096)) -> tuple[list[dict], dict]:
                 int_mm=median_time(lambda: torch._int_mm(x8, w8.t())) if N % 8 == 0 else float("nan"),
                 bf16_mm=median_time(lambda: torch.mm(xb, wb.t())),
                 q8_gemm_int8=median_time(lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out)))
-            for tile in ("64", "128"):  # the default picks one of these by wave count; both measured
+            for tile in ("32", "64", "128"):  # every compiled tile (the default picks by wave count)
                 os.environ["QWEN38_Q8_GEMM_TILE"] = tile
                 t[f"tile{tile}"] = median_time(lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out))
                 del os.environ["QWEN38_Q8_GEMM_TILE"]
@@ -139,8 +139,8 @@ def main(argv=None) -> dict:
 
     rows, totals = matrix_table(QWEN38_27B)
     small = small_t_table(QWEN38_27B)
-    print_table(rows, ["T", "N", "K", "count", "int_mm_tops", "bf16_mm_tops", "q8_gemm_int8_tops", "tile64_tops",
-                       "tile128_tops", "gemm_of_int_mm"], title="trunk matrices: TOPS (peak probes vs our Q8_0 GEMM)")
+    print_table(rows, ["T", "N", "K", "count", "int_mm_tops", "bf16_mm_tops", "q8_gemm_int8_tops", "tile32_tops",
+                       "tile64_tops", "tile128_tops", "gemm_of_int_mm"], title="trunk matrices: TOPS (peak probes vs our Q8_0 GEMM)")
     for T, tot in totals.items():
         print(f"T={T}: trunk matrices alone: int_mm {tot['int_mm']['tok_s']:.0f} tok/s, bf16 mm "
               f"{tot['bf16_mm']['tok_s']:.0f}, our int8 GEMM {tot['q8_gemm_int8']['tok_s']:.0f} "

@@ -93,7 +93,7 @@ struct Tile {
 };
 
 template <bool kTwoWord, int kMTiles>
-__global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kernel(const Q8GemvArgs a) {
+__global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : (kMTiles == 2 ? 2 : 3)) q8_0_gemm_kernel(const Q8GemvArgs a) {
   using T = Tile<kTwoWord, kMTiles>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tok0 = blockIdx.x * T::kTokens;
