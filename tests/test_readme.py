@@ -4,6 +4,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -13,12 +14,33 @@ ENV_READ = re.compile(r"""(?:getenv\(|environ\.get\(|environ\[|setenv\(|env_vars
 SOURCES = {".py", ".sh", ".cu", ".cuh", ".cpp", ".h"}
 
 
+def run_block(index: int, capsys) -> dict:
+    """Runs README Python block `index` as written; returns its variables."""
+    variables = {"__name__": "__readme__"}
+    exec(compile(BLOCKS[index], f"README.md python block {index + 1}", "exec"), variables)
+    out = capsys.readouterr().out
+    assert re.search(r"prefill: \d+ tokens, [\d.]+ tok/s, time to first token [\d.]+ s \| decode .*tok/s", out), out
+    return variables
+
+
+def model_of(variables: dict):
+    return variables["model"] if "model" in variables else variables["llm"].model
+
+
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"block{i + 1}" for i in range(len(BLOCKS))])
 def test_python_block_runs_as_written(index, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    exec(compile(BLOCKS[index], f"README.md python block {index + 1}", "exec"), {"__name__": "__readme__"})
-    out = capsys.readouterr().out
-    assert re.search(r"prefill: \d+ tokens, [\d.]+ tok/s, time to first token [\d.]+ s \| decode .*tok/s", out), out
+    run_block(index, capsys)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"block{i + 1}" for i in range(len(BLOCKS))])
+def test_python_block_runs_as_written_on_the_gpu(index, capsys, monkeypatch, tmp_path):
+    """The same blocks where a GPU is visible: the model lands on it and decodes through the graph."""
+    monkeypatch.chdir(tmp_path)
+    model = model_of(run_block(index, capsys))
+    assert model.device.type == "cuda" and model.last_generation_stats.graph
 
 
 def test_every_environment_variable_is_documented():

@@ -182,3 +182,11 @@ def test_a_large_checkpoint_on_the_cpu_is_warned(capsys, monkeypatch, tmp_path):
     code, _, err = run_main(capsys, monkeypatch, "generate", "--model", str(big), "--prompt", "x", "--device", "cpu")
     assert code == 2 and err.startswith("warning: a 2.0 GB checkpoint on the CPU: the CPU path runs the plain-PyTorch "
                                         "reference ops"), err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_generate_on_the_gpu(capsys, monkeypatch):
+    code, out, err = run_main(capsys, monkeypatch, "generate", "--prompt", "The quick brown fox", "--max-new-tokens", "8")
+    assert code == 0, err
+    assert "on cuda" in err and "decode (CUDA graph): 8 tokens" in err and "allocated on the GPU" in err, err
