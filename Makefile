@@ -30,7 +30,7 @@ torch:
 # setuptools, wheel and ninja are pyproject.toml's build requirements: without build isolation pip
 # does not install them (and an isolated build would pull another torch).
 install: torch
-	$(PY) -m pip install -q "setuptools>=77" wheel ninja
+	$(PY) -m pip install -q "setuptools>=64" wheel ninja
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	@$(PY) -c "import qwen38_ops; print('qwen38_ops:', qwen38_ops.BUILD_SUMMARY)"
 

@@ -69,7 +69,7 @@ def test_import_refuses_an_extension_built_for_another_torch():
 def test_package_metadata():
     meta = importlib.metadata.metadata("qwen38")
     assert meta["Version"] == qwen38_model.__version__
-    assert meta["License-Expression"] == "MIT" and (REPO / "LICENSE").read_text().startswith("MIT License")
+    assert meta["License"] == "MIT" and (REPO / "LICENSE").read_text().startswith("MIT License")
     assert not any(r.startswith("ninja") for r in importlib.metadata.requires("qwen38")), "ninja is build-only"
 
 
