@@ -33,7 +33,7 @@ HK, HV, DK, DV, TAPS = 16, 48, 128, 128, 4
 C = 2 * HK * DK + HV * DV
 LAYERS = 48
 PREFILL_TOKENS = (8, 32, 512, 4096)
-PREFILL_REPLAYS = 3  # a T = 4096 replay of the per-token recurrence was ~0.25 s (48 layers)
+PREFILL_REPLAYS = 3  # a T = 4096 replay of the per-token recurrence: ~0.25 s (252 ms GDN core, b6f1a55)
 
 
 def make_layers(num_tokens: int):

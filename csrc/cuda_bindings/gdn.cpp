@@ -3,6 +3,7 @@
 
 #include "checks.h"
 #include "../kernels/gdn.h"
+#include "../kernels/gdn_prefill.h"
 
 namespace qwen38 {
 namespace {
@@ -73,6 +74,13 @@ void gdn_gates(const at::Tensor& ba, const at::Tensor& a_neg, const at::Tensor& 
   QWEN38_CHECK(err == cudaSuccess, "gdn_gates: kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// From this many tokens gdn_recurrent runs the chunked kernel (gdn_prefill.cu: one pass over the state
+// serves 16 tokens) instead of the token-by-token one (gdn.cu), which stays the decode kernel. Estimated
+// crossover, not yet measured: the per-token kernel costs ~2.7 us + ~1 us a token a layer at the 27B shape,
+// a chunk ~2.5 us + the state's read and write; bench_gdn's prefill rows at T = 8 and 32 and its decode
+// rows at T = 4 and 16 place it.
+constexpr int64_t kGdnPrefillMinTokens = 8;
+
 void gdn_recurrent(const at::Tensor& qkv, const at::Tensor& beta, const at::Tensor& decay, at::Tensor& state,
                    at::Tensor& out) {
   QWEN38_CHECK_CUDA("gdn_recurrent", qkv);
@@ -107,10 +115,14 @@ void gdn_recurrent(const at::Tensor& qkv, const at::Tensor& beta, const at::Tens
               out.sizes());
 
   const c10::cuda::CUDAGuard guard(qkv.device());
-  const cudaError_t err = gdn_recurrent_launch(qkv.data_ptr<float>(), qkv.stride(0), beta.data_ptr<float>(),
-                                               decay.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<float>(),
-                                               (int)num_tokens, (int)num_k_heads, (int)num_v_heads, (int)dk, (int)dv,
-                                               current_stream());
+  // Shapes the chunked kernel does not take (see gdn_prefill_supported) run token by token.
+  const bool chunked = num_tokens >= kGdnPrefillMinTokens &&
+                       gdn_prefill_supported(qkv.data_ptr<float>(), qkv.stride(0), state.data_ptr<float>(),
+                                             (int)num_k_heads, (int)num_v_heads, (int)dk);
+  const auto launch = chunked ? gdn_prefill_launch : gdn_recurrent_launch;
+  const cudaError_t err = launch(qkv.data_ptr<float>(), qkv.stride(0), beta.data_ptr<float>(), decay.data_ptr<float>(),
+                                 state.data_ptr<float>(), out.data_ptr<float>(), (int)num_tokens, (int)num_k_heads,
+                                 (int)num_v_heads, (int)dk, (int)dv, current_stream());
   QWEN38_CHECK(err == cudaSuccess, "gdn_recurrent: kernel launch failed: ", cudaGetErrorString(err));
 }
 

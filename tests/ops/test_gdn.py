@@ -1,9 +1,11 @@
 """gdn family: gdn_conv, gdn_gates, gdn_recurrent.
 
-CPU (CI): opcheck of every op, and each reference against an independent formula (conv1d, the closed
-form of the delta rule on HF's [dk, dv] state layout). CUDA (-m cuda): every kernel against the reference
-in float64 on the CPU, on random inputs, outputs poisoned first, at odd sizes and the 27B shapes; two runs
-give the same bits; a captured graph replays bit for bit like eager; bad arguments raise.
+CPU (CI): opcheck of every op, each reference against an independent formula (conv1d, the closed form of
+the delta rule on HF's [dk, dv] state layout), and the chunk form the prefill kernel computes, in float32,
+against the reference. CUDA (-m cuda): every kernel against the reference in float64, on random inputs,
+outputs poisoned first, at odd sizes and the 27B shapes; gdn_recurrent's chunked prefill path (T >= its
+threshold, csrc/cuda_bindings/gdn.cpp) at rel L2 <= 1e-5 with gates at their edges; two runs give the same
+bits; a captured graph replays bit for bit like eager; bad arguments raise.
 """
 import pytest
 import torch
@@ -37,8 +39,11 @@ def make_conv_inputs(T, hk, hv, dk, dv, taps=4, device="cpu", dtype=torch.float3
     return [x.to(device=device, dtype=dtype) for x in (qkv, state, weight)]
 
 
-def make_recurrent_inputs(T, hk, hv, dk, dv, device="cpu", dtype=torch.float32, seed=0):
-    """qkv as gdn_conv leaves it (q, k heads of unit norm), gates in their ranges, a random state."""
+def make_recurrent_inputs(T, hk, hv, dk, dv, device="cpu", dtype=torch.float32, seed=0, gates="uniform"):
+    """qkv as gdn_conv leaves it (q, k heads of unit norm), gates in their ranges, a random state.
+    gates="edge": each decay one of exactly 0, ~1e-30, ~1e-3, uniform in (0, 1), 1 - ~1e-7, exactly 1, and
+    each beta one of ~1e-7, uniform, 1 - ~1e-7, exactly 1 (where cumulative decay products underflow, and
+    where the delta rule forgets or overwrites completely)."""
     g = torch.Generator().manual_seed(seed)
     qk = F.normalize(torch.randn(T, 2 * hk, dk, generator=g, dtype=torch.float64), dim=-1)
     v = torch.randn(T, hv * dv, generator=g, dtype=torch.float64)
@@ -46,6 +51,12 @@ def make_recurrent_inputs(T, hk, hv, dk, dv, device="cpu", dtype=torch.float32, 
     beta = torch.rand(T, hv, generator=g, dtype=torch.float64)
     decay = 0.5 + 0.5 * torch.rand(T, hv, generator=g, dtype=torch.float64)
     state = torch.randn(hv, dv, dk, generator=g, dtype=torch.float64) * 0.5
+    if gates == "edge":
+        u = torch.rand(T, hv, generator=g, dtype=torch.float64)
+        decays = torch.stack([0 * u, 1e-30 * u, 1e-3 * u, u, 1 - 1e-7 * u, 1 + 0 * u])
+        decay = decays.gather(0, torch.randint(0, 6, (1, T, hv), generator=g))[0]
+        betas = torch.stack([1e-7 * u, beta, 1 - 1e-7 * u, 1 + 0 * u])
+        beta = betas.gather(0, torch.randint(0, 4, (1, T, hv), generator=g))[0]
     return [x.to(device=device, dtype=dtype) for x in (qkv, beta, decay, state)]
 
 
@@ -124,6 +135,65 @@ def test_recurrent_reference_vs_closed_form(shape):
         torch.testing.assert_close(new_state[h], s.T, rtol=1e-12, atol=1e-12)
 
 
+def chunked_delta_rule(qkv, beta, decay, state, chunk=16):
+    """The chunk form csrc/kernels/gdn_prefill.cu computes, in the inputs' dtype, vectorized over heads and
+    state rows. Per chunk, from the state S0 it starts from (G_ij = g_{j+1} ... g_i, gamma_i = g_0 ... g_i):
+    x_i = S0[a].k_i, y_i = S0[a].q_i; delta_i = beta_i (v_i - gamma_i x_i) - sum_{j<i} L_ij delta_j with
+    L_ij = beta_i G_ij k_i.k_j; o_i = gamma_i y_i + sum_{j<=i} G_ij (q_i.k_j) delta_j; S = gamma_{n-1} S0 +
+    sum_j G_{n-1,j} delta_j k_j. Tokens past T pad the last chunk with beta = 0, decay = 1, zero q, k, v.
+    Returns (out [T, Hv, dv], new state)."""
+    hv, dv, dk = state.shape
+    T = qkv.shape[0]
+    hk = (qkv.shape[1] - hv * dv) // (2 * dk)
+    key_head = torch.arange(hv) % hk
+    dtype, n = state.dtype, chunk
+    pad = -T % n
+    x = torch.cat([qkv, qkv.new_zeros(pad, qkv.shape[1])])
+    q = x[:, : hk * dk].reshape(-1, n, hk, dk)[:, :, key_head].transpose(1, 2)  # [chunks, Hv, n, dk]
+    k = x[:, hk * dk : 2 * hk * dk].reshape(-1, n, hk, dk)[:, :, key_head].transpose(1, 2)
+    v = x[:, 2 * hk * dk :].reshape(-1, n, hv, dv).transpose(1, 2)  # [chunks, Hv, n, dv]
+    b = torch.cat([beta, beta.new_zeros(pad, hv)]).reshape(-1, n, hv).transpose(1, 2)  # [chunks, Hv, n]
+    g = torch.cat([decay, decay.new_ones(pad, hv)]).reshape(-1, n, hv).transpose(1, 2)
+    s, outs = state.clone(), []
+    lower = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    for c in range(q.shape[0]):
+        gc = g[c]
+        G = torch.zeros(hv, n, n, dtype=dtype)  # G[:, i, j] = g_{j+1} ... g_i for j <= i
+        for j in range(n):
+            G[:, j, j] = 1
+            for i in range(j + 1, n):
+                G[:, i, j] = G[:, i - 1, j] * gc[:, i]
+        gamma = gc[:, :1] * G[:, :, 0]
+        L = b[c][:, :, None] * G * (k[c] @ k[c].transpose(1, 2)) * torch.tril(lower, -1)
+        M = G * (q[c] @ k[c].transpose(1, 2)) * lower
+        xs, ys = s @ k[c].transpose(1, 2), s @ q[c].transpose(1, 2)  # [Hv, dv, n]
+        delta = b[c][:, None] * (v[c].transpose(1, 2) - gamma[:, None] * xs)
+        for i in range(1, n):
+            delta[:, :, i] -= (delta[:, :, :i] * L[:, None, i, :i]).sum(-1)
+        outs.append((gamma[:, None] * ys + delta @ M.transpose(1, 2)) * dk**-0.5)  # [Hv, dv, n]
+        s = gamma[:, -1, None, None] * s + (delta * G[:, None, -1]) @ k[c]
+    return torch.cat(outs, dim=2).permute(2, 0, 1)[:T], s
+
+
+def rel_l2(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [SHAPE_ORACLE, (3, 7, 32, 20)])
+@pytest.mark.parametrize("gates", ["uniform", "edge"])
+@pytest.mark.parametrize("T", [1, 2, 17, 63, 64, 65, 130])
+def test_chunk_form_float32_vs_reference(shape, gates, T):
+    """The prefill kernel's algorithm in float32 is as close to the float64 reference as float32 token by
+    token is (both ~1e-7 rel L2 here, ~2e-7 at T = 4096 and dk = 128): bar 1e-6. Partial last chunks, value
+    heads not a multiple of the key heads, decays at 0 and 1 (no 0/0 from underflowed products)."""
+    hk, hv, dk, dv = shape
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, seed=T, gates=gates)
+    exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
+    out, new_state = chunked_delta_rule(qkv, beta, decay, state)
+    assert rel_l2(out, exp_out) <= 1e-6 and rel_l2(new_state, exp_state) <= 1e-6, (rel_l2(out, exp_out),
+                                                                                    rel_l2(new_state, exp_state))
+
+
 # ---------------------------------------------------------------------------------------------------
 # CUDA: kernels against the float64 reference.
 
@@ -191,8 +261,9 @@ def run_recurrent_cuda(qkv, beta, decay, state):
 
 
 def recurrent_expected(qkv, beta, decay, state):
+    """The reference in float64, on the inputs' device (the GPU makes T = 4096 at the 27B shape a second)."""
     hv, dv, _ = state.shape
-    out = torch.empty(qkv.shape[0], hv, dv, dtype=torch.float64)
+    out = torch.empty(qkv.shape[0], hv, dv, dtype=torch.float64, device=qkv.device)
     new_state = state.double()
     ref.gdn_recurrent(qkv.double(), beta.double(), decay.double(), new_state, out)
     return out, new_state
@@ -226,6 +297,121 @@ def test_recurrent_cuda_long_prefill_and_scalar_path():
         out, new_state = run_recurrent_cuda(x, beta.cuda(), decay.cuda(), state.cuda())
         torch.testing.assert_close(out.cpu().double(), exp_out, rtol=0, atol=5e-5)
         torch.testing.assert_close(new_state.cpu().double(), exp_state, rtol=0, atol=5e-5)
+
+
+def padded(t, pad=64):
+    """t's values in the middle of a NaN-filled buffer, pad elements either side (alignment kept): returns
+    (view, buffer). A kernel reading outside t shows as NaN in its results, writing outside it as padding
+    that is no longer NaN."""
+    buf = torch.full((t.numel() + 2 * pad,), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[pad : pad + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view, buf
+
+
+def aligned_rows_view(x, pad=4):
+    """x's values as rows of a wider NaN-filled buffer whose rows start 16-byte aligned (the chunked kernel's
+    vector copies need that; rows_view's misaligned rows run token by token)."""
+    stride = (x.shape[1] + 3) // 4 * 4 + 2 * pad
+    wide = torch.full((x.shape[0], stride), float("nan"), dtype=x.dtype, device=x.device)
+    wide[:, pad : pad + x.shape[1]] = x
+    return wide[:, pad : pad + x.shape[1]]
+
+
+def run_recurrent_padded(qkv, beta, decay, state):
+    """gdn_recurrent with qkv as aligned rows of a NaN-padded buffer and the state and out (out poisoned with
+    NaN) inside NaN-padded buffers; asserts the padding is untouched. Returns (out, new state)."""
+    hv, dv, _ = state.shape
+    new_state, state_buf = padded(state)
+    out, out_buf = padded(torch.full((qkv.shape[0], hv, dv), float("nan"), device=qkv.device))
+    ops.gdn_recurrent(aligned_rows_view(qkv), beta, decay, new_state, out)
+    pad = (state_buf.numel() - state.numel()) // 2
+    for buf in (state_buf, out_buf):
+        assert buf[:pad].isnan().all() and buf[-pad:].isnan().all(), "a write outside the state or out"
+    return out, new_state
+
+
+def assert_float32_error(out, new_state, exp_out, exp_state, bar=1e-5):
+    """rel L2 <= bar for out, for out of each value head, and for the final state (float32 error: ~2e-7
+    expected from the float32 emulation of the chunk form, as token by token)."""
+    assert torch.isfinite(out).all() and torch.isfinite(new_state).all()
+    err = (out.double() - exp_out.to(out.device)).norm(dim=(0, 2)) / exp_out.to(out.device).norm(dim=(0, 2))
+    errors = dict(out=rel_l2(out, exp_out.to(out.device)), worst_head=err.max().item(),
+                  state=rel_l2(new_state, exp_state.to(new_state.device)))
+    assert max(errors.values()) <= bar, errors
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("gates", ["uniform", "edge"])
+@pytest.mark.parametrize("T", [1, 2, 7, 8, 9, 16, 17, 63, 64, 65, 1000, 4096])
+def test_recurrent_prefill_27b_matches_reference(T, gates):
+    """The 27B shape over T tokens (chunked from the threshold up, partial last chunks, 256 chunks at 4096)
+    against the float64 reference: rel L2 <= 1e-5; out poisoned, state and out inside NaN padding."""
+    hk, hv, dk, dv = SHAPE_27B
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda", seed=T, gates=gates)
+    exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
+    out, new_state = run_recurrent_padded(qkv, beta, decay, state)
+    assert_float32_error(out, new_state, exp_out, exp_state)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES + [(3, 7, 32, 20), (4, 2, 32, 16), (1, 5, 32, 32)])
+@pytest.mark.parametrize("T", [17, 65])
+def test_recurrent_prefill_shapes(shape, T):
+    """Odd shapes at edge gates: Hv not a multiple of Hk (7 value heads on 3 key heads), Hv < Hk, dk from
+    32 to 256 and not a power of 2, dv not a multiple of 16. The chunked kernel takes dk % 4 == 0, dk <= 256
+    and Hv / Hk <= 4; the others ((1, 3, 30, 30), (1, 5, 32, 32)) run token by token, same bar."""
+    hk, hv, dk, dv = shape
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda", seed=dk + T, gates="edge")
+    exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
+    out, new_state = run_recurrent_padded(qkv, beta, decay, state)
+    assert_float32_error(out, new_state, exp_out, exp_state)
+
+
+def kernels_run_by(fn) -> str:
+    """The names of the CUDA kernels fn() launches (profiler), space-separated."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.key for e in prof.key_averages())
+
+
+@cuda
+@needs_gpu
+def test_recurrent_dispatch():
+    """A 64-token prompt runs the chunked kernel; one token, misaligned qkv rows and an unsupported group
+    (Hv / Hk = 5) run the per-token kernel. (The other tests pass with either kernel: this one says which.)"""
+    def kernels(T, shape, view):
+        hk, hv, dk, dv = shape
+        qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda")
+        out = torch.empty(T, hv, dv, device="cuda")
+        names = kernels_run_by(lambda: ops.gdn_recurrent(view(qkv), beta, decay, state, out))
+        assert ("gdn_prefill_kernel" in names) != ("gdn_recurrent_kernel" in names), names
+        return "chunked" if "gdn_prefill_kernel" in names else "per-token"
+
+    assert kernels(64, SHAPE_27B, aligned_rows_view) == "chunked"
+    assert kernels(64, SHAPE_ORACLE, lambda x: x) == "chunked"
+    assert kernels(1, SHAPE_27B, lambda x: x) == "per-token"
+    assert kernels(64, SHAPE_27B, rows_view) == "per-token"
+    assert kernels(64, (1, 5, 32, 32), lambda x: x) == "per-token"
+
+
+@cuda
+@needs_gpu
+def test_recurrent_prefill_continues_state():
+    """A prompt in pieces, each call starting from the state the last left: 37 tokens, 28, one decode step,
+    30 (chunk boundaries fall mid-piece) == the reference over all 96 at rel L2 <= 1e-5."""
+    hk, hv, dk, dv = SHAPE_27B
+    qkv, beta, decay, state = make_recurrent_inputs(96, hk, hv, dk, dv, device="cuda", seed=9, gates="edge")
+    exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
+    s, outs = state.clone(), []
+    for a, b in ((0, 37), (37, 65), (65, 66), (66, 96)):
+        out = torch.full((b - a, hv, dv), float("nan"), device="cuda")
+        ops.gdn_recurrent(qkv[a:b], beta[a:b], decay[a:b], s, out)
+        outs.append(out)
+    assert_float32_error(torch.cat(outs), s, exp_out, exp_state)
 
 
 @cuda
@@ -292,12 +478,12 @@ def test_back_to_back_recurrent_on_one_state(pdl, monkeypatch):
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
-def test_deterministic_and_graph_replay_bitwise(pdl, monkeypatch):
+@pytest.mark.parametrize("T", [1, 100])
+def test_deterministic_and_graph_replay_bitwise(T, pdl, monkeypatch):
     """Two eager runs give the same bits, and a captured CUDA graph replays exactly like eager (with and
-    without programmatic dependent launch)."""
+    without programmatic dependent launch), for a decode step and a 100-token prompt (the chunked kernel)."""
     monkeypatch.setenv("QWEN38_PDL", pdl)
     hk, hv, dk, dv = SHAPE_27B
-    T = 1
     qkv, conv_state, weight = [x.cuda() for x in make_conv_inputs(T, hk, hv, dk, dv, seed=8)]
     ba, a_neg, dt_bias = [x.cuda() for x in make_gate_inputs(T, hv, seed=8)]
     _, _, _, state = [x.cuda() for x in make_recurrent_inputs(T, hk, hv, dk, dv, seed=8)]
