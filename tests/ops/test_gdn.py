@@ -43,7 +43,8 @@ def make_recurrent_inputs(T, hk, hv, dk, dv, device="cpu", dtype=torch.float32, 
     """qkv as gdn_conv leaves it (q, k heads of unit norm), gates in their ranges, a random state.
     gates="edge": each decay one of exactly 0, ~1e-30, ~1e-3, uniform in (0, 1), 1 - ~1e-7, exactly 1, and
     each beta one of ~1e-7, uniform, 1 - ~1e-7, exactly 1 (where cumulative decay products underflow, and
-    where the delta rule forgets or overwrites completely)."""
+    where the delta rule forgets or overwrites completely). gates="collinear": those gates, and each key
+    head's k within ~1e-3 of one direction (k_i.k_j ~ 1: the chunk form's substitution at its hardest)."""
     g = torch.Generator().manual_seed(seed)
     qk = F.normalize(torch.randn(T, 2 * hk, dk, generator=g, dtype=torch.float64), dim=-1)
     v = torch.randn(T, hv * dv, generator=g, dtype=torch.float64)
@@ -51,7 +52,11 @@ def make_recurrent_inputs(T, hk, hv, dk, dv, device="cpu", dtype=torch.float32, 
     beta = torch.rand(T, hv, generator=g, dtype=torch.float64)
     decay = 0.5 + 0.5 * torch.rand(T, hv, generator=g, dtype=torch.float64)
     state = torch.randn(hv, dv, dk, generator=g, dtype=torch.float64) * 0.5
-    if gates == "edge":
+    if gates == "collinear":
+        direction = torch.randn(hk, dk, generator=g, dtype=torch.float64)
+        k = F.normalize(direction + 1e-3 * torch.randn(T, hk, dk, generator=g, dtype=torch.float64), dim=-1)
+        qkv[:, hk * dk : 2 * hk * dk] = k.reshape(T, -1)
+    if gates in ("edge", "collinear"):
         u = torch.rand(T, hv, generator=g, dtype=torch.float64)
         decays = torch.stack([0 * u, 1e-30 * u, 1e-3 * u, u, 1 - 1e-7 * u, 1 + 0 * u])
         decay = decays.gather(0, torch.randint(0, 6, (1, T, hv), generator=g))[0]
@@ -180,12 +185,13 @@ def rel_l2(got, want):
 
 
 @pytest.mark.parametrize("shape", [SHAPE_ORACLE, (3, 7, 32, 20)])
-@pytest.mark.parametrize("gates", ["uniform", "edge"])
+@pytest.mark.parametrize("gates", ["uniform", "edge", "collinear"])
 @pytest.mark.parametrize("T", [1, 2, 17, 63, 64, 65, 130])
 def test_chunk_form_float32_vs_reference(shape, gates, T):
     """The prefill kernel's algorithm in float32 is as close to the float64 reference as float32 token by
     token is (both ~1e-7 rel L2 here, ~2e-7 at T = 4096 and dk = 128): bar 1e-6. Partial last chunks, value
-    heads not a multiple of the key heads, decays at 0 and 1 (no 0/0 from underflowed products)."""
+    heads not a multiple of the key heads, decays at 0 and 1 (no 0/0 from underflowed products), nearly
+    collinear keys."""
     hk, hv, dk, dv = shape
     qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, seed=T, gates=gates)
     exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
@@ -343,7 +349,7 @@ def assert_float32_error(out, new_state, exp_out, exp_state, bar=1e-5):
 
 @cuda
 @needs_gpu
-@pytest.mark.parametrize("gates", ["uniform", "edge"])
+@pytest.mark.parametrize("gates", ["uniform", "edge", "collinear"])
 @pytest.mark.parametrize("T", [1, 2, 7, 8, 9, 16, 17, 63, 64, 65, 1000, 4096])
 def test_recurrent_prefill_27b_matches_reference(T, gates):
     """The 27B shape over T tokens (chunked from the threshold up, partial last chunks, 256 chunks at 4096)
