@@ -5,8 +5,10 @@ the H200's 60 MB L2). pdl=1|0: with and without programmatic dependent launch (s
 Two sections. Decode (T = 1, 4, 16): the figures below. Prefill (T = 8, 32, 512, 4096): each op of the
 GDN core (conv, gates, recurrent, and the three in model order) as one layer would run it on a prompt
 chunk of T tokens, graph-replayed over the 48 layers' states; us_per_token = us_per_layer / T, the number
-to hold against prefill's ~1.3 us per token per layer for the whole GDN core (b6f1a55, pp4096). T = 8
-and 32 bracket the chunked recurrence's dispatch threshold (csrc/cuda_bindings/gdn.cpp).
+to hold against prefill's ~1.3 us per token per layer for the whole GDN core (b6f1a55, pp4096). From T = 8
+gdn_recurrent runs the chunked kernel (threshold in csrc/cuda_bindings/gdn.cpp; one chunk costs about the
+same for any T <= 16): its T = 8 row against the decode rows at T = 1 and 4 (token by token) places the
+threshold.
 
 The recurrent step is memory-bound: it reads and writes the float32 state once (48*128*128*4 B = 3.1 MB
 each way per layer). Its figure of merit is state bytes (read + written) per second over the streaming

@@ -76,9 +76,9 @@ void gdn_gates(const at::Tensor& ba, const at::Tensor& a_neg, const at::Tensor& 
 
 // From this many tokens gdn_recurrent runs the chunked kernel (gdn_prefill.cu: one pass over the state
 // serves 16 tokens) instead of the token-by-token one (gdn.cu), which stays the decode kernel. Estimated
-// crossover, not yet measured: the per-token kernel costs ~2.7 us + ~1 us a token a layer at the 27B shape,
-// a chunk ~2.5 us + the state's read and write; bench_gdn's prefill rows at T = 8 and 32 and its decode
-// rows at T = 4 and 16 place it.
+// crossover, not yet measured: at the 27B shape the per-token kernel costs ~2.7 us a layer plus ~1 us a
+// token, a chunk of up to 16 tokens ~3 us plus the state's read and write; bench_gdn's prefill row at
+// T = 8 against its decode rows at T = 1 and 4 places it.
 constexpr int64_t kGdnPrefillMinTokens = 8;
 
 void gdn_recurrent(const at::Tensor& qkv, const at::Tensor& beta, const at::Tensor& decay, at::Tensor& state,
