@@ -1,5 +1,7 @@
 """qwen38_model.load(): the model and its tokenizer in one call; complete() and chat() return exactly the
 new text that generate() produces, on the built-in model and on the oracle (GGUF and HF forms)."""
+import warnings
+
 import pytest
 import torch
 
@@ -48,3 +50,8 @@ def test_load_explains_bad_requests(tmp_path):
     llm = qwen38_model.load(default_model_path(), device="cpu")
     with pytest.raises(ValueError, match="the prompt encodes to no tokens"):
         llm.complete("")
+    if not torch.cuda.is_available():  # one clear error, no rebuild warning (there is nothing to rebuild)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match=r"^device='cuda' but (torch .* is a CPU build|no CUDA GPU is visible)"):
+                qwen38_model.load(device="cuda")
