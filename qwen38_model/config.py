@@ -1,14 +1,20 @@
-"""Qwen38Config: the model's shape, read from GGUF metadata or an HF config.json, never assumed."""
+"""Qwen38Config: the model's shape, read from GGUF metadata or an HF config.json, never assumed. Every value
+is checked for its type and range as it is read: a checkpoint may come from anywhere."""
 from __future__ import annotations
 
-import json
 import math
+import os
 import pathlib
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
+from .files import folder_file, read_json
 
 ATTENTION, GDN = "attention", "gdn"
+# Bounds checked before anything is built from a count (a file may say block_count = 2^32 - 1):
+MAX_LAYERS = 1024  # 16x the 27B's 64
+MAX_DIM = 2**31 - 1  # sizes, positions and token ids index int32 tensors in the kernels
+MAX_RMS_NORM_EPS = 1e-2  # eps only guards the division; from 1e-2 up it would change the normalisation itself
 
 
 @dataclass(frozen=True)
@@ -62,9 +68,12 @@ class Qwen38Config:
 
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                     "linear_key_head_dim", "linear_value_head_dim", "conv_kernel"):
-            need(getattr(self, name) > 0, f"{name} must be positive, found {getattr(self, name)}")
-        need(self.num_layers > 0, "no layers")
+                     "linear_key_head_dim", "linear_value_head_dim", "conv_kernel", "max_position_embeddings"):
+            value = getattr(self, name)
+            need(_is_int(value) and 0 < value <= MAX_DIM, f"{name} must be an integer in [1, {MAX_DIM}], found {value!r}")
+        need(0 < self.num_layers <= MAX_LAYERS, f"{self.num_layers} layers, expected 1 to {MAX_LAYERS}")
+        need(_is_int(self.num_mtp_layers) and 0 <= self.num_mtp_layers <= MAX_LAYERS,
+             f"num_mtp_layers must be an integer in [0, {MAX_LAYERS}], found {self.num_mtp_layers!r}")
         bad = sorted(set(self.layer_types) - {ATTENTION, GDN})
         need(not bad, f"unknown layer types {bad}")
         need(self.num_attention_heads % self.num_key_value_heads == 0,
@@ -73,23 +82,30 @@ class Qwen38Config:
         need(self.linear_num_value_heads % self.linear_num_key_heads == 0,
              f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of linear_num_key_heads "
              f"{self.linear_num_key_heads}")
-        need(0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0,
+        need(_is_int(self.rotary_dim) and 0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0,
              f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
-        need(self.rms_norm_eps > 0 and math.isfinite(self.rope_theta) and self.rope_theta > 0,
-             f"rms_norm_eps {self.rms_norm_eps} / rope_theta {self.rope_theta} out of range")
+        need(math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps <= MAX_RMS_NORM_EPS,
+             f"rms_norm_eps must be in (0, {MAX_RMS_NORM_EPS}], found {self.rms_norm_eps}")
+        need(math.isfinite(self.rope_theta) and self.rope_theta > 1,
+             f"rope_theta must be a finite number > 1, found {self.rope_theta}")
+        need(isinstance(self.tie_word_embeddings, bool),
+             f"tie_word_embeddings must be true or false, found {self.tie_word_embeddings!r}")
+        bad = [i for i in self.eos_token_ids if not (_is_int(i) and 0 <= i < self.vocab_size)]
+        need(not bad, f"end-of-sequence ids {bad} outside the vocabulary [0, {self.vocab_size})")
 
     # ---- HF config.json ------------------------------------------------------------------------
     @classmethod
     def from_hf_folder(cls, folder: str | pathlib.Path) -> "Qwen38Config":
-        path = pathlib.Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{folder}: no config.json (an HF checkpoint folder needs one)") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        eos = _eos_ids(raw, pathlib.Path(folder) / "generation_config.json")
-        return cls.from_hf_dict(raw, source=str(path), eos_token_ids=eos)
+        from .tokenizer import hf_stop_token_ids  # the stop-token policy lives with the tokenizer
+
+        folder = pathlib.Path(folder)
+        if not os.path.lexists(folder / "config.json"):
+            raise ConfigError(f"{folder}: no config.json (an HF checkpoint folder needs one)")
+        path = folder_file(folder, "config.json")
+        raw = read_json(path, "config.json")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+        return cls.from_hf_dict(raw, source=str(path), eos_token_ids=hf_stop_token_ids(folder, raw))
 
     @classmethod
     def from_hf_dict(cls, raw: dict, source: str = "", eos_token_ids: tuple[int, ...] = ()) -> "Qwen38Config":
@@ -99,50 +115,54 @@ class Qwen38Config:
         if model_type == "qwen3_5":
             text = raw.get("text_config")
             if not isinstance(text, dict):
-                raise ConfigError(f"{source}: model_type qwen3_5 without a text_config")
-            tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+                raise ConfigError(f"{source}: model_type qwen3_5 without a text_config object")
         elif model_type == "qwen3_5_text":
-            text, tie = raw, raw.get("tie_word_embeddings", False)
+            text = raw
         else:
             raise ConfigError(f"{source}: unsupported model_type {model_type!r}, expected 'qwen3_5_text' or 'qwen3_5' "
                               "(Qwen3.5 / Qwen3.8 hybrid GDN + attention)")
-
-        def get(key, default=None):
-            if key in text:
-                return text[key]
-            if default is None:
-                raise ConfigError(f"{source}: config has no {key!r}")
-            return default
-
-        num_layers = get("num_hidden_layers")
+        keys = _Keys(text, source)
+        num_layers = keys.integer("num_hidden_layers", high=MAX_LAYERS)
         layer_types = text.get("layer_types")
         if layer_types is None:
-            interval = get("full_attention_interval", 4)
+            interval = keys.integer("full_attention_interval", 4)
             layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                            for i in range(num_layers)]
         kinds = {"full_attention": ATTENTION, "linear_attention": GDN}
-        unknown = sorted(set(layer_types) - set(kinds))
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            found = f"{len(layer_types)} entries" if isinstance(layer_types, list) else repr(layer_types)[:80]
+            raise ConfigError(f"{source}: layer_types must be a list of num_hidden_layers = {num_layers} entries, "
+                              f"found {found}")
+        unknown = sorted({repr(t) for t in layer_types if not isinstance(t, str) or t not in kinds})
         if unknown:
-            raise ConfigError(f"{source}: unknown layer_types {unknown}")
-        if len(layer_types) != num_layers:
-            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries, num_hidden_layers is {num_layers}")
+            raise ConfigError(f"{source}: unknown layer_types {unknown}, expected 'full_attention' or "
+                              "'linear_attention'")
         rope = text.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", text.get("rope_theta"))
-        if theta is None:
-            raise ConfigError(f"{source}: no rope_theta in rope_parameters")
-        head_dim = get("head_dim", get("hidden_size") // get("num_attention_heads"))
-        factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-        eos = eos_token_ids or _as_tuple(text.get("eos_token_id", raw.get("eos_token_id")))
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: rope_parameters must be an object, found {rope!r}")
+        rope_keys = _Keys({**text, **rope}, source)  # rope_parameters over the older top-level keys
+        hidden = keys.integer("hidden_size")
+        heads = keys.integer("num_attention_heads")
+        head_dim = keys.integer("head_dim") if "head_dim" in text else hidden // heads
+        factor = rope_keys.number("partial_rotary_factor", 0.25)
+        if not 0 < factor <= 1:
+            raise ConfigError(f"{source}: partial_rotary_factor must be in (0, 1], found {factor}")
         return cls(
-            vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
-            intermediate_size=get("intermediate_size"), layer_types=tuple(kinds[t] for t in layer_types),
-            num_attention_heads=get("num_attention_heads"), num_key_value_heads=get("num_key_value_heads"),
-            head_dim=head_dim, rotary_dim=int(head_dim * factor), rope_theta=float(theta),
-            linear_num_key_heads=get("linear_num_key_heads"), linear_num_value_heads=get("linear_num_value_heads"),
-            linear_key_head_dim=get("linear_key_head_dim"), linear_value_head_dim=get("linear_value_head_dim"),
-            conv_kernel=get("linear_conv_kernel_dim"), rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=get("max_position_embeddings", 262144), tie_word_embeddings=bool(tie),
-            num_mtp_layers=int(text.get("mtp_num_hidden_layers", 0)), eos_token_ids=eos, source=source,
+            vocab_size=keys.integer("vocab_size"), hidden_size=hidden,
+            intermediate_size=keys.integer("intermediate_size"), layer_types=tuple(kinds[t] for t in layer_types),
+            num_attention_heads=heads, num_key_value_heads=keys.integer("num_key_value_heads"),
+            head_dim=head_dim, rotary_dim=int(head_dim * factor), rope_theta=rope_keys.number("rope_theta"),
+            linear_num_key_heads=keys.integer("linear_num_key_heads"),
+            linear_num_value_heads=keys.integer("linear_num_value_heads"),
+            linear_key_head_dim=keys.integer("linear_key_head_dim"),
+            linear_value_head_dim=keys.integer("linear_value_head_dim"),
+            conv_kernel=keys.integer("linear_conv_kernel_dim"), rms_norm_eps=keys.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=keys.integer("max_position_embeddings", 262144),
+            # The VLM form states it at the top level, the text-only form in its one level.
+            tie_word_embeddings=_Keys(raw if "tie_word_embeddings" in raw else text, source).boolean(
+                "tie_word_embeddings", False),
+            num_mtp_layers=keys.integer("mtp_num_hidden_layers", 0, low=0, high=MAX_LAYERS),
+            eos_token_ids=eos_token_ids, source=source,
         )
 
     # ---- GGUF metadata ---------------------------------------------------------------------------
@@ -150,61 +170,75 @@ class Qwen38Config:
     def from_gguf_metadata(cls, meta: dict, vocab_size: int, source: str = "") -> "Qwen38Config":
         """meta: GGUF key -> python value; vocab_size: rows of token_embd (the metadata has no key for it).
         block_count includes MTP blocks; nextn_predict_layers says how many."""
+        from .tokenizer import gguf_stop_token_ids  # the stop-token policy lives with the tokenizer
+
         arch = meta.get("general.architecture")
         if arch != "qwen35":
             raise ConfigError(f"{source}: general.architecture is {arch!r}, expected 'qwen35'")
-
-        def get(key, default=None):
-            full = f"qwen35.{key}"
-            if full in meta:
-                return meta[full]
-            if default is None:
-                raise ConfigError(f"{source}: GGUF metadata has no {full!r}")
-            return default
-
-        num_mtp = int(get("nextn_predict_layers", 0))
-        num_layers = int(get("block_count")) - num_mtp
-        interval = int(get("full_attention_interval", 4))
+        keys = _Keys(meta, source, "qwen35.")
+        num_mtp = keys.integer("nextn_predict_layers", 0, low=0, high=MAX_LAYERS)
+        num_layers = keys.integer("block_count", low=num_mtp + 1, high=MAX_LAYERS + num_mtp) - num_mtp
+        interval = keys.integer("full_attention_interval", 4)
         layer_types = tuple(ATTENTION if (i + 1) % interval == 0 else GDN for i in range(num_layers))
         recurrent = meta.get("qwen35.attention.recurrent_layers")
-        if recurrent is not None and [bool(r) for r in recurrent[:num_layers]] != [t == GDN for t in layer_types]:
+        if recurrent is not None and (not isinstance(recurrent, list) or len(recurrent) < num_layers
+                                      or [r is True for r in recurrent[:num_layers]] != [t == GDN for t in layer_types]):
             raise ConfigError(f"{source}: qwen35.attention.recurrent_layers disagrees with full_attention_interval "
-                              f"{interval}")
-        head_k_dim = int(get("ssm.state_size"))
-        num_v_heads = int(get("ssm.time_step_rank"))
-        inner = int(get("ssm.inner_size"))
+                              f"{interval} over the {num_layers} layers")
+        num_v_heads = keys.integer("ssm.time_step_rank")
+        inner = keys.integer("ssm.inner_size")
         if inner % num_v_heads:
             raise ConfigError(f"{source}: ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {num_v_heads}")
-        eos = _as_tuple(meta.get("tokenizer.ggml.eos_token_id"))
         return cls(
-            vocab_size=vocab_size, hidden_size=int(get("embedding_length")),
-            intermediate_size=int(get("feed_forward_length")), layer_types=layer_types,
-            num_attention_heads=int(get("attention.head_count")), num_key_value_heads=int(get("attention.head_count_kv")),
-            head_dim=int(get("attention.key_length")), rotary_dim=int(get("rope.dimension_count")),
-            rope_theta=float(get("rope.freq_base")), linear_num_key_heads=int(get("ssm.group_count")),
-            linear_num_value_heads=num_v_heads, linear_key_head_dim=head_k_dim,
-            linear_value_head_dim=inner // num_v_heads, conv_kernel=int(get("ssm.conv_kernel")),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            max_position_embeddings=int(get("context_length", 262144)), num_mtp_layers=num_mtp,
-            eos_token_ids=eos, source=source,
+            vocab_size=vocab_size, hidden_size=keys.integer("embedding_length"),
+            intermediate_size=keys.integer("feed_forward_length"), layer_types=layer_types,
+            num_attention_heads=keys.integer("attention.head_count"),
+            num_key_value_heads=keys.integer("attention.head_count_kv"),
+            head_dim=keys.integer("attention.key_length"), rotary_dim=keys.integer("rope.dimension_count"),
+            rope_theta=keys.number("rope.freq_base"), linear_num_key_heads=keys.integer("ssm.group_count"),
+            linear_num_value_heads=num_v_heads, linear_key_head_dim=keys.integer("ssm.state_size"),
+            linear_value_head_dim=inner // num_v_heads, conv_kernel=keys.integer("ssm.conv_kernel"),
+            rms_norm_eps=keys.number("attention.layer_norm_rms_epsilon"),
+            max_position_embeddings=keys.integer("context_length", 262144), num_mtp_layers=num_mtp,
+            eos_token_ids=gguf_stop_token_ids(meta, source), source=source,
         )
 
 
-def _as_tuple(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _eos_ids(config: dict, generation_config: pathlib.Path) -> tuple[int, ...]:
-    # generation_config.json carries the stop set the model was released with; config.json may name one id.
-    if generation_config.exists():
-        try:
-            ids = _as_tuple(json.loads(generation_config.read_text()).get("eos_token_id"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{generation_config}: not valid JSON ({e})") from None
-        if ids:
-            return ids
-    return ()
+_REQUIRED = object()
+
+
+class _Keys:
+    """Typed reads of a config's keys: an integer is an integer (not 128.0, "128", true or [128]) in a
+    range, a number is finite; every error names the file and the key, expected vs found."""
+
+    def __init__(self, values: dict, source: str, prefix: str = ""):
+        self.values, self.source, self.prefix = values, source, prefix
+
+    def _get(self, key: str, default):
+        value = self.values.get(self.prefix + key, default)
+        if value is _REQUIRED:
+            raise ConfigError(f"{self.source}: config has no {self.prefix + key!r}")
+        return value
+
+    def integer(self, key: str, default=_REQUIRED, low: int = 1, high: int = MAX_DIM) -> int:
+        value = self._get(key, default)
+        if not (_is_int(value) and low <= value <= high):
+            raise ConfigError(f"{self.source}: {self.prefix + key} must be an integer in [{low}, {high}], "
+                              f"found {value!r:.80}")
+        return value
+
+    def number(self, key: str, default=_REQUIRED) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{self.source}: {self.prefix + key} must be a finite number, found {value!r:.80}")
+        return float(value)
+
+    def boolean(self, key: str, default=_REQUIRED) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.source}: {self.prefix + key} must be true or false, found {value!r:.80}")
+        return value

@@ -11,3 +11,11 @@ class CheckpointError(Qwen38Error):
 
 class ConfigError(CheckpointError):
     """The model configuration is missing, unsupported or inconsistent."""
+
+
+class ChatTemplateError(Qwen38Error, ValueError):
+    """A chat template failed to compile or render, or went past its bounds (steps, size)."""
+
+
+class NonFiniteLogitsError(Qwen38Error, FloatingPointError):
+    """The model produced NaN or infinite logits while generating: its output is meaningless."""

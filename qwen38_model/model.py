@@ -9,8 +9,11 @@ from torch import nn
 
 import qwen38_ops
 
+from .arguments import (check_device, check_dtype, check_ids_dtype_holds, check_input_ids, check_token_count,
+                        stop_string_tuple, stop_token_ids)
 from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
 from .config import ATTENTION, Qwen38Config
+from .errors import NonFiniteLogitsError
 from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
 from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, input_lane
 from .sampling import SamplingConfig
@@ -81,12 +84,13 @@ class Qwen38ForCausalLM(nn.Module):
         llama.cpp's q8_0 activation rounding, the fastest), "int8x2" (two int8 words), "f32" (exact
         dequantize-then-matmul); benchmarks/NOTES.md has the measurements behind the default.
         progress: optional callable(bytes_read, bytes_total), called as tensors arrive."""
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             why = f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"
             raise ValueError(f"device={str(device)!r} but {why} (device='cpu' runs the plain-PyTorch reference ops)")
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        check_dtype(dtype)
         if quantize not in (None, "q8_0"):
             raise ValueError(f"quantize must be None or 'q8_0', found {quantize!r}")
         if device.type == "cuda":
@@ -122,13 +126,9 @@ class Qwen38ForCausalLM(nn.Module):
                 logits_to_keep: int = 0) -> CausalLMOutput:
         """input_ids [B, T]. With a state, the tokens continue it (B must be 1) and the state advances;
         without one, each row is an independent sequence. logits_to_keep=k > 0 keeps the last k rows."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], found shape {tuple(input_ids.shape)}")
+        check_input_ids(input_ids, self.config.vocab_size)
         if input_ids.shape[0] != 1 and state is not None:
             raise ValueError(f"a state holds one sequence; input_ids has batch {input_ids.shape[0]}")
-        if input_ids.shape[1] == 0:
-            raise ValueError("input_ids has no tokens")
-        self._check_ids(input_ids)
         logits = []
         for ids in input_ids.to(self.device, torch.int32):
             seq_state = state or self.new_state(ids.shape[0])
@@ -193,18 +193,20 @@ class Qwen38ForCausalLM(nn.Module):
         defaults to the checkpoint's; stop_strings need the tokenizer. On CUDA each step is a graph replay
         (use_graph=False for eager launches); statistics of the last call are in self.last_generation_stats.
         prefill_progress: optional callable(tokens_done, tokens_total), called after each prompt chunk of
-        PREFILL_CHUNK tokens (a progress bar for long prompts)."""
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        PREFILL_CHUNK tokens (a progress bar for long prompts). Bad arguments are ValueErrors; NaN or
+        infinite logits at any step raise NonFiniteLogitsError once the run ends."""
+        check_input_ids(input_ids, self.config.vocab_size)
+        if input_ids.shape[0] != 1:
             raise ValueError(f"generate() takes input_ids of shape [1, T] (batched decode is not supported yet), "
                              f"found {tuple(input_ids.shape)}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
-        if stop_strings and tokenizer is None:
-            raise ValueError("stop_strings need tokenizer= to decode the generated text")
-        self._check_ids(input_ids)
-        eos = self.config.eos_token_ids if eos_token_id is None else eos_token_id
-        eos = (eos,) if isinstance(eos, int) else tuple(eos)
-        stops = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
+        check_ids_dtype_holds(input_ids.dtype, self.config.vocab_size)
+        check_token_count("max_new_tokens", max_new_tokens, 1)
+        if max_seq_len is not None:
+            check_token_count("max_seq_len", max_seq_len, 1)
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, found {seed!r}")
+        eos = stop_token_ids(eos_token_id, self.config.eos_token_ids, self.config.vocab_size)
+        stops = stop_string_tuple(stop_strings, tokenizer)
         cfg = SamplingConfig(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                              min_new_tokens, eos)
         engine = self._decode_engine(input_ids.shape[1] + max_new_tokens, max_seq_len, kv_dtype, use_graph)
@@ -216,6 +218,10 @@ class Qwen38ForCausalLM(nn.Module):
             StopCondition(frozenset(eos), stops, tokenizer), streamer, prefill_progress)
         if streamer is not None:
             streamer.end()
+        if bool(self._engine.sampler.nonfinite):
+            raise NonFiniteLogitsError("the model produced NaN or infinite logits during this generation: the tokens "
+                                       "are meaningless (checkpoint weights are checked at load; this is an overflow "
+                                       "in the computation)")
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
@@ -232,8 +238,3 @@ class Qwen38ForCausalLM(nn.Module):
             self._engine = engine = None  # free the old buffers before allocating the new ones
             self._engine = engine = DecodeEngine(self, size, kv_dtype, use_graph)
         return engine
-
-    def _check_ids(self, input_ids: torch.Tensor) -> None:
-        bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
-        if bool(bad.any()):
-            raise ValueError(f"token id {int(input_ids[bad][0])} out of range [0, {self.config.vocab_size})")

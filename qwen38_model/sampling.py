@@ -8,6 +8,7 @@ once from every token generated so far) and sits beside the repetition penalty.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,18 +30,24 @@ class SamplingConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, found {self.do_sample!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, found {value!r}")
         if self.do_sample and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, found {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, found {self.top_k}")
+        for name in ("top_k", "min_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, found {value!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], found {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], found {self.min_p}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, found {self.repetition_penalty}")
-        if self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be >= 0, found {self.min_new_tokens}")
 
 
 @dataclass
@@ -52,6 +59,7 @@ class SamplerState:
     eos: torch.Tensor  # bool [V]: the stop tokens min_new_tokens holds back
     num_generated: torch.Tensor  # int32 [1]
     seed: torch.Tensor  # int64 [1]
+    nonfinite: torch.Tensor  # bool [1]: some selection since reset() saw NaN or infinite logits
 
     @staticmethod
     def empty(vocab_size: int, device) -> "SamplerState":
@@ -59,7 +67,8 @@ class SamplerState:
             return torch.zeros(vocab_size, dtype=torch.bool, device=device)
 
         return SamplerState(mask(), mask(), mask(), torch.zeros(1, dtype=torch.int32, device=device),
-                            torch.zeros(1, dtype=torch.int64, device=device))
+                            torch.zeros(1, dtype=torch.int64, device=device),
+                            torch.zeros(1, dtype=torch.bool, device=device))
 
     def reset(self, prompt: torch.Tensor, seed: int, eos_token_ids=()) -> None:
         """Host-to-device writes happen here, outside the captured step (a capture may not copy from host)."""
@@ -70,6 +79,7 @@ class SamplerState:
         self.eos[list(eos_token_ids)] = True
         self.num_generated.zero_()
         self.seed.fill_(seed & MASK32)
+        self.nonfinite.zero_()
 
 
 def process_logits(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig) -> torch.Tensor:
@@ -122,7 +132,10 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Te
 
 def select_next_token(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig, token: torch.Tensor,
                       position: torch.Tensor) -> None:
-    """token <- argmax (greedy) or a sample (Gumbel-max) of the processed logits; position += 1."""
+    """token <- argmax (greedy) or a sample (Gumbel-max) of the processed logits; position += 1.
+    A NaN or infinite logit sets s.nonfinite (one sum: finite float32 logits cannot add up to infinity
+    unless some exceeds 1e33), for generate() to report after the run without a host sync per step."""
+    s.nonfinite.logical_or_(~torch.isfinite(logits.sum()))
     scores = process_logits(logits, s, cfg)
     if cfg.do_sample:
         u = uniform_noise(s.seed, s.num_generated, scores.shape[-1])

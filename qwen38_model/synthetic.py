@@ -17,6 +17,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 import zlib
 from typing import Any, Iterator
 
@@ -27,7 +28,7 @@ import safetensors.torch
 import torch
 from tokenizers import pre_tokenizers
 
-from .errors import CheckpointError
+from .errors import CheckpointError, Qwen38Error
 from .tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED, byte_level_bpe
 
 # ---------------------------------------------------------------------------------------------------------
@@ -667,24 +668,61 @@ def default_hf_path() -> pathlib.Path:
     return default_model_dir() / "hf"
 
 
+# What a finished default-model folder holds. Builds are renamed into place whole, so a folder missing any
+# of these was emptied or damaged from outside: it is rebuilt.
+DEFAULT_MODEL_FILES = ("model-q8_0.gguf", "hf/config.json", "hf/generation_config.json", "hf/model.safetensors",
+                       "hf/tokenizer.json", "hf/tokenizer_config.json")
+STALE_BUILD_SECONDS = 3600  # a build takes seconds: a .building-* folder older than this was left by a killed one
+
+
 def default_model_dir() -> pathlib.Path:
     """$QWEN38_CACHE (else ~/.cache/qwen38)/synthetic-default-v<N>, holding hf/ and model-q8_0.gguf.
 
-    Built in a temporary folder and renamed into place, so concurrent callers never see a partial model."""
+    Built in a temporary folder and renamed into place, so concurrent callers never see a partial model.
+    Temporary folders of killed builds are removed once stale; an incomplete folder is rebuilt."""
     root = pathlib.Path(os.environ.get("QWEN38_CACHE") or pathlib.Path.home() / ".cache" / "qwen38")
     final = root / f"synthetic-default-v{DEFAULT_MODEL_VERSION}"
-    if final.is_dir():
+    if all((final / name).is_file() for name in DEFAULT_MODEL_FILES):
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        write_hf_checkpoint(tmp / "hf", {}, seed=0, dtype=torch.bfloat16)
-        hf_to_gguf(tmp / "hf", tmp / "model-q8_0.gguf", "q8_0", model_name="qwen38-synthetic-default")
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_builds(root)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=root))
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():  # not a lost race with another process: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing left after a successful rename
+            write_hf_checkpoint(tmp / "hf", {}, seed=0, dtype=torch.bfloat16)
+            hf_to_gguf(tmp / "hf", tmp / "model-q8_0.gguf", "q8_0", model_name="qwen38-synthetic-default")
+            _move_aside_incomplete(final)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not final.is_dir():  # not a lost race with another process: a real error
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing left after a successful rename
+    except OSError as e:
+        raise Qwen38Error(f"cannot build the built-in model in {root} ({e.strerror}: {e.filename}); set QWEN38_CACHE "
+                          "to a writable folder") from None
     return final
+
+
+def _remove_stale_builds(root: pathlib.Path) -> None:
+    now = time.time()
+    for folder in root.glob(".building-*"):
+        try:
+            if now - folder.stat().st_mtime > STALE_BUILD_SECONDS:
+                shutil.rmtree(folder, ignore_errors=True)
+        except FileNotFoundError:  # removed by a concurrent caller
+            pass
+
+
+def _move_aside_incomplete(final: pathlib.Path) -> None:
+    """A folder of that name that is not a complete model (checked again: another process may have just
+    finished one) is renamed out of the way, then removed."""
+    if not final.exists() or all((final / name).is_file() for name in DEFAULT_MODEL_FILES):
+        return
+    doomed = final.with_name(f".building-incomplete-{os.getpid()}-{time.time_ns()}")
+    try:
+        os.rename(final, doomed)
+    except FileNotFoundError:  # a concurrent caller moved it first
+        return
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -1,25 +1,26 @@
-"""Qwen3.5 byte-level BPE tokenizer, from an HF folder or from GGUF metadata, plus its chat template.
+"""Qwen3.5 byte-level BPE tokenizer, from an HF folder or from GGUF metadata, plus its chat template and
+the stop-token policy.
 
 Both sources build the same `tokenizers.Tokenizer`: NFC normaliser, Qwen3.5's regex split, byte-level
 mapping, BPE over byte-level strings, added tokens matched before the split. A GGUF stores only the
 vocabulary, the merges and the token types (llama.cpp's `qwen35` pre-tokenizer implies the regex), so the
-pipeline around them is rebuilt here. Chat templates render with jinja2 the way transformers renders them.
+pipeline around them is rebuilt here. Chat templates render as transformers renders them, bounded
+(chat_template.py). Malformed tokenizer files or metadata are CheckpointErrors naming the file and key.
 """
 from __future__ import annotations
 
-import json
+import codecs
+import functools
 import pathlib
-from datetime import datetime
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from . import chat_template
 from .errors import CheckpointError
+from .files import folder_file, read_json
 
 # Qwen3.5's split regex (its tokenizer.json, llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35). It differs from
 # Qwen2/Qwen3 by keeping combining marks \p{M} inside letter runs.
@@ -33,6 +34,8 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
 # llama.cpp also ends generation on these control tokens, whatever eos_token_id says.
 END_OF_GENERATION_TEXTS = ("<|im_end|>", "<|endoftext|>")
+GGUF_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+TOKENIZER_JSON_LIMIT_BYTES = 256 << 20  # Qwen3.5's is 11 MB
 
 
 def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]],
@@ -67,44 +70,67 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         # bos_token / eos_token / pad_token strings, visible to the chat template as in transformers.
         self.special_tokens = special_tokens or {}
+        self._added = tokenizer.get_added_tokens_decoder()  # id -> AddedToken
 
     @classmethod
     def from_hf_folder(cls, path: str | pathlib.Path) -> Tokenizer:
         """tokenizer.json + tokenizer_config.json (chat template, special-token strings) +
         generation_config.json / config.json (eos ids)."""
         path = pathlib.Path(path)
-        tokenizer_file = path / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise CheckpointError(f"{path}: no tokenizer.json")
-        tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        tokenizer_config = _read_json(path / "tokenizer_config.json")
-        chat_template = tokenizer_config.get("chat_template")
-        if chat_template is None and (path / "chat_template.jinja").is_file():
-            chat_template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        special_tokens = {name: _token_content(tokenizer_config[name])
+        tokenizer_file = folder_file(path, "tokenizer.json", "tokenizer file")
+        if tokenizer_file.stat().st_size > TOKENIZER_JSON_LIMIT_BYTES:
+            raise CheckpointError(f"{tokenizer_file}: more than {TOKENIZER_JSON_LIMIT_BYTES} bytes")
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the tokenizers library raises plain Exception for any malformed file
+            raise CheckpointError(f"{tokenizer_file}: not a tokenizers file ({str(e)[:200]})") from None
+        if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+            raise CheckpointError(f"{tokenizer_file}: decoder {tokenizer.decoder!r:.80}, expected ByteLevel "
+                                  "(Qwen3.5 tokenizers are byte-level BPE)")
+        config = _optional_json_object(path, "tokenizer_config.json")
+        chat_template = config.get("chat_template")
+        if chat_template is None and (path / "chat_template.jinja").exists():
+            chat_template = folder_file(path, "chat_template.jinja").read_bytes().decode("utf-8", "replace")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise CheckpointError(f"{path / 'tokenizer_config.json'}: chat_template must be a string, found "
+                                  f"{type(chat_template).__name__} (named templates are not supported)")
+        special_tokens = {name: _token_content(config[name], path / "tokenizer_config.json", name)
                           for name in ("bos_token", "eos_token", "pad_token", "unk_token")
-                          if tokenizer_config.get(name) is not None}
-        return cls(tokenizer, chat_template, _hf_eos_token_ids(path), special_tokens)
+                          if config.get(name) is not None}
+        return cls(tokenizer, chat_template, list(hf_stop_token_ids(path)), special_tokens)
 
     @classmethod
-    def from_gguf_metadata(cls, fields: dict[str, Any]) -> Tokenizer:
+    def from_gguf_metadata(cls, fields: dict[str, Any], source: str = "GGUF metadata") -> Tokenizer:
         """From GGUF metadata as a plain dict: key -> python value (str, int, list)."""
         model = fields.get("tokenizer.ggml.model")
         if model != "gpt2":
-            raise CheckpointError(f"tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') is supported")
-        tokens: list[str] = fields["tokenizer.ggml.tokens"]
-        token_types: list[int] = fields["tokenizer.ggml.token_type"]
+            raise CheckpointError(f"{source}: tokenizer.ggml.model is {model!r:.80}; only byte-level BPE ('gpt2') "
+                                  "is supported")
+        if not fields.get("tokenizer.ggml.tokens"):
+            raise CheckpointError(f"{source}: no tokenizer.ggml.tokens")
+        tokens, token_types = gguf_vocabulary(fields, source)
         # Spaces inside byte-level tokens are already mapped to 'Ġ', so the one space separates the pair.
-        merges = [tuple(merge.split(" ")) for merge in fields.get("tokenizer.ggml.merges", [])]
+        merges = _string_list(fields, "tokenizer.ggml.merges", source)
+        pairs = [tuple(merge.split(" ")) for merge in merges]
+        bad = next((m for m, pair in zip(merges, pairs) if len(pair) != 2), None)
+        if bad is not None:
+            raise CheckpointError(f"{source}: tokenizer.ggml.merges entry {bad!r:.80} is not two tokens separated by "
+                                  "one space")
         vocab = {token: i for i, (token, kind) in enumerate(zip(tokens, token_types)) if kind != TOKEN_UNUSED}
         added = [(token, kind == TOKEN_CONTROL) for token, kind in zip(tokens, token_types)
                  if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
-        tokenizer = byte_level_bpe(vocab, merges, added)
-        special_tokens = {name: tokens[fields[key]] for name, key in (
+        try:
+            tokenizer = byte_level_bpe(vocab, pairs, added)
+        except Exception as e:  # e.g. a merge naming a token that is not in the vocabulary
+            raise CheckpointError(f"{source}: tokenizer.ggml.tokens / merges do not form a BPE tokenizer "
+                                  f"({str(e)[:200]})") from None
+        special_tokens = {name: tokens[_token_id(fields, key, len(tokens), source)] for name, key in (
             ("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
             ("pad_token", "tokenizer.ggml.padding_token_id")) if key in fields}
-        return cls(tokenizer, fields.get("tokenizer.chat_template"), _gguf_eos_token_ids(fields, tokens, token_types),
-                   special_tokens)
+        chat_template = fields.get("tokenizer.chat_template")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise CheckpointError(f"{source}: tokenizer.chat_template must be a string")
+        return cls(tokenizer, chat_template, list(gguf_stop_token_ids(fields, source)), special_tokens)
 
     def __len__(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -117,15 +143,30 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
+        """The bytes one id stands for, such that decode(ids) is the UTF-8 decoding (invalid bytes as U+FFFD)
+        of the ids' bytes concatenated. As the ByteLevel decoder: a token whose every character is in the
+        byte-level alphabet maps each back to its byte, any other token is its own UTF-8; an id without a
+        token is nothing (decode() skips it), and so is a skipped special token."""
+        added = self._added.get(token_id)
+        if added is not None and added.special and skip_special_tokens:
+            return b""
+        token = self.tokenizer.id_to_token(token_id) if token_id >= 0 else None
+        if token is None:
+            return b""
+        byte_of = _byte_level_values()
+        return bytes(byte_of[c] for c in token) if all(c in byte_of for c in token) else token.encode()
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs) -> str:
         """The prompt text for `messages`, rendered like transformers' apply_chat_template(tokenize=False);
-        extra keyword arguments (tools=..., enable_thinking=...) reach the template."""
+        extra keyword arguments (tools=..., enable_thinking=...) reach the template. Errors of the
+        template and its bounds (chat_template.py) are ChatTemplateErrors (a ValueError)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
-        template = _compile_chat_template(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               **{**self.special_tokens, **kwargs})
+        return chat_template.render(self.chat_template, messages=messages,
+                                    add_generation_prompt=add_generation_prompt,
+                                    **{**self.special_tokens, **kwargs})
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
@@ -134,83 +175,111 @@ class Tokenizer:
 class StreamDecoder:
     """Turns ids arriving one by one into text, never emitting part of a multi-byte character.
 
-    Ids are held until their bytes decode without a trailing U+FFFD (an unfinished UTF-8 sequence). Byte-level
-    decoding has no context across tokens, so the pieces concatenate to decode(all ids)."""
+    Each id's bytes go through an incremental UTF-8 decoder, which holds back at most the 3 bytes of an
+    unfinished character and turns bytes that can never form one into U+FFFD at once: linear time however
+    many ids never complete a character. The pieces concatenate to decode(all ids)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.pending: list[int] = []
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def feed(self, token_id: int) -> str:
         """Text completed by this id ('' while a character is unfinished)."""
-        self.pending.append(int(token_id))
-        text = self.tokenizer.decode(self.pending, self.skip_special_tokens)
-        if text.endswith("\ufffd"):
-            return ""
-        self.pending = []
-        return text
+        return self.utf8.decode(self.tokenizer.token_bytes(int(token_id), self.skip_special_tokens))
 
     def flush(self) -> str:
-        """Whatever is still held (end of generation), invalid bytes shown as U+FFFD."""
-        text = self.tokenizer.decode(self.pending, self.skip_special_tokens)
-        self.pending = []
+        """Whatever is still held (end of generation), an unfinished character shown as U+FFFD."""
+        text = self.utf8.decode(b"", final=True)
+        self.utf8.reset()
         return text
 
 
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+# ---- the stop-token policy -----------------------------------------------------------------------------
+
+def hf_stop_token_ids(folder: pathlib.Path, config: dict | None = None) -> tuple[int, ...]:
+    """What transformers' generate() stops on: generation_config.json's eos_token_id where the file has
+    one, else config.json's (the top level, then text_config)."""
+    generation_config = _optional_json_object(folder, "generation_config.json")
+    if generation_config.get("eos_token_id") is not None:
+        return _id_tuple(generation_config["eos_token_id"], folder / "generation_config.json")
+    if config is None:
+        config = _optional_json_object(folder, "config.json")
+    text = config.get("text_config")
+    value = config.get("eos_token_id")
+    if value is None and isinstance(text, dict):
+        value = text.get("eos_token_id")
+    return _id_tuple(value, folder / "config.json")
 
 
-def _token_content(entry: str | dict[str, Any]) -> str:
-    # tokenizer_config.json writes a special token either as its text or as an AddedToken dict.
-    return entry["content"] if isinstance(entry, dict) else entry
-
-
-def _as_id_list(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
-
-
-def _hf_eos_token_ids(path: pathlib.Path) -> list[int]:
-    """generation_config.json's eos_token_id (what transformers' generate stops on), else config.json's."""
-    generation_config = _read_json(path / "generation_config.json")
-    if "eos_token_id" in generation_config:
-        return _as_id_list(generation_config["eos_token_id"])
-    config = _read_json(path / "config.json")
-    return _as_id_list(config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id")))
-
-
-def _gguf_eos_token_ids(fields: dict[str, Any], tokens: list[str], token_types: list[int]) -> list[int]:
-    """eos, eot and eom ids, then the control tokens llama.cpp treats as end of generation by their text."""
-    ids = [fields[key] for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                   "tokenizer.ggml.eom_token_id") if key in fields]
+def gguf_stop_token_ids(fields: dict[str, Any], source: str = "GGUF metadata") -> tuple[int, ...]:
+    """What llama.cpp stops on: the eos, eot and eom ids, then the control tokens <|im_end|> and
+    <|endoftext|> by their text (a GGUF has no generation_config)."""
+    tokens, token_types = gguf_vocabulary(fields, source)
+    ids = [_token_id(fields, key, len(tokens) or None, source) for key in GGUF_STOP_KEYS if key in fields]
     ids += [i for i, (token, kind) in enumerate(zip(tokens, token_types))
             if kind == TOKEN_CONTROL and token in END_OF_GENERATION_TEXTS]
-    return list(dict.fromkeys(ids))
+    return tuple(dict.fromkeys(ids))
 
 
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
+def gguf_vocabulary(fields: dict[str, Any], source: str) -> tuple[list[str], list[int]]:
+    """tokenizer.ggml.tokens and token_type, checked: strings, integers, the same length ([] when absent)."""
+    tokens = _string_list(fields, "tokenizer.ggml.tokens", source)
+    token_types = fields.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))
+    if not isinstance(token_types, list) or len(token_types) != len(tokens) \
+            or not all(type(kind) is int for kind in token_types):
+        found = f"{len(token_types)} entries" if isinstance(token_types, list) else repr(token_types)[:40]
+        raise CheckpointError(f"{source}: tokenizer.ggml.token_type must be {len(tokens)} integers (one per token), "
+                              f"found {found}")
+    return tokens, token_types
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # transformers' filter: plain json.dumps, no HTML escaping (jinja's own tojson escapes <, >, &, ').
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _string_list(fields: dict[str, Any], key: str, source: str) -> list[str]:
+    values = fields.get(key, [])
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise CheckpointError(f"{source}: {key} must be an array of strings")
+    return values
 
 
-def _compile_chat_template(source: str) -> jinja2.Template:
-    # The same environment as transformers: sandboxed, trim_blocks + lstrip_blocks, loop controls.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+def _token_id(fields: dict[str, Any], key: str, vocab_size: int | None, source: str) -> int:
+    value = fields[key]
+    if type(value) is not int or value < 0 or (vocab_size is not None and value >= vocab_size):
+        raise CheckpointError(f"{source}: {key} must be a token id in [0, {vocab_size}), found {value!r:.40}")
+    return value
+
+
+def _id_tuple(value, source: pathlib.Path) -> tuple[int, ...]:
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise CheckpointError(f"{source}: eos_token_id must be a token id or a list of them, found {value!r:.80}")
+    return tuple(ids)
+
+
+def _optional_json_object(folder: pathlib.Path, name: str) -> dict[str, Any]:
+    if not (folder / name).exists():
+        return {}
+    path = folder_file(folder, name)
+    value = read_json(path, name)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def _token_content(entry, path: pathlib.Path, name: str) -> str:
+    # tokenizer_config.json writes a special token either as its text or as an AddedToken dict.
+    content = entry.get("content") if isinstance(entry, dict) else entry
+    if not isinstance(content, str):
+        raise CheckpointError(f"{path}: {name} must be a string or an object with a 'content' string")
+    return content
+
+
+@functools.cache
+def _byte_level_values() -> dict[str, int]:
+    """The byte-level alphabet backwards: character -> byte (GPT-2's bytes_to_unicode: printable bytes map
+    to themselves, the other bytes to 256 + n in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
@@ -220,4 +289,4 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
         return Tokenizer.from_hf_folder(path)
     from .checkpoint import open_checkpoint
 
-    return Tokenizer.from_gguf_metadata(open_checkpoint(path).source.metadata)
+    return Tokenizer.from_gguf_metadata(open_checkpoint(path).source.metadata, str(path))

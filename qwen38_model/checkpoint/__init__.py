@@ -1,16 +1,25 @@
 """Checkpoint loading: GGUF files and HF safetensors folders, both delivered in the ONE internal layout
-(layout.py). Tensors are read and moved to the target device one at a time."""
+(layout.py). Tensors are read and moved to the target device one at a time.
+
+Beyond each format's own structure (gguf_file.py, hf_folder.py), a checkpoint must hold exactly the
+tensors its config describes (no layer silently dropped or ignored), each of the expected shape, and
+finite: a NaN in one lm_head row would make that row's token win forever."""
 from __future__ import annotations
 
 import pathlib
+import re
 
 import torch
 
 from ..errors import CheckpointError
+from ..files import regular_file
 from .gguf_file import GGUFCheckpoint
 from .hf_folder import HFCheckpoint
-from .layout import HF_NAMES, SMALL_PARTS, expected_shape, gguf_tensor_name, hf_to_internal
+from .layout import HF_NAMES, SMALL_PARTS, expected_shape, gguf_tensor_name, hf_to_internal, layer_parts
 from .tensors import Q8Tensor
+
+# Elements per isfinite pass over a weight: bounds the pass's temporary to 16 MB (a 27B embedding has 1.3 G).
+CHECK_CHUNK = 1 << 24
 
 __all__ = ["Checkpoint", "CheckpointError", "Q8Tensor", "open_checkpoint"]
 
@@ -29,24 +38,29 @@ class Checkpoint:
         self.is_gguf = isinstance(source, GGUFCheckpoint)
         self.progress = progress  # called with (bytes read so far, bytes in the checkpoint)
         self.bytes_read = 0
+        self._check_tensor_set()
 
     def load(self, part: str, layer: int | None, device, dtype: torch.dtype, quantize: str | None) -> Weight:
         if part == "output" and (self.config.tie_word_embeddings or not self._has("output", None)):
             part_to_read = "token_embd"
         else:
             part_to_read = part
-        w = self._read_internal(part_to_read, layer, device)
+        name = self._name(part_to_read, layer)
         expected = expected_shape(self.config, part)
-        if tuple(w.shape) != expected:
-            raise CheckpointError(f"{self.path}: tensor {self._name(part_to_read, layer)!r} has shape {tuple(w.shape)}, "
-                                  f"expected {expected} from the model config")
+        if not self.is_gguf and part == "ssm_conv1d":
+            expected = (expected[0], 1, expected[1])  # HF keeps nn.Conv1d's [C, 1, K]
+        if self.source.shape(name) != expected:  # before reading: the HF conversions reshape by the config
+            raise CheckpointError(f"{self.path}: tensor {self.source.full_name(name)!r} has shape "
+                                  f"{self.source.shape(name)}, expected {expected} from the model config")
+        w = self._read_internal(part_to_read, layer, device)
         if part in SMALL_PARTS:
-            return w.dequantize() if isinstance(w, Q8Tensor) else w.to(torch.float32)
-        if isinstance(w, Q8Tensor):
-            return w
-        if quantize == "q8_0":
-            return Q8Tensor.quantize(w)
-        return w.to(dtype)
+            w = w.dequantize() if isinstance(w, Q8Tensor) else w.to(torch.float32)
+        elif quantize == "q8_0" and not isinstance(w, Q8Tensor):
+            w = Q8Tensor.quantize(w)
+        elif not isinstance(w, Q8Tensor):
+            w = w.to(dtype)
+        self._check_finite(w, self.source.full_name(name))
+        return w
 
     def load_fused(self, parts: tuple[str, ...], layer: int, device, dtype, quantize) -> Weight:
         """Matrices that share an input, concatenated along the output rows, so one GEMV reads them all.
@@ -55,6 +69,67 @@ class Checkpoint:
         if all(isinstance(w, Q8Tensor) for w in weights):
             return Q8Tensor(torch.cat([w.q for w in weights]), torch.cat([w.d for w in weights]))
         return torch.cat([w.dequantize(dtype) if isinstance(w, Q8Tensor) else w for w in weights])
+
+    def _check_finite(self, w: Weight, name: str) -> None:
+        """Every value finite (for Q8_0 the fp16 block scales are the only values that can be NaN or
+        infinite), checked CHECK_CHUNK elements at a time so the check's temporary stays small."""
+        values = (w.d if isinstance(w, Q8Tensor) else w).reshape(-1)
+        if all(bool(torch.isfinite(values[i : i + CHECK_CHUNK]).all()) for i in range(0, values.numel(), CHECK_CHUNK)):
+            return
+        bad = (~torch.isfinite(values)).nonzero()[:, 0]
+        what = "Q8_0 block scale" if isinstance(w, Q8Tensor) else "value"
+        raise CheckpointError(f"{self.path}: tensor {name!r} holds {bad.numel()} non-finite {what}s (NaN or infinity), "
+                              f"the first {float(values[bad[0]])} at flat index {int(bad[0])}")
+
+    def _check_tensor_set(self) -> None:
+        """The tensors are exactly those of the config's layers: a block_count of 1 over 8 stored layers, an
+        attention tensor in a GDN layer or an unknown blk.N must not load as a different model."""
+        config, names = self.config, set(self.source.names())
+        wanted = [self._name(part, layer) for layer in range(config.num_layers) for part in layer_parts(config, layer)]
+        wanted += [self._name("token_embd", None), self._name("output_norm", None)]
+        if not config.tie_word_embeddings:
+            wanted.append(self._name("output", None))
+        missing = next((n for n in wanted if not self.source.has(n)), None)
+        if missing is not None:
+            raise CheckpointError(f"{self.path}: missing tensor {self.source.full_name(missing)!r}")
+        if self.is_gguf:
+            self._check_small_types()
+        extra = sorted(names - {self.source.full_name(n) for n in wanted} - set(self._tolerated(names)))
+        if extra:
+            raise CheckpointError(f"{self.path}: {len(extra)} tensors are not part of the model its config describes "
+                                  f"({self._describe_layers()}): {', '.join(map(repr, extra[:4]))}"
+                                  f"{', ...' if len(extra) > 4 else ''}")
+
+    def _check_small_types(self) -> None:
+        """llama.cpp's converter and quantizer store norms, conv weights, ssm_a and ssm_dt as F32, always.
+        Checked because such a tensor can be smaller than the alignment: relabelled F16 or BF16, it would
+        still fit its padded slot and load its bytes as garbage."""
+        for layer in [None, *range(self.config.num_layers)]:
+            parts = ["output_norm"] if layer is None else layer_parts(self.config, layer)
+            for part in set(parts) & SMALL_PARTS:
+                name = self._name(part, layer)
+                if self.source.dtype_name(name) != "F32":
+                    raise CheckpointError(f"{self.path}: tensor {name!r} has ggml type {self.source.dtype_name(name)}, "
+                                          "expected F32 (llama.cpp always stores norms, conv weights, ssm_a and ssm_dt "
+                                          "as F32)")
+
+    def _tolerated(self, names: set[str]) -> list[str]:
+        """Stored tensors the model does not use: the head of a tied model, the MTP block(s), the vision
+        tower. A GGUF's MTP blocks are the last nextn_predict_layers blk.N, each with its nextn.eh_proj."""
+        if not self.is_gguf:
+            return [n for n in names if n.startswith(("mtp.", "model.visual.")) or n == "lm_head.weight"]
+        mtp = range(self.config.num_layers, self.config.num_layers + self.config.num_mtp_layers)
+        for block in mtp:
+            if f"blk.{block}.nextn.eh_proj.weight" not in names:
+                raise CheckpointError(f"{self.path}: blk.{block} is an MTP block by qwen35.nextn_predict_layers "
+                                      f"({self._describe_layers()}), but it has no 'blk.{block}.nextn.eh_proj.weight'")
+        block_of = re.compile(r"blk\.(\d+)\.")
+        return [n for n in names if (m := block_of.match(n)) and int(m.group(1)) in mtp]
+
+    def _describe_layers(self) -> str:
+        c = self.config
+        mtp = f" and {c.num_mtp_layers} MTP block(s)" if c.num_mtp_layers else ""
+        return f"{c.num_layers} layers{mtp}, attention at {[i for i, t in enumerate(c.layer_types) if t == 'attention']}"
 
     def _name(self, part: str, layer: int | None) -> str:
         if self.is_gguf:
@@ -84,6 +159,7 @@ def open_checkpoint(path: str | pathlib.Path, progress=None) -> Checkpoint:
         return Checkpoint(HFCheckpoint(str(p)), progress)
     if not p.exists():
         raise CheckpointError(f"{path}: no such file or folder")
+    regular_file(p, "checkpoint file")  # before open(): a FIFO would block it forever
     with open(p, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":

@@ -1,12 +1,15 @@
 """Tokenizer: HF folder vs tokenizer.json, GGUF metadata vs tokenizer.json, streaming, chat template."""
+import random
+import shutil
+import time
 import unicodedata
 
 import gguf
-import jinja2
 import pytest
 import tokenizers
 
-from qwen38_model import synthetic
+from qwen38_model import CheckpointError, synthetic
+from qwen38_model.errors import ChatTemplateError
 from qwen38_model.tokenizer import Tokenizer
 
 TEXTS = [
@@ -93,7 +96,7 @@ def test_stream_decoder_flushes_invalid_bytes(oracle_dir):
     ids = tokenizer.encode("ok ") + [first_byte_of_a_cjk_char, first_byte_of_a_cjk_char]
     stream = tokenizer.stream_decoder()
     pieces = [stream.feed(i) for i in ids]
-    assert "".join(pieces) == "ok "
+    assert pieces[-2:] == ["", "\ufffd"]  # the first lead byte is known invalid once another one follows
     assert "".join(pieces) + stream.flush() == tokenizer.decode(ids) == "ok \ufffd\ufffd"
 
 
@@ -138,5 +141,132 @@ def test_chat_template_generation_prompt(synthetic_dir):
 
 def test_chat_template_raise_exception(synthetic_dir):
     tokenizer = Tokenizer.from_hf_folder(synthetic_dir)
-    with pytest.raises(jinja2.TemplateError, match="system message must come first"):
+    with pytest.raises(ChatTemplateError, match="chat template: A system message must come first"):
         tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
+
+
+def test_stream_decoder_is_linear_on_bytes_that_never_complete(oracle_dir):
+    """20000 ids that never complete a character took 56 s (each id re-decoded everything held)."""
+    tokenizer = Tokenizer.from_hf_folder(oracle_dir / "hf")
+    lead_byte = tokenizer.encode("你")[0]
+    stream = tokenizer.stream_decoder()
+    start = time.perf_counter()
+    text = "".join(stream.feed(lead_byte) for _ in range(20000)) + stream.flush()
+    assert time.perf_counter() - start < 2.0
+    assert text == "\ufffd" * 20000 == tokenizer.decode([lead_byte] * 20000)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_stream_decoder_equals_decode_on_random_ids(synthetic_dir, skip_special_tokens):
+    """Random ids, special and non-special added tokens and ids past the vocabulary included."""
+    tokenizer = Tokenizer.from_hf_folder(synthetic_dir)
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(tokenizer) + 8) for _ in range(rng.randrange(1, 12))]
+        stream = tokenizer.stream_decoder(skip_special_tokens)
+        assert "".join(map(stream.feed, ids)) + stream.flush() == tokenizer.decode(ids, skip_special_tokens), ids
+
+
+def test_stop_tokens_are_one_policy(oracle_dir):
+    """generate() and the tokenizer stop on the same ids: generation_config.json's for an HF folder, the
+    GGUF's eos + <|im_end|>/<|endoftext|> control tokens (as llama.cpp) for a GGUF."""
+    from qwen38_model.checkpoint import open_checkpoint
+    from qwen38_model.tokenizer import load_tokenizer
+
+    for path, expected in [(oracle_dir / "hf", (500,)), (oracle_dir / "mini-q8_0.gguf", (500, 502)),
+                           (oracle_dir / "mini-f32.gguf", (500, 502))]:
+        assert open_checkpoint(path).config.eos_token_ids == expected
+        assert tuple(load_tokenizer(path).eos_token_ids) == expected
+
+
+def test_hf_stop_tokens_without_generation_config(oracle_dir, tmp_path):
+    from qwen38_model.tokenizer import hf_stop_token_ids
+
+    folder = tmp_path / "hf"
+    shutil.copytree(oracle_dir / "hf", folder)
+    (folder / "generation_config.json").unlink()
+    config = {"eos_token_id": 502, "text_config": {"eos_token_id": 500}}
+    assert hf_stop_token_ids(folder, config) == (502,)  # the top level first, as the released VLM config
+    assert hf_stop_token_ids(folder, {"text_config": {"eos_token_id": [500, 501]}}) == (500, 501)
+
+
+def gguf_fields_with(oracle_dir, **changes) -> dict:
+    fields = gguf_metadata(oracle_dir / "mini-q8_0.gguf")
+    fields.update(changes)
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"tokenizer.ggml.tokens": None}, r"no tokenizer\.ggml\.tokens"),
+    ({"tokenizer.ggml.tokens": [1, 2]}, r"tokenizer\.ggml\.tokens must be an array of strings"),
+    ({"tokenizer.ggml.token_type": [1, 1]}, r"tokenizer\.ggml\.token_type must be 512 integers \(one per token\), "
+                                            r"found 2 entries"),
+    ({"tokenizer.ggml.eos_token_id": 512}, r"tokenizer\.ggml\.eos_token_id must be a token id in \[0, 512\), found 512"),
+    ({"tokenizer.ggml.padding_token_id": -1}, r"tokenizer\.ggml\.padding_token_id must be a token id in \[0, 512\)"),
+    ({"tokenizer.ggml.merges": ["a b c"]}, r"tokenizer\.ggml\.merges entry 'a b c' is not two tokens"),
+    ({"tokenizer.ggml.merges": ["Ġ zzz"]}, r"tokenizer\.ggml\.tokens / merges do not form a BPE tokenizer \(.*zzz"),
+    ({"tokenizer.ggml.model": "llama"}, r"tokenizer\.ggml\.model is 'llama'; only byte-level BPE"),
+    ({"tokenizer.chat_template": 7}, r"tokenizer\.chat_template must be a string"),
+])
+def test_malformed_gguf_tokenizer_metadata(oracle_dir, changes, message):
+    with pytest.raises(CheckpointError, match=rf"x\.gguf: {message}"):
+        Tokenizer.from_gguf_metadata(gguf_fields_with(oracle_dir, **changes), "x.gguf")
+
+
+def test_malformed_tokenizer_files(oracle_dir, tmp_path):
+    folder = tmp_path / "hf"
+    shutil.copytree(oracle_dir / "hf", folder)
+    (folder / "tokenizer.json").write_text('{"model": {"type": "Nonsense"}}')
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: not a tokenizers file"):
+        Tokenizer.from_hf_folder(folder)
+    shutil.copy(oracle_dir / "hf" / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text('{"chat_template": [{"name": "default", "template": "x"}]}')
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: chat_template must be a string"):
+        Tokenizer.from_hf_folder(folder)
+    (folder / "tokenizer_config.json").write_text('{"eos_token": 5}')
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: eos_token must be a string"):
+        Tokenizer.from_hf_folder(folder)
+
+
+# ---- chat templates: bounded, sandboxed ---------------------------------------------------------------
+
+def render(template: str, **context) -> str:
+    from qwen38_model import chat_template
+
+    return chat_template.render(template, messages=[{"role": "user", "content": "hi"}], **context)
+
+
+@pytest.mark.parametrize("template,message", [
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", r"more than 1000000 steps"),
+    ("{{ 'x' * 10**10 }}", r"the chat template passes the integer 1e\+10|'\*' result of 10000000000"),
+    ("{% set n = 10**5 %}{{ 'x' * n * n }}", r"'\*' result of 10000000000 characters"),
+    ("{{ 'x'.ljust(10**9) }}", r"passes the integer 1e\+09 to a call"),
+    ("{{ '%999999999s' % 'x' }}", r"formats with width 999999999"),
+    ("{{ '{:>999999999}'.format('x') }}", r"formats with width 999999999"),
+    ("{{ ('x' * 5000)|replace('', 'y' * 10000) }}", r"replace\(\) result of \d+ characters"),
+    ("{{ 'a\nb'|indent(100000) * 1 }}", None),  # within bounds: renders
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+     r"attribute 's' of \d+ characters"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", r"RecursionError"),
+    ("{{ 2 ** 100000000 }}", r"a power of about 1e\+08 bits"),
+    ("{{ messages[0].content.__class__.__mro__ }}", r"access to attribute '__class__' of 'str' object is unsafe"),
+    ("{% for %}", r"does not compile"),
+    ("{{ 1 / 0 }}", r"ZeroDivisionError"),
+])
+def test_chat_template_bounds(template, message):
+    start = time.perf_counter()
+    if message is None:
+        render(template)
+    else:
+        with pytest.raises(ChatTemplateError, match=message):
+            render(template)
+    assert time.perf_counter() - start < 10
+
+
+def test_chat_template_bounds_leave_real_templates_alone(synthetic_dir):
+    """The synthetic (Qwen-style) template on a long chat with tools renders as transformers renders it
+    (the comparison with transformers is test_chat_template_renders_like_transformers)."""
+    tokenizer = Tokenizer.from_hf_folder(synthetic_dir)
+    messages = [m for _ in range(200) for m in CONVERSATIONS["multi-turn"]]
+    prompt = tokenizer.apply_chat_template([CONVERSATIONS["tools"][0]] + messages, tools=TOOLS)
+    assert prompt.count("<|im_start|>user") == 400

@@ -1,0 +1,75 @@
+"""Opening the files of a checkpoint that may come from anywhere: regular files only (a FIFO would block
+open() forever), never outside the checkpoint folder (an index file must not make us read /etc/passwd),
+JSON of bounded size."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import stat
+
+from .errors import CheckpointError
+
+# Far above any real file of its kind (the 27B's config.json is 3 KB, its tokenizer.json 11 MB), far
+# below what would hurt to read into memory.
+JSON_LIMIT_BYTES = 256 << 20
+
+
+def regular_file(path: pathlib.Path, what: str = "file") -> pathlib.Path:
+    """path, checked to be an existing, readable regular file (symlinks followed)."""
+    try:
+        info = os.stat(path)
+        if stat.S_ISREG(info.st_mode) and not os.access(path, os.R_OK):
+            raise PermissionError(13, "Permission denied")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such {what}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the {what} ({e.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{path}: not a regular file (the {what} must be one; found {_kind(info.st_mode)})")
+    return path
+
+
+def folder_file(folder: pathlib.Path, name: str, what: str = "file") -> pathlib.Path:
+    """The file `name` of a checkpoint folder, refused if it lies outside the folder: an absolute name, a
+    '..' part, or a symlink that leads out. One exception: a Hugging Face cache snapshot
+    (.../snapshots/<revision>/) whose files are symlinks into the repository's blobs/ folder."""
+    parts = pathlib.PurePosixPath(name).parts
+    if not parts or name.startswith(("/", "\\")) or ".." in parts or ":" in name:
+        raise CheckpointError(f"{folder}: refusing {what} {name!r}: not a plain name inside the checkpoint folder")
+    root = folder.resolve()
+    target = (root / name).resolve()
+    inside = target.is_relative_to(root)
+    hub_blob = root.parent.name == "snapshots" and target.parent == root.parent.parent / "blobs"
+    if not (inside or hub_blob):
+        raise CheckpointError(f"{folder}: refusing {what} {name!r}: it resolves to {target}, outside the "
+                              "checkpoint folder")
+    regular_file(target, what)
+    return target
+
+
+def exists_in(folder: pathlib.Path, name: str) -> bool:
+    """Whether the folder has an entry `name` (of any kind: folder_file judges it)."""
+    return os.path.lexists(folder / name)
+
+
+def read_json(path: pathlib.Path, what: str = "JSON file"):
+    """The parsed JSON of a regular file of bounded size; every failure a CheckpointError naming the file."""
+    regular_file(path, what)
+    size = path.stat().st_size
+    if size > JSON_LIMIT_BYTES:
+        raise CheckpointError(f"{path}: {size} bytes, more than the {JSON_LIMIT_BYTES} a {what} may have")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 (byte {e.start}: {e.reason})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, over-long integers, absurd nesting
+        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "something else"
