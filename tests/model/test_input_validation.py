@@ -1,0 +1,99 @@
+"""Arguments of from_pretrained(), forward() and generate(): nonsense is a ValueError naming the argument,
+never a silent rounding, a wrap-around or a generation that stops at once (issue 10). Also the one
+stop-token policy and the non-finite logits check."""
+import pytest
+import torch
+
+from qwen38_model import Qwen38ForCausalLM
+from qwen38_model.errors import NonFiniteLogitsError
+from qwen38_model.tokenizer import load_tokenizer
+
+PROMPT = torch.tensor([[1, 7, 42]])
+
+
+@pytest.fixture(scope="module")
+def model(oracle_dir):
+    return Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-q8_0.gguf", device="cpu")
+
+
+@pytest.mark.parametrize("ids,message", [
+    (PROMPT.to(torch.bfloat16), r"input_ids must be an integer tensor, found torch\.bfloat16"),
+    (PROMPT.float() + 0.4, r"input_ids must be an integer tensor, found torch\.float32"),
+    (PROMPT.bool(), r"input_ids must be an integer tensor, found torch\.bool"),
+    ([[1, 2, 3]], r"input_ids must be a torch\.Tensor of token ids, found list"),
+    (torch.tensor([1, 2]), r"input_ids must be \[batch, seq\], found shape \(2,\)"),
+    (torch.zeros(1, 0, dtype=torch.long), r"input_ids has no tokens"),
+    (torch.tensor([[1, -1]]), r"token id -1 out of range \[0, 512\)"),
+])
+def test_bad_input_ids(model, ids, message):
+    for call in (lambda: model(ids), lambda: model.generate(ids, max_new_tokens=1)):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_small_integer_ids(model):
+    """uint8 ids are fine in forward(); generate() returns the prompt's dtype, which must hold the ids."""
+    assert torch.equal(model(PROMPT.to(torch.uint8)).logits, model(PROMPT).logits)
+    with pytest.raises(ValueError, match=r"input_ids of dtype torch\.uint8 cannot hold the generated ids \(up to 511\)"):
+        model.generate(PROMPT.to(torch.uint8), max_new_tokens=1)
+    assert model.generate(PROMPT.to(torch.int16), max_new_tokens=2, eos_token_id=[]).dtype == torch.int16
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(presence_penalty=float("nan")), r"presence_penalty must be a finite number, found nan"),
+    (dict(presence_penalty=float("inf")), r"presence_penalty must be a finite number, found inf"),
+    (dict(repetition_penalty=float("inf")), r"repetition_penalty must be a finite number, found inf"),
+    (dict(do_sample=True, temperature=float("nan")), r"temperature must be a finite number, found nan"),
+    (dict(do_sample=True, temperature=-1.0), r"temperature must be > 0 when sampling, found -1\.0"),
+    (dict(do_sample="yes"), r"do_sample must be True or False, found 'yes'"),
+    (dict(top_k=1.5), r"top_k must be an integer >= 0, found 1\.5"),
+    (dict(top_p=float("nan")), r"top_p must be a finite number, found nan"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\], found 1\.5"),
+    (dict(min_new_tokens=-1), r"min_new_tokens must be an integer >= 0, found -1"),
+    (dict(max_new_tokens=0), r"max_new_tokens must be an integer >= 1, found 0"),
+    (dict(max_new_tokens=2.5), r"max_new_tokens must be an integer >= 1, found 2\.5"),
+    (dict(max_seq_len=0), r"max_seq_len must be an integer >= 1, found 0"),
+    (dict(stop_strings=""), r"stop_strings must be non-empty strings \(an empty one would stop at once\)"),
+    (dict(stop_strings=["ok", ""]), r"stop_strings must be non-empty strings"),
+    (dict(stop_strings=[3]), r"stop_strings must be non-empty strings"),
+    (dict(eos_token_id=-1), r"eos_token_id must be token ids in \[0, 512\), found -1"),
+    (dict(eos_token_id=512), r"eos_token_id must be token ids in \[0, 512\), found 512"),
+    (dict(eos_token_id=[500, True]), r"eos_token_id must be token ids in \[0, 512\), found True"),
+    (dict(seed=1.5), r"seed must be an integer, found 1\.5"),
+])
+def test_bad_generate_arguments(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model.generate(PROMPT, **{"max_new_tokens": 2, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dtype=torch.int8), r"dtype must be one of torch\.float32, torch\.bfloat16, torch\.float16, found torch\.int8"),
+    (dict(device="bogus"), r"device must be a torch\.device or a name like 'cuda' or 'cpu', found 'bogus'"),
+    (dict(device="cpu", lane="int4"), r"lane"),
+    (dict(device="cpu", quantize="q4_0"), r"quantize must be None or 'q8_0', found 'q4_0'"),
+])
+def test_bad_from_pretrained_arguments(oracle_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-q8_0.gguf", **{"device": "cpu", **kwargs})
+
+
+def test_a_gguf_run_stops_on_llama_cpp_stop_set(oracle_dir, model):
+    """The GGUF's eos_token_id is 500; llama.cpp also stops on <|im_end|> (502), and so does generate()
+    by default: a chat on a GGUF ends at the end of the turn."""
+    tokenizer = load_tokenizer(oracle_dir / "mini-q8_0.gguf")
+    assert tokenizer.tokenizer.token_to_id("<|im_end|>") == 502
+    assert model.config.eos_token_ids == tuple(tokenizer.eos_token_ids) == (500, 502)
+    model.generate(PROMPT, max_new_tokens=2)
+    assert model._engine.sampler.eos.nonzero().flatten().tolist() == [500, 502]  # the run's stop set
+
+
+def test_non_finite_logits_are_reported(oracle_dir):
+    """An overflow inside the model (here: a final norm scaled to 1e38) gives NaN/inf logits; generate()
+    says so instead of emitting token 0 forever."""
+    model = Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-f32.gguf", device="cpu")
+    model.norm.fill_(1e38)
+    assert not torch.isfinite(model(PROMPT).logits).all()
+    with pytest.raises(NonFiniteLogitsError, match=r"NaN or infinite logits during this generation"):
+        model.generate(PROMPT, max_new_tokens=3, eos_token_id=[])
+    model.norm.fill_(1.0)
+    model.generate(PROMPT, max_new_tokens=3, eos_token_id=[])  # the flag is reset per run
