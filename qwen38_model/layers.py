@@ -17,10 +17,11 @@ from .state import GDNState, KVCache
 LANES = ("f32", "int8", "int8x2")
 ops = torch.ops.qwen38
 
-# From this many rows a Q8_0 projection runs as a GEMM instead of the GEMV (which keeps 4 rows per pass
-# over the weights): the int lanes on int8 tensor cores (q8_0_gemm_*), the f32 lane as dequantize-then-
-# cuBLAS float32 (exact, the lane's contract). Measured on the H200: benchmarks/ops/bench_q8_gemm.py, NOTES.md.
-INT_GEMM_MIN_ROWS = 8
+# From this many rows a Q8_0 projection runs as a GEMM instead of the GEMV (which shares each weight load
+# among 2 or 4 rows): the int lanes on int8 tensor cores (q8_0_gemm_*), the f32 lane as dequantize-then-
+# cuBLAS float32 (exact, the lane's contract). Measured on the H200 (benchmarks/ops/bench_q8_gemm.py, all
+# trunk matrices, int8, c875463): GEMV 24.1 ms at T = 8 and 45.0 at T = 16, GEMM 27.9 and 28.2.
+INT_GEMM_MIN_ROWS = 10
 F32_GEMM_MIN_ROWS = 64
 # The f32 lane dequantizes this many weight rows at a time (bounded scratch: 8192 x 17408 floats = 570 MB).
 DEQUANTIZE_ROWS = 8192

@@ -3,7 +3,7 @@ GEMV/GEMM crossover for small T (the verify and short-prompt sizes).
 
     python -m benchmarks.ops.bench_q8_gemm [--json PATH] [--profile]
 
-Peaks: torch._int_mm and bf16 torch.mm on the same shapes, in the fast layout (b = W.t() of a row-major
+Also the f32 lane's crossover (GEMV vs dequantize + cuBLAS float32). Peaks: torch._int_mm and bf16 torch.mm on the same shapes, in the fast layout (b = W.t() of a row-major
 [N, K] weight: prefill-ceilings.md's layout trap). Our GEMM is timed at its default tile and at each
 compiled tile (QWEN38_Q8_GEMM_TILE). --profile runs the GEMM once at T = 4096 on 34816 x 5120 and exits,
 for a profiler (`ncu --clock-control none -k regex:q8_0_gemm python3 -m benchmarks.ops.bench_q8_gemm
@@ -18,7 +18,10 @@ import statistics
 import torch
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from qwen38_model.checkpoint import Q8Tensor
 from qwen38_model.config import ATTENTION, GDN
+from qwen38_model.layers import Linear
+from qwen38_model.scratch import Scratch
 
 from .common import env_info, print_table, write_json
 
@@ -118,6 +121,25 @@ def small_t_table(config, tokens=(1, 2, 4, 8, 16, 32), copies: int = 3) -> list[
 
 
 
+def f32_crossover_table(config, tokens=(16, 32, 64, 128, 256)) -> list[dict]:
+    """The f32 lane's two T-row paths over the trunk matrices: the GEMV (4 rows per weight pass) and the
+    model's dequantize-then-cuBLAS float32 GEMM (Linear._dequantized_matmul)."""
+    rows = []
+    mats = [(random_q8(N, K), count) for N, K, count in trunk_shapes(config)]
+    for T in tokens:
+        row = dict(T=T, gemv_ms=0.0, dequant_mm_ms=0.0)
+        for (w8, wd), count in mats:
+            N, K = w8.shape
+            x = torch.randn(T, K, device="cuda")
+            out = torch.empty(T, N, device="cuda")
+            linear, scratch = Linear(Q8Tensor(w8, wd), "f32", "bench"), Scratch("cuda")
+            row["gemv_ms"] += median_time(lambda: ops.q8_0_gemv(x, w8, wd, out)) * count * 1e3
+            row["dequant_mm_ms"] += median_time(lambda: linear._dequantized_matmul(x, out, scratch)) * count * 1e3
+        rows.append(row)
+    torch.cuda.empty_cache()
+    return rows
+
+
 def profile_once() -> None:
     w8, wd = random_q8(34816, 5120)
     x8 = torch.randint(-127, 128, (4096, 5120), dtype=torch.int8, device="cuda")
@@ -147,7 +169,9 @@ def main(argv=None) -> dict:
               f"({tot['gemm_of_int_mm']:.1%} of int_mm)")
     print_table(small, ["T", "gemv_ms", "gemm_ms", "gemv_of_t1", "gemm_of_t1"],
                 title="small T: trunk matrices, int8 lane (ms per call of every matrix)")
-    results = dict(env=env_info(), matrices=rows, trunk_matrices=totals, small_t=small)
+    f32 = f32_crossover_table(QWEN38_27B)
+    print_table(f32, ["T", "gemv_ms", "dequant_mm_ms"], title="f32 lane: trunk matrices, GEMV vs dequantize + cuBLAS")
+    results = dict(env=env_info(), matrices=rows, trunk_matrices=totals, small_t=small, f32_crossover=f32)
     write_json(args.json, results)
     return results
 

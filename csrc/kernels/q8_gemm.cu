@@ -16,6 +16,8 @@
 //   16-byte rows of every ldmatrix phase fall on distinct banks.
 // - Grid x = token tiles, y = weight-row tiles: the blocks in flight together share weight tiles (read once
 //   from HBM, then from L2) while the whole activation (T x K int8, a few MB) stays L2-resident.
+// - Occupancy: the 64-token tile runs two blocks (16 warps) per SM; three blocks of the 32-token tile
+//   (80 registers, small spills) measured slower (146-157 vs 208-233 TOPS at T = 512 / 4096, c875463).
 // - Accumulation is float32 in block order (two roundings per block: dot * dw, then the FMA with dx): the
 //   GEMV's double accumulation would halve the FP rate this kernel is bound by.
 #include "q8_gemm.h"
@@ -93,7 +95,7 @@ struct Tile {
 };
 
 template <bool kTwoWord, int kMTiles>
-__global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : (kMTiles == 2 ? 2 : 3)) q8_0_gemm_kernel(const Q8GemvArgs a) {
+__global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kernel(const Q8GemvArgs a) {
   using T = Tile<kTwoWord, kMTiles>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tok0 = blockIdx.x * T::kTokens;

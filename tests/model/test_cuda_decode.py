@@ -56,42 +56,45 @@ def test_q8_lanes_on_gpu(oracle_dir, oracle_ref, prompt, lane, key, bar):
     assert measure <= bar
 
 
+def check_lane_bar(lane, logits, full, oracle_ref, what):
+    """f32: rel L2 <= 1e-5 against the one-pass forward. int8: the lane's own bar, median per-position rel
+    L2 <= 1e-5 against llama.cpp's logits. (Comparing int8 runs with each other would not be a bar: any
+    float reordering -- GEMM vs GEMV, chunked vs per-token delta rule -- can round a later activation to
+    the other q8_0 level, and llama.cpp's own prefill and decode kernels differ the same way.)"""
+    if lane == "f32":
+        err = rel_l2(logits, full)
+        print(f"GPU f32: {what} vs one forward: rel L2 {err:.2e}")
+        assert err <= 1e-5
+    else:
+        rows = row_rel_l2(logits, oracle_ref["llama_logits_q8gguf"])
+        print(f"GPU int8: {what} vs llama.cpp: per-position rel L2 median {float(rows.median()):.2e}, "
+              f"max {float(rows.max()):.2e}")
+        assert float(rows.median()) <= 1e-5
+
+
 @pytest.mark.parametrize("lane", ["f32", "int8"])
 @pytest.mark.parametrize("split", [INT_GEMM_MIN_ROWS - 1, INT_GEMM_MIN_ROWS, INT_GEMM_MIN_ROWS + 1, 17])
-def test_prefill_then_decode_equals_forward_on_gpu(oracle_dir, prompt, lane, split):
-    """A prefill of `split` tokens (around the GEMV/GEMM threshold), then one token per call, against one
-    forward over the whole prompt (the GEMM). f32 lane: rel L2 <= 1e-5. int8 lane: its bar, the median
-    per-position rel L2 <= 1e-5: the GEMM adds the exact block sums in float32 and the GEMV in double, so
-    where a later activation sits on a q8_0 rounding boundary the two may round it apart (as llama.cpp's
-    own prefill and decode kernels may) and the positions after it move by ~1e-2."""
+def test_prefill_then_decode_holds_the_lane_bar_on_gpu(oracle_dir, oracle_ref, prompt, lane, split):
+    """A prefill of `split` tokens (around the GEMV/GEMM and per-token/chunked delta-rule thresholds), then
+    one token per call."""
     model = Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-q8_0.gguf", device="cuda", lane=lane)
     full = model(prompt).logits[0]
     state = model.new_state(prompt.shape[1])
     parts = [model(prompt[:, :split], state=state).logits[0]]
     parts += [model(prompt[:, t : t + 1], state=state).logits[0] for t in range(split, prompt.shape[1])]
-    rows = row_rel_l2(torch.cat(parts), full)
-    print(f"GPU {lane}: prefill({split}) + decode vs one forward: per-position rel L2 median {float(rows.median()):.2e}, "
-          f"max {float(rows.max()):.2e}")
-    if lane == "f32":
-        assert rel_l2(torch.cat(parts), full) <= 1e-5
-    else:
-        assert float(rows.median()) <= 1e-5
+    check_lane_bar(lane, torch.cat(parts), full, oracle_ref, f"prefill({split}) + decode")
 
 
 @pytest.mark.parametrize("lane", ["f32", "int8"])
 @pytest.mark.parametrize("chunk", [5, 8, 23])
-def test_chunked_prefill_equals_one_pass_on_gpu(oracle_dir, prompt, lane, chunk):
-    """Chunk boundaries change nothing but the row counts of the kernels: the prompt in chunks of `chunk`
-    tokens gives the last position's logits of one pass (f32: 1e-5; int8: the chunks below the GEMM
-    threshold run the GEMV, so the same rounding-boundary caveat applies, bounded at 1e-2)."""
+def test_chunked_prefill_holds_the_lane_bar_on_gpu(oracle_dir, oracle_ref, prompt, lane, chunk):
+    """The prompt through model.prefill in chunks of `chunk` tokens (each chunk a separate pass of every
+    kernel, continuing the state), all rows kept."""
     model = Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-q8_0.gguf", device="cuda", lane=lane)
     ids = prompt[0].cuda().to(torch.int32)
-    one = model.prefill(ids, *_fresh(model, ids), logits_to_keep=3)
-    chunked = model.prefill(ids, *_fresh(model, ids), logits_to_keep=3, chunk_size=chunk)
-    err = rel_l2(chunked, one)
-    print(f"GPU {lane}: chunks of {chunk} vs one pass, last 3 rows: rel L2 {err:.2e}")
-    sizes = [min(chunk, ids.shape[0] - start) for start in range(0, ids.shape[0], chunk)]
-    assert err <= (1e-5 if lane == "f32" or min(sizes) >= INT_GEMM_MIN_ROWS else 1e-2)
+    one = model.prefill(ids, *_fresh(model, ids))
+    chunked = model.prefill(ids, *_fresh(model, ids), chunk_size=chunk)
+    check_lane_bar(lane, chunked, one, oracle_ref, f"chunks of {chunk}")
 
 
 def _fresh(model, ids):
