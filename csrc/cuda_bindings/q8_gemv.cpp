@@ -79,7 +79,7 @@ void run_gemm(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& 
   const c10::cuda::CUDAGuard guard(weight_q.device());
   // Benchmarking knob: QWEN38_Q8_GEMM_TILE=32|64|128 replaces the default token tile (read at every call).
   const char* env = std::getenv("QWEN38_Q8_GEMM_TILE");
-  const int tile = env != nullptr && env[0] != '\0' ? std::atoi(env) : q8_0_gemm_default_tile(act, a.N, a.T);
+  const int tile = env != nullptr && env[0] != '\0' ? std::atoi(env) : q8_0_gemm_default_tile(act, a);
   const cudaError_t err = q8_0_gemm(act, a, tile, current_stream());
   QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err),
               env != nullptr ? " (QWEN38_Q8_GEMM_TILE must be 32, 64 or 128)" : "");

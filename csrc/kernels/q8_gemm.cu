@@ -27,9 +27,6 @@
 namespace qwen38 {
 namespace {
 
-constexpr int kStages = 4;
-constexpr int kStageK = 64;    // bytes (= int8 weights) of K per stage: two Q8_0 blocks
-constexpr int kRowPitch = 80;  // shared-memory bytes per tile row
 constexpr int kWarpsM = 2, kWarpsN = 4;
 constexpr int kThreads = 32 * kWarpsM * kWarpsN;
 constexpr int kTileRows = 32 * kWarpsN;  // weight rows per block
@@ -82,21 +79,35 @@ __device__ __forceinline__ void mma_block(float (&c)[4], const uint32_t (&a)[4],
   for (int e = 0; e < 4; ++e) c[e] = __int_as_float(d[e]);
 }
 
-template <bool kTwoWord, int kMTiles>
-struct Tile {
-  static constexpr int kTokens = 16 * kMTiles * kWarpsM;
-  static constexpr int kXBytes = kTokens * kRowPitch;
-  static constexpr int kWBytes = kTileRows * kRowPitch;
-  static constexpr int kWOffset = (kTwoWord ? 2 : 1) * kXBytes;  // two-word: x_lo tile at kXBytes
-  static constexpr int kXdOffset = kWOffset + kWBytes;     // float [kTokens][2]
-  static constexpr int kWdOffset = kXdOffset + kTokens * 8;  // half [kTileRows][2]
-  static constexpr int kStageBytes = kWdOffset + kTileRows * 4;
-  static constexpr int kSmemBytes = kStages * kStageBytes;
+// A pipeline stage holds kBlocks Q8_0 blocks (32 bytes of K each) of every row of the tile. Rows are padded
+// by 16 bytes in shared memory so the eight 16-byte rows of every ldmatrix phase fall on distinct banks.
+// Four blocks per stage (K % 128 == 0, every 27B shape) halve the barriers and give each warp twice the
+// independent work between them; two blocks serve K % 128 == 64.
+template <int kBlocks>
+struct Stage {
+  static constexpr int kBytesK = 32 * kBlocks;
+  static constexpr int kPitch = kBytesK + 16;
+  static constexpr int kChunksPerRow = kBytesK / 16;
+  static constexpr int kDepth = kBlocks == 4 ? 3 : 4;  // stages in flight: two 64-token blocks fit an SM
 };
 
-template <bool kTwoWord, int kMTiles>
+template <bool kTwoWord, int kMTiles, int kBlocks>
+struct Tile {
+  using S = Stage<kBlocks>;
+  static constexpr int kTokens = 16 * kMTiles * kWarpsM;
+  static constexpr int kXBytes = kTokens * S::kPitch;
+  static constexpr int kWBytes = kTileRows * S::kPitch;
+  static constexpr int kWOffset = (kTwoWord ? 2 : 1) * kXBytes;        // two-word: x_lo tile at kXBytes
+  static constexpr int kXdOffset = kWOffset + kWBytes;                 // float [kTokens][kBlocks]
+  static constexpr int kWdOffset = kXdOffset + kTokens * 4 * kBlocks;  // half [kTileRows][kBlocks]
+  static constexpr int kStageBytes = kWdOffset + kTileRows * 2 * kBlocks;
+  static constexpr int kSmemBytes = S::kDepth * kStageBytes;
+};
+
+template <bool kTwoWord, int kMTiles, int kBlocks>
 __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kernel(const Q8GemvArgs a) {
-  using T = Tile<kTwoWord, kMTiles>;
+  using T = Tile<kTwoWord, kMTiles, kBlocks>;
+  using S = Stage<kBlocks>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tok0 = blockIdx.x * T::kTokens;
   const int row0 = blockIdx.y * kTileRows;
@@ -106,8 +117,8 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
   // Each thread copies the same chunks at every stage, only K advances: the addresses, predicates and
   // shared-memory offsets are computed once here (per-stage recomputation was most of the kernel's integer
   // instructions, next to the FP32 scaling work that bounds it).
-  constexpr int kXCopies = (T::kTokens * 4 + kThreads - 1) / kThreads;  // 16-byte chunks of x per thread
-  constexpr int kWCopies = kTileRows * 4 / kThreads;
+  constexpr int kXCopies = (T::kTokens * S::kChunksPerRow + kThreads - 1) / kThreads;  // 16-byte chunks
+  constexpr int kWCopies = kTileRows * S::kChunksPerRow / kThreads;
   const int8_t* x_src[kXCopies];
   const int8_t* x_lo_src[kXCopies];
   int x_dst[kXCopies];
@@ -115,13 +126,13 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
 #pragma unroll
   for (int i = 0; i < kXCopies; ++i) {
     const int c = threadIdx.x + i * kThreads;
-    const int r = c >> 2, part = (c & 3) * 16;
-    x_copy[i] = c < T::kTokens * 4;
+    const int r = c / S::kChunksPerRow, part = (c % S::kChunksPerRow) * 16;
+    x_copy[i] = c < T::kTokens * S::kChunksPerRow;
     x_fill[i] = x_copy[i] && tok0 + r < a.T;
     const int64_t tok = x_fill[i] ? tok0 + r : 0;  // any legal address: nothing is read when not filling
     x_src[i] = x + tok * a.x_stride + part;
     x_lo_src[i] = kTwoWord ? a.x_lo + tok * a.x_lo_stride + part : nullptr;
-    x_dst[i] = r * kRowPitch + part;
+    x_dst[i] = r * S::kPitch + part;
   }
   const int8_t* w_src[kWCopies];
   int w_dst[kWCopies];
@@ -129,20 +140,20 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
 #pragma unroll
   for (int i = 0; i < kWCopies; ++i) {
     const int c = threadIdx.x + i * kThreads;
-    const int r = c >> 2, part = (c & 3) * 16;
+    const int r = c / S::kChunksPerRow, part = (c % S::kChunksPerRow) * 16;
     w_fill[i] = row0 + r < a.N;
     w_src[i] = a.weight_q + (w_fill[i] ? row0 + r : 0) * static_cast<int64_t>(a.K) + part;
-    w_dst[i] = T::kWOffset + r * kRowPitch + part;
+    w_dst[i] = T::kWOffset + r * S::kPitch + part;
   }
-  const int scale_row = threadIdx.x;  // threads < kTokens copy x_d pairs, threads < kTileRows weight_d pairs
+  const int scale_row = threadIdx.x;  // threads < kTokens copy x_d runs, threads < kTileRows weight_d runs
   const bool xd_copy = scale_row < T::kTokens, xd_fill = xd_copy && tok0 + scale_row < a.T;
   const float* xd_src = a.x_d + (xd_fill ? tok0 + scale_row : 0) * a.x_d_stride;
   const bool wd_copy = scale_row < kTileRows, wd_fill = wd_copy && row0 + scale_row < a.N;
   const __half* wd_src = a.weight_d + (wd_fill ? row0 + scale_row : 0) * static_cast<int64_t>(blocks_per_row);
 
   auto load_stage = [&](int kt) {
-    unsigned char* s = smem + (kt % kStages) * T::kStageBytes;
-    const int64_t k0 = static_cast<int64_t>(kt) * kStageK;
+    unsigned char* s = smem + (kt % S::kDepth) * T::kStageBytes;
+    const int64_t k0 = static_cast<int64_t>(kt) * S::kBytesK;
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
       if (!x_copy[i]) continue;
@@ -151,8 +162,8 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
     }
 #pragma unroll
     for (int i = 0; i < kWCopies; ++i) cp_async<16>(s + w_dst[i], w_src[i] + k0, w_fill[i]);
-    if (xd_copy) cp_async<8>(s + T::kXdOffset + scale_row * 8, xd_src + 2 * kt, xd_fill);
-    if (wd_copy) cp_async<4>(s + T::kWdOffset + scale_row * 4, wd_src + 2 * kt, wd_fill);
+    if (xd_copy) cp_async<4 * kBlocks>(s + T::kXdOffset + scale_row * 4 * kBlocks, xd_src + kBlocks * kt, xd_fill);
+    if (wd_copy) cp_async<2 * kBlocks>(s + T::kWdOffset + scale_row * 2 * kBlocks, wd_src + kBlocks * kt, wd_fill);
   };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -169,26 +180,26 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
 
   auto compute_stage = [&](int kt) {
-    const unsigned char* s = smem + (kt % kStages) * T::kStageBytes;
+    const unsigned char* s = smem + (kt % S::kDepth) * T::kStageBytes;
     const float* xd = reinterpret_cast<const float*>(s + T::kXdOffset);
     const __half* wd = reinterpret_cast<const __half*>(s + T::kWdOffset);
 #pragma unroll
-    for (int blk = 0; blk < 2; ++blk) {
+    for (int blk = 0; blk < kBlocks; ++blk) {
       // A (tokens): matrices = rows 0-7 / 8-15 x bytes 0-15 / 16-31 -> registers a0..a3 of m16n8k32.
       uint32_t xa[kMTiles][4], xa_lo[kMTiles][4];
-      const int a_off = (lane & 15) * kRowPitch + blk * 32 + (lane >> 4) * 16;
+      const int a_off = (lane & 15) * S::kPitch + blk * 32 + (lane >> 4) * 16;
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
-        ldmatrix_x4(xa[mi], s + (warp_tok + mi * 16) * kRowPitch + a_off);
-        if constexpr (kTwoWord) ldmatrix_x4(xa_lo[mi], s + T::kXBytes + (warp_tok + mi * 16) * kRowPitch + a_off);
+        ldmatrix_x4(xa[mi], s + (warp_tok + mi * 16) * S::kPitch + a_off);
+        if constexpr (kTwoWord) ldmatrix_x4(xa_lo[mi], s + T::kXBytes + (warp_tok + mi * 16) * S::kPitch + a_off);
       }
       // B (weight rows): one x4 = two n8 tiles, (rows 0-7: bytes 0-15, 16-31), (rows 8-15: ...).
       uint32_t wb[4][2];
-      const int b_off = ((lane & 7) + (lane >> 4) * 8) * kRowPitch + blk * 32 + ((lane >> 3) & 1) * 16;
+      const int b_off = ((lane & 7) + (lane >> 4) * 8) * S::kPitch + blk * 32 + ((lane >> 3) & 1) * 16;
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
         uint32_t r[4];
-        ldmatrix_x4(r, s + T::kWOffset + (warp_row + p * 16) * kRowPitch + b_off);
+        ldmatrix_x4(r, s + T::kWOffset + (warp_row + p * 16) * S::kPitch + b_off);
         wb[2 * p][0] = r[0];
         wb[2 * p][1] = r[1];
         wb[2 * p + 1][0] = r[2];
@@ -198,11 +209,11 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) dx[mi][h] = xd[(warp_tok + mi * 16 + group + 8 * h) * 2 + blk];
+        for (int h = 0; h < 2; ++h) dx[mi][h] = xd[(warp_tok + mi * 16 + group + 8 * h) * kBlocks + blk];
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) dw[ni][e] = __half2float(wd[(warp_row + ni * 8 + 2 * quad + e) * 2 + blk]);
+        for (int e = 0; e < 2; ++e) dw[ni][e] = __half2float(wd[(warp_row + ni * 8 + 2 * quad + e) * kBlocks + blk]);
 
       // int8: fmaf(kMagic + dot, dw, -kMagic * dw) = dot * dw rounded once (kMagic * dw = 3 * 2^22 * dw is
       // exact for an fp16 dw), then one FMA with dx: two FP32 instructions per output and block, where
@@ -238,16 +249,16 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
     }
   };
 
-  const int num_k = a.K / kStageK;
+  const int num_k = a.K / S::kBytesK;
 #pragma unroll
-  for (int kt = 0; kt < kStages - 1; ++kt) {
+  for (int kt = 0; kt < S::kDepth - 1; ++kt) {
     if (kt < num_k) load_stage(kt);
     cp_async_commit();
   }
   for (int kt = 0; kt < num_k; ++kt) {
-    cp_async_wait<kStages - 2>();
+    cp_async_wait<S::kDepth - 2>();
     __syncthreads();  // stage kt is visible to every warp, and the stage refilled below is no longer read
-    if (kt + kStages - 1 < num_k) load_stage(kt + kStages - 1);
+    if (kt + S::kDepth - 1 < num_k) load_stage(kt + S::kDepth - 1);
     cp_async_commit();
     compute_stage(kt);
   }
@@ -265,10 +276,10 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
       }
 }
 
-template <bool kTwoWord, int kMTiles>
+template <bool kTwoWord, int kMTiles, int kBlocks>
 cudaError_t launch(const Q8GemvArgs& a, cudaStream_t stream) {
-  using T = Tile<kTwoWord, kMTiles>;
-  auto kernel = q8_0_gemm_kernel<kTwoWord, kMTiles>;
+  using T = Tile<kTwoWord, kMTiles, kBlocks>;
+  auto kernel = q8_0_gemm_kernel<kTwoWord, kMTiles, kBlocks>;
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (attr_err != cudaSuccess) return attr_err;
@@ -279,26 +290,32 @@ cudaError_t launch(const Q8GemvArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <bool kTwoWord>
+template <bool kTwoWord, int kBlocks>
 cudaError_t dispatch(const Q8GemvArgs& a, int tile_tokens, cudaStream_t stream) {
   switch (tile_tokens) {
-    case 32: return launch<kTwoWord, 1>(a, stream);
-    case 64: return launch<kTwoWord, 2>(a, stream);
-    case 128: return launch<kTwoWord, 4>(a, stream);
+    case 32: return launch<kTwoWord, 1, kBlocks>(a, stream);
+    case 64: return launch<kTwoWord, 2, kBlocks>(a, stream);
+    case 128: return launch<kTwoWord, 4, kBlocks>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 // Blocks resident per SM for a tile (what the launch bounds and shared memory allow), read once.
-template <bool kTwoWord, int kMTiles>
+template <bool kTwoWord, int kMTiles, int kBlocks>
 int resident_blocks() {
   static const int blocks = [] {
     int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, q8_0_gemm_kernel<kTwoWord, kMTiles>, kThreads,
-                                                  Tile<kTwoWord, kMTiles>::kSmemBytes);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, q8_0_gemm_kernel<kTwoWord, kMTiles, kBlocks>, kThreads,
+                                                  Tile<kTwoWord, kMTiles, kBlocks>::kSmemBytes);
     return n > 0 ? n : 1;
   }();
   return blocks;
+}
+
+template <int kMTiles>
+int resident_blocks(bool two_word, bool four_blocks) {
+  if (two_word) return four_blocks ? resident_blocks<true, kMTiles, 4>() : resident_blocks<true, kMTiles, 2>();
+  return four_blocks ? resident_blocks<false, kMTiles, 4>() : resident_blocks<false, kMTiles, 2>();
 }
 
 int multiprocessors() {
@@ -311,36 +328,39 @@ int multiprocessors() {
   return count;
 }
 
+// Four blocks per stage need K % 128 == 0 and x_d runs of four floats in one 16-byte copy.
+bool four_blocks_per_stage(const Q8GemvArgs& a) {
+  return a.K % 128 == 0 && reinterpret_cast<uintptr_t>(a.x_d) % 16 == 0 && (a.T <= 1 || a.x_d_stride % 4 == 0);
+}
+
 }  // namespace
 
 // Small T: the smallest tile (the weights are streamed once whatever the tile; less work is wasted).
 // Otherwise 64 or 128 tokens, whichever needs less time in whole waves: a wave of resident blocks takes
 // about tile * resident time units, and a partial last wave costs a whole one (at T = 512 the 5120-row
 // projections make 160 blocks of 128 tokens for 132 SMs: a second wave 21% full).
-int q8_0_gemm_default_tile(Q8Act act, int N, int T) {
-  if (T <= 32) return 32;
-  if (T <= 64) return 64;
-  const bool two_word = act == Q8Act::Int8x2;
+int q8_0_gemm_default_tile(Q8Act act, const Q8GemvArgs& a) {
+  if (a.T <= 32) return 32;
+  if (a.T <= 64) return 64;
+  const bool two_word = act == Q8Act::Int8x2, four = four_blocks_per_stage(a);
   const int sms = multiprocessors();
   auto cost = [&](int tile, int resident) {
-    const long blocks = static_cast<long>((T + tile - 1) / tile) * ((N + kTileRows - 1) / kTileRows);
+    const long blocks = static_cast<long>((a.T + tile - 1) / tile) * ((a.N + kTileRows - 1) / kTileRows);
     const long slots = static_cast<long>(sms) * resident;
     return ((blocks + slots - 1) / slots) * tile * resident;
   };
-  const long c64 = cost(64, two_word ? resident_blocks<true, 2>() : resident_blocks<false, 2>());
-  const long c128 = cost(128, two_word ? resident_blocks<true, 4>() : resident_blocks<false, 4>());
+  const long c64 = cost(64, resident_blocks<2>(two_word, four));
+  const long c128 = cost(128, resident_blocks<4>(two_word, four));
   return c64 <= c128 ? 64 : 128;  // ties: 64 (two blocks per SM, twice the warps to hide latency)
 }
 
 cudaError_t q8_0_gemm(Q8Act act, const Q8GemvArgs& args, int tile_tokens, cudaStream_t stream) {
   if (args.N == 0 || args.T == 0) return cudaSuccess;
-  if (args.K <= 0 || args.K % kStageK != 0) return cudaErrorInvalidValue;
-  switch (act) {
-    case Q8Act::Int8: return dispatch<false>(args, tile_tokens, stream);
-    case Q8Act::Int8x2: return dispatch<true>(args, tile_tokens, stream);
-    case Q8Act::F32: break;
-  }
-  return cudaErrorInvalidValue;
+  if (args.K <= 0 || args.K % 64 != 0 || act == Q8Act::F32) return cudaErrorInvalidValue;
+  const bool two_word = act == Q8Act::Int8x2;
+  if (four_blocks_per_stage(args))
+    return two_word ? dispatch<true, 4>(args, tile_tokens, stream) : dispatch<false, 4>(args, tile_tokens, stream);
+  return two_word ? dispatch<true, 2>(args, tile_tokens, stream) : dispatch<false, 2>(args, tile_tokens, stream);
 }
 
 }  // namespace qwen38

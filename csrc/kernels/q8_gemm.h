@@ -4,15 +4,15 @@
 // Same arguments and the same math as the GEMV's Int8 / Int8x2 lanes (q8_gemv.h): each 32-weight block's
 // int32 dot is exact (one mma.sync m16n8k32 is exactly one Q8_0 block), then scaled by weight_d * x_d.
 // What differs from the GEMV is only how the scaled block sums are added: in float32, in block order, where
-// the GEMV adds them in double. Extra requirements: K % 64 == 0 (two blocks per pipeline stage, and 4-byte
-// aligned scale pairs), x_d rows 8-byte aligned.
+// the GEMV adds them in double. Extra requirements: K % 64 == 0 (at least two blocks per pipeline stage, and
+// 4-byte aligned scale pairs), x_d rows 8-byte aligned.
 #pragma once
 #include "q8_gemv.h"
 
 namespace qwen38 {
 
-// Token rows per block tile; 0 = chosen from T, N and occupancy (q8_gemm.cu). 32, 64 and 128 are compiled.
-int q8_0_gemm_default_tile(Q8Act act, int N, int T);
+// Token rows per block tile, chosen from T, N, K and occupancy (q8_gemm.cu). 32, 64 and 128 are compiled.
+int q8_0_gemm_default_tile(Q8Act act, const Q8GemvArgs& args);
 
 // act is Int8 or Int8x2. Launches on `stream`; no allocation, no host sync.
 cudaError_t q8_0_gemm(Q8Act act, const Q8GemvArgs& args, int tile_tokens, cudaStream_t stream);
