@@ -19,10 +19,11 @@ ops = torch.ops.qwen38
 
 # From this many rows a Q8_0 projection runs as a GEMM instead of the GEMV (which shares each weight load
 # among 2 or 4 rows): the int lanes on int8 tensor cores (q8_0_gemm_*), the f32 lane as dequantize-then-
-# cuBLAS float32 (exact, the lane's contract). Measured on the H200 (benchmarks/ops/bench_q8_gemm.py, all
-# trunk matrices, int8, c875463): GEMV 24.1 ms at T = 8 and 45.0 at T = 16, GEMM 27.9 and 28.2.
-INT_GEMM_MIN_ROWS = 10
-F32_GEMM_MIN_ROWS = 64
+# cuBLAS float32 (exact, the lane's contract). Measured on the H200 over all trunk matrices
+# (benchmarks/ops/bench_q8_gemm.py, a208644): int8 GEMV 14.3 ms at T = 4 and 25.2 at T = 8, GEMM 22.8 and
+# 23.1; f32 GEMV 177 ms at T = 32 and 350 at T = 64, dequantize + cuBLAS 240 and 247.
+INT_GEMM_MIN_ROWS = 8
+F32_GEMM_MIN_ROWS = 48
 # The f32 lane dequantizes this many weight rows at a time (bounded scratch: 8192 x 17408 floats = 570 MB).
 DEQUANTIZE_ROWS = 8192
 
