@@ -1,22 +1,30 @@
 """Command line: `qwen38 generate --prompt TEXT [--model PATH] ...` (or `python -m qwen38_model ...`).
 
 Without --model it runs the built-in synthetic default model (created on first use), so the command
-works on a fresh machine with or without a GPU. User mistakes are one line on stderr and exit code 2."""
+works on a fresh machine with or without a GPU. User mistakes are one line on stderr and exit code 2;
+other OS errors exit 1, Ctrl-C 130 (also while torch loads), a closed stdout (`| head`) 141, quietly."""
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
-import resource
-import secrets
 import sys
-import time
 
-import torch
+try:  # a Ctrl-C while torch loads (a second or more) ends with a short message, not a traceback
+    import argparse
+    import math
+    import os
+    import pathlib
+    import resource
+    import secrets
+    import time
 
-from . import __version__
-from .errors import Qwen38Error
-from .state import KVCache
+    import torch
+
+    from . import __version__
+    from .errors import Qwen38Error
+    from .files import folder_file, read_json
+    from .state import KVCache
+except KeyboardInterrupt:
+    sys.stderr.write("\ninterrupted\n")
+    sys.exit(130)
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -171,8 +179,10 @@ def checkpoint_sampling(path: pathlib.Path) -> dict:
     """Sampling settings the checkpoint was released with: an HF folder's generation_config.json, or a
     GGUF's general.sampling.* keys."""
     if path.is_dir():
-        config_file = path / "generation_config.json"
-        return from_generation_config(json.loads(config_file.read_text())) if config_file.is_file() else {}
+        if not (path / "generation_config.json").exists():
+            return {}
+        config = read_json(folder_file(path, "generation_config.json"), "generation_config.json")
+        return from_generation_config(config if isinstance(config, dict) else {})
     from .checkpoint import open_checkpoint
 
     return from_gguf_metadata(open_checkpoint(path).source.metadata)
@@ -193,7 +203,16 @@ def sampling_settings(args: argparse.Namespace, path: pathlib.Path) -> dict:
     """Command line over checkpoint over SAMPLING_DEFAULTS, each of its default's type (top_k an int)."""
     given = {k: getattr(args, k) for k in SAMPLING_DEFAULTS if getattr(args, k) is not None}
     merged = {**SAMPLING_DEFAULTS, **checkpoint_sampling(path), **given}
-    return {k: type(SAMPLING_DEFAULTS[k])(v) for k, v in merged.items()}
+    settings = {}
+    for k, v in merged.items():
+        kind = type(SAMPLING_DEFAULTS[k])
+        source = "--" + k.replace("_", "-") if k in given else f"{k} in the checkpoint {path}"
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or kind(v) != v:
+            raise ValueError(f"{source} must be a finite {kind.__name__}, found {v!r:.40}")
+        if k == "temperature" and v < 0:
+            raise ValueError(f"{source} must be >= 0 (0 = greedy), found {v}")
+        settings[k] = kind(v)
+    return settings
 
 
 def checkpoint_bytes(path: pathlib.Path) -> int:
@@ -238,6 +257,7 @@ def encode_prompt(args: argparse.Namespace, tokenizer, chat: bool) -> torch.Tens
 def generate(args: argparse.Namespace) -> None:
     from .generation import TextStreamer
     from .model import Qwen38ForCausalLM
+    from .sampling import SamplingConfig
     from .synthetic import default_model_path
     from .tokenizer import load_tokenizer
 
@@ -253,10 +273,15 @@ def generate(args: argparse.Namespace) -> None:
     ids = encode_prompt(args, tokenizer, chat)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
+    if args.stop is not None and not all(args.stop):
+        raise ValueError("--stop must not be empty (an empty stop string would end the output at once)")
     if args.max_context is not None and ids.shape[1] + args.max_new_tokens > args.max_context:
         raise ValueError(f"context overflow: {ids.shape[1]} prompt tokens + --max-new-tokens {args.max_new_tokens} "
                          f"> --max-context {args.max_context}")
     sampling = sampling_settings(args, path)
+    # Every sampling value checked (finite, in range) before the possibly long load, as generate() will.
+    SamplingConfig(sampling["temperature"] > 0, sampling["temperature"] or 1.0, sampling["top_k"], sampling["top_p"],
+                   sampling["min_p"], sampling["repetition_penalty"], args.presence_penalty, args.min_new_tokens)
     start = time.perf_counter()
     model = Qwen38ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES.get(args.dtype),
                                               quantize=args.quantize, lane=args.lane,
@@ -291,7 +316,14 @@ def main(argv=None) -> int:
         sys.stderr.write(f"\nerror: {e}\n")
         return 2
     except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
         return 130
+    except BrokenPipeError:  # the reader of stdout is gone (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 141
+    except OSError as e:
+        sys.stderr.write(f"\nerror: {e}\n")
+        return 1
     return 0
 
 
