@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .files import folder_file, read_json
+from .tokenizer import gguf_stop_token_ids, hf_stop_token_ids  # the stop-token policy lives with the tokenizer
 
 ATTENTION, GDN = "attention", "gdn"
 # Bounds checked before anything is built from a count (a file may say block_count = 2^32 - 1):
@@ -96,8 +97,6 @@ class Qwen38Config:
     # ---- HF config.json ------------------------------------------------------------------------
     @classmethod
     def from_hf_folder(cls, folder: str | pathlib.Path) -> "Qwen38Config":
-        from .tokenizer import hf_stop_token_ids  # the stop-token policy lives with the tokenizer
-
         folder = pathlib.Path(folder)
         if not os.path.lexists(folder / "config.json"):
             raise ConfigError(f"{folder}: no config.json (an HF checkpoint folder needs one)")
@@ -170,8 +169,6 @@ class Qwen38Config:
     def from_gguf_metadata(cls, meta: dict, vocab_size: int, source: str = "") -> "Qwen38Config":
         """meta: GGUF key -> python value; vocab_size: rows of token_embd (the metadata has no key for it).
         block_count includes MTP blocks; nextn_predict_layers says how many."""
-        from .tokenizer import gguf_stop_token_ids  # the stop-token policy lives with the tokenizer
-
         arch = meta.get("general.architecture")
         if arch != "qwen35":
             raise ConfigError(f"{source}: general.architecture is {arch!r}, expected 'qwen35'")

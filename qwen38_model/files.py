@@ -19,14 +19,14 @@ def regular_file(path: pathlib.Path, what: str = "file") -> pathlib.Path:
     """path, checked to be an existing, readable regular file (symlinks followed)."""
     try:
         info = os.stat(path)
-        if stat.S_ISREG(info.st_mode) and not os.access(path, os.R_OK):
-            raise PermissionError(13, "Permission denied")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such {what}") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read the {what} ({e.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
         raise CheckpointError(f"{path}: not a regular file (the {what} must be one; found {_kind(info.st_mode)})")
+    if not os.access(path, os.R_OK):
+        raise CheckpointError(f"{path}: cannot read the {what} (Permission denied)")
     return path
 
 
@@ -35,10 +35,13 @@ def folder_file(folder: pathlib.Path, name: str, what: str = "file") -> pathlib.
     '..' part, or a symlink that leads out. One exception: a Hugging Face cache snapshot
     (.../snapshots/<revision>/) whose files are symlinks into the repository's blobs/ folder."""
     parts = pathlib.PurePosixPath(name).parts
-    if not parts or name.startswith(("/", "\\")) or ".." in parts or ":" in name:
+    if not parts or name.startswith(("/", "\\")) or ".." in parts or ":" in name or "\0" in name:
         raise CheckpointError(f"{folder}: refusing {what} {name!r}: not a plain name inside the checkpoint folder")
-    root = folder.resolve()
-    target = (root / name).resolve()
+    try:
+        root = folder.resolve()
+        target = (root / name).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+        raise CheckpointError(f"{folder}: cannot resolve {what} {name!r} ({e})") from None
     inside = target.is_relative_to(root)
     hub_blob = root.parent.name == "snapshots" and target.parent == root.parent.parent / "blobs"
     if not (inside or hub_blob):
@@ -46,11 +49,6 @@ def folder_file(folder: pathlib.Path, name: str, what: str = "file") -> pathlib.
                               "checkpoint folder")
     regular_file(target, what)
     return target
-
-
-def exists_in(folder: pathlib.Path, name: str) -> bool:
-    """Whether the folder has an entry `name` (of any kind: folder_file judges it)."""
-    return os.path.lexists(folder / name)
 
 
 def read_json(path: pathlib.Path, what: str = "JSON file"):

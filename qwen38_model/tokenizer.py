@@ -18,7 +18,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from . import chat_template
+from . import chat_template as templates
 from .errors import CheckpointError
 from .files import folder_file, read_json
 
@@ -90,7 +90,10 @@ class Tokenizer:
         config = _optional_json_object(path, "tokenizer_config.json")
         chat_template = config.get("chat_template")
         if chat_template is None and (path / "chat_template.jinja").exists():
-            chat_template = folder_file(path, "chat_template.jinja").read_bytes().decode("utf-8", "replace")
+            template_file = folder_file(path, "chat_template.jinja", "chat template")
+            if template_file.stat().st_size > 4 * templates.MAX_SOURCE_CHARS:  # 4 bytes per character at most
+                raise CheckpointError(f"{template_file}: more than {templates.MAX_SOURCE_CHARS} characters")
+            chat_template = template_file.read_bytes().decode("utf-8", "replace")
         if chat_template is not None and not isinstance(chat_template, str):
             raise CheckpointError(f"{path / 'tokenizer_config.json'}: chat_template must be a string, found "
                                   f"{type(chat_template).__name__} (named templates are not supported)")
@@ -164,7 +167,7 @@ class Tokenizer:
         template and its bounds (chat_template.py) are ChatTemplateErrors (a ValueError)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
-        return chat_template.render(self.chat_template, messages=messages,
+        return templates.render(self.chat_template, messages=messages,
                                     add_generation_prompt=add_generation_prompt,
                                     **{**self.special_tokens, **kwargs})
 

@@ -11,6 +11,7 @@ import re
 
 import torch
 
+from ..config import ATTENTION
 from ..errors import CheckpointError
 from ..files import regular_file
 from .gguf_file import GGUFCheckpoint
@@ -39,6 +40,8 @@ class Checkpoint:
         self.progress = progress  # called with (bytes read so far, bytes in the checkpoint)
         self.bytes_read = 0
         self._check_tensor_set()
+        if self.is_gguf:
+            self._check_small_types()
 
     def load(self, part: str, layer: int | None, device, dtype: torch.dtype, quantize: str | None) -> Weight:
         if part == "output" and (self.config.tie_word_embeddings or not self._has("output", None)):
@@ -92,8 +95,6 @@ class Checkpoint:
         missing = next((n for n in wanted if not self.source.has(n)), None)
         if missing is not None:
             raise CheckpointError(f"{self.path}: missing tensor {self.source.full_name(missing)!r}")
-        if self.is_gguf:
-            self._check_small_types()
         extra = sorted(names - {self.source.full_name(n) for n in wanted} - set(self._tolerated(names)))
         if extra:
             raise CheckpointError(f"{self.path}: {len(extra)} tensors are not part of the model its config describes "
@@ -115,21 +116,22 @@ class Checkpoint:
 
     def _tolerated(self, names: set[str]) -> list[str]:
         """Stored tensors the model does not use: the head of a tied model, the MTP block(s), the vision
-        tower. A GGUF's MTP blocks are the last nextn_predict_layers blk.N, each with its nextn.eh_proj."""
+        tower. A GGUF's MTP blocks are its last nextn_predict_layers blk.N, each with its nextn.eh_proj (so a
+        wrong nextn_predict_layers cannot turn a trunk layer into an ignored block)."""
         if not self.is_gguf:
             return [n for n in names if n.startswith(("mtp.", "model.visual.")) or n == "lm_head.weight"]
         mtp = range(self.config.num_layers, self.config.num_layers + self.config.num_mtp_layers)
-        for block in mtp:
-            if f"blk.{block}.nextn.eh_proj.weight" not in names:
-                raise CheckpointError(f"{self.path}: blk.{block} is an MTP block by qwen35.nextn_predict_layers "
-                                      f"({self._describe_layers()}), but it has no 'blk.{block}.nextn.eh_proj.weight'")
+        missing = next((b for b in mtp if f"blk.{b}.nextn.eh_proj.weight" not in names), None)
+        if missing is not None:
+            raise CheckpointError(f"{self.path}: blk.{missing} is an MTP block by qwen35.nextn_predict_layers "
+                                  f"({self._describe_layers()}), but it has no 'blk.{missing}.nextn.eh_proj.weight'")
         block_of = re.compile(r"blk\.(\d+)\.")
         return [n for n in names if (m := block_of.match(n)) and int(m.group(1)) in mtp]
 
     def _describe_layers(self) -> str:
         c = self.config
         mtp = f" and {c.num_mtp_layers} MTP block(s)" if c.num_mtp_layers else ""
-        return f"{c.num_layers} layers{mtp}, attention at {[i for i, t in enumerate(c.layer_types) if t == 'attention']}"
+        return f"{c.num_layers} layers{mtp}, attention at {[i for i, t in enumerate(c.layer_types) if t == ATTENTION]}"
 
     def _name(self, part: str, layer: int | None) -> str:
         if self.is_gguf:
