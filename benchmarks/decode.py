@@ -43,8 +43,9 @@ class SyntheticQ8Checkpoint(Checkpoint):
         self.config, self.path, self.is_gguf, self.progress, self.bytes_read = config, "synthetic", True, None, 0
         self.generator = torch.Generator("cuda").manual_seed(seed)
 
-    def _has(self, part, layer) -> bool:
-        return True
+    def load(self, part, layer, device, dtype, quantize):
+        """Made on the device in the model's internal layout: nothing to check or convert."""
+        return self._read_internal(part, layer, device)
 
     def _read_internal(self, part, layer, device):
         shape = expected_shape(self.config, part)

@@ -357,7 +357,20 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
 #pragma unroll
         for (int p = 0; p < kPlanes; ++p)
           ldmatrix_x4_trans(vb[p], v_lane + p * Tile::kKVPlane + kk * 16 * kStride + j * 8);
-        mma_planes<kPlanes>(o[j], o[j + 1], pa, vb);
+        if constexpr (kSplit) {
+          // The exactness lane adds each 16-row step into O with a float add: accumulated inside the MMA
+          // over a whole 32k context, O drifted to rel L2 1.1e-4 (measured, e1114f6), the tensor core's
+          // fp32 sums not being round-to-nearest.
+          float t0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, t1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma_planes<kPlanes>(t0, t1, pa, vb);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            o[j][e] += t0[e];
+            o[j + 1][e] += t1[e];
+          }
+        } else {
+          mma_planes<kPlanes>(o[j], o[j + 1], pa, vb);
+        }
       }
     }
   }
