@@ -12,13 +12,12 @@ same token's GEMVs as torch bf16 F.linear calls captured in a graph.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import time
 
 import torch
 
-from benchmarks.ops.common import env_info, print_table, read_probe_result, write_json
+from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, write_json
 from qwen38_model import Qwen38Config, Qwen38ForCausalLM
 from qwen38_model.checkpoint import Checkpoint, Q8Tensor
 from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape
@@ -60,6 +59,18 @@ class SyntheticQ8Checkpoint(Checkpoint):
         if part in ("ssm_dt", "ssm_conv1d"):
             return torch.rand(shape, device=device, generator=g) - 0.5
         return 1 + 0.1 * torch.randn(shape, device=device, generator=g)  # norm multipliers
+
+
+def build_model(path: str | None, lane: str) -> Qwen38ForCausalLM:
+    """The checkpoint at `path` on the GPU, or (None) the 27B shape with synthetic Q8_0 weights."""
+    if path:
+        model = Qwen38ForCausalLM.from_pretrained(path, device="cuda", lane=lane)
+    else:
+        with torch.no_grad():
+            model = Qwen38ForCausalLM(QWEN38_27B, SyntheticQ8Checkpoint(QWEN38_27B), "cuda", torch.bfloat16,
+                                      None, lane).eval()
+    torch.cuda.synchronize()
+    return model
 
 
 def bytes_per_token(model: Qwen38ForCausalLM, context: int, kv_bytes: int) -> dict:
@@ -187,7 +198,7 @@ def set_lane(model: Qwen38ForCausalLM, lane: str) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a real checkpoint instead of the synthetic 27B shape")
-    parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>.json)")
+    parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-decode.json)")
     parser.add_argument("--lanes", default="int8,int8x2,f32")
     parser.add_argument("--contexts", default="4096,32768")
     parser.add_argument("--kv-dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -201,13 +212,7 @@ def main(argv=None) -> dict:
     roofline = probe["best_gbps"]
 
     start = time.perf_counter()
-    if args.model:
-        model = Qwen38ForCausalLM.from_pretrained(args.model, device="cuda", lane=lanes[0])
-    else:
-        with torch.no_grad():
-            model = Qwen38ForCausalLM(QWEN38_27B, SyntheticQ8Checkpoint(QWEN38_27B), "cuda", torch.bfloat16,
-                                      None, lanes[0]).eval()
-    torch.cuda.synchronize()
+    model = build_model(args.model, lanes[0])
     load_s = time.perf_counter() - start
     kv_bytes = torch.finfo(kv_dtype).bits // 8
     cfg = SamplingConfig()
@@ -259,11 +264,7 @@ def main(argv=None) -> dict:
     print(f"tg128 ({default}): {results['tg128_tok_s']:.1f} tok/s = {results['tg128_roofline_ratio']:.1%} of the "
           f"roofline ({results['roofline_tok_s']:.1f} tok/s); build {load_s:.1f} s; "
           f"peak memory {results['max_memory_allocated_gb']:.1f} GB")
-    if not args.json:
-        stamp = datetime.date.today().isoformat()
-        gpu = str(env.get("gpu", "gpu")).replace(" ", "-")
-        args.json = f"benchmarks/results/{stamp}-{gpu}-{env.get('commit', 'unknown')}.json"
-    write_json(args.json, results)
+    write_json(args.json or default_result_path(env, "decode"), results)
     return results
 
 

@@ -13,16 +13,14 @@ the prefill chunk size; decode tg128 on the same model (it must not regress); pe
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import time
 
 import torch
 
-from benchmarks.decode import QWEN38_27B, SyntheticQ8Checkpoint, set_lane, time_steps
+from benchmarks.decode import QWEN38_27B, build_model, set_lane, time_steps
 from benchmarks.ops.bench_q8_gemm import matrix_table, small_t_table
-from benchmarks.ops.common import env_info, print_table, write_json
-from qwen38_model import Qwen38ForCausalLM
+from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
 from qwen38_model import layers as model_layers
 from qwen38_model.generation import DecodeEngine
 from qwen38_model.layers import GatedAttention, GatedDeltaNet, Linear
@@ -138,13 +136,7 @@ def main(argv=None) -> dict:
                     title="small T: trunk matrices, int8 lane (ms per call of every matrix)")
 
     start = time.perf_counter()
-    if args.model:
-        model = Qwen38ForCausalLM.from_pretrained(args.model, device="cuda", lane=lanes[0])
-    else:
-        with torch.no_grad():
-            model = Qwen38ForCausalLM(QWEN38_27B, SyntheticQ8Checkpoint(QWEN38_27B), "cuda", torch.bfloat16,
-                                      None, lanes[0]).eval()
-    torch.cuda.synchronize()
+    model = build_model(args.model, lanes[0])
     results["load_s"] = time.perf_counter() - start
     results["weights_gb"] = model.weight_bytes() / 1e9
 
@@ -179,11 +171,7 @@ def main(argv=None) -> dict:
     print_table(table, ["lane", "test", "tok_s", "ttft_s", "peak_gb"], title=f"prefill on {env.get('gpu')} (KV bf16)")
     print(f"decode tg128 ({lanes[0]}, same model, same run): {results['tg128_tok_s']:.1f} tok/s; "
           f"weights {results['weights_gb']:.1f} GB; build {results['load_s']:.1f} s")
-    if not args.json:
-        stamp = datetime.date.today().isoformat()
-        gpu = str(env.get("gpu", "gpu")).replace(" ", "-")
-        args.json = f"benchmarks/results/{stamp}-{gpu}-{env.get('commit', 'unknown')}-prefill.json"
-    write_json(args.json, results)
+    write_json(args.json or default_result_path(env, "prefill"), results)
     return results
 
 

@@ -211,6 +211,12 @@ def print_table(rows: Sequence[dict], columns: Iterable[str], title: str | None 
     print(flush=True)
 
 
+def default_result_path(env: dict, what: str) -> str:
+    """benchmarks/results/<date>-<gpu>-<commit>-<what>.json, the name every committed result has."""
+    gpu = str(env.get("gpu", "gpu")).replace(" ", "-")
+    return f"benchmarks/results/{datetime.date.today().isoformat()}-{gpu}-{env.get('commit', 'unknown')}-{what}.json"
+
+
 def write_json(path: str | os.PathLike | None, payload: dict) -> None:
     if not path:
         return
