@@ -10,10 +10,11 @@ from .errors import CheckpointError, ConfigError, Qwen38Error
 __version__ = "0.1.0"  # the package's one version string: pyproject.toml reads it from here
 
 _LAZY = {"Qwen38": "api", "load": "api", "Qwen38Config": "config", "CausalLMOutput": "model",
-         "Qwen38ForCausalLM": "model", "Qwen38State": "state"}
+         "Qwen38ForCausalLM": "model", "Qwen38State": "state", "StateSnapshot": "state",
+         "Conversation": "conversation", "PrefixCache": "conversation"}
 
-__all__ = ["CausalLMOutput", "CheckpointError", "ConfigError", "Qwen38", "Qwen38Config", "Qwen38Error",
-           "Qwen38ForCausalLM", "Qwen38State", "load"]
+__all__ = ["CausalLMOutput", "CheckpointError", "ConfigError", "Conversation", "PrefixCache", "Qwen38",
+           "Qwen38Config", "Qwen38Error", "Qwen38ForCausalLM", "Qwen38State", "StateSnapshot", "load"]
 
 
 def __getattr__(name: str):

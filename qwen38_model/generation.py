@@ -16,7 +16,7 @@ import torch
 
 from .sampling import SamplerState, SamplingConfig, select_next_token
 from .scratch import Scratch
-from .state import GDNState
+from .state import GDNState, StateSnapshot
 
 READ_BEHIND = 4  # replays in flight before the host waits for the oldest token
 
@@ -64,6 +64,9 @@ class DecodeEngine:
         self.position = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.sampler = SamplerState.empty(model.config.vocab_size, self.device)
         self.graphs: dict[SamplingConfig, torch.cuda.CUDAGraph] = {}
+        # Replays launched before the host reads a token: the steps past a stop feed discarded tokens
+        # into the state (run_generation rolls them back when the state is to be continued).
+        self.read_ahead = READ_BEHIND if self.use_graph else 0
         self.logits: torch.Tensor | None = None  # the step's logits buffer (fixed once allocated)
 
     def step(self, cfg: SamplingConfig) -> None:
@@ -85,21 +88,26 @@ class DecodeEngine:
             self.graphs[cfg] = graph
         return self.graphs[cfg]
 
-    def reset(self, prompt: torch.Tensor, seed: int, cfg: SamplingConfig) -> None:
-        for layer in self.state.layers:
-            if isinstance(layer, GDNState):
-                layer.conv.zero_()
-                layer.recurrent.zero_()
-        # KV rows need no clearing: attention reads rows 0..position, each written before it is read.
-        self.state.position = 0
-        self.sampler.reset(prompt, seed, cfg.eos_token_ids)
+    def reset(self, history: torch.Tensor, seed: int, cfg: SamplingConfig, start: StateSnapshot | None = None) -> None:
+        """Empty state, or `start` copied into the state's own tensors (the graphs keep their addresses);
+        the sampler sees the whole history either way, so the output is the same as from scratch."""
+        if start is None:
+            for layer in self.state.layers:
+                if isinstance(layer, GDNState):
+                    layer.conv.zero_()
+                    layer.recurrent.zero_()
+            # KV rows need no clearing: attention reads rows 0..position, each written before it is read.
+            self.state.position = 0
+        else:
+            self.state.restore(start)
+        self.sampler.reset(history, seed, cfg.eos_token_ids)
 
     def prefill(self, prompt: torch.Tensor, cfg: SamplingConfig, progress=None) -> None:
         """The prompt through the model's chunked prefill (every op takes T tokens), then the first new
         token from the last row's logits, selected exactly as a step selects."""
         positions = self.state.reserve(prompt.shape[0])
         logits = self.model.prefill(prompt, positions, self.state, logits_to_keep=1, progress=progress)
-        self.position.fill_(prompt.shape[0] - 1)
+        self.position.fill_(self.state.position - 1)
         select_next_token(logits[0], self.sampler, cfg, self.token, self.position)
 
 
@@ -151,24 +159,31 @@ def resolve_seed(seed: int | None, generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
 
 
-def run_generation(engine: DecodeEngine, prompt: torch.Tensor, cfg: SamplingConfig, max_new_tokens: int,
-                   seed: int, stop: StopCondition, streamer=None,
-                   prefill_progress=None) -> tuple[list[int], GenerationStats]:
-    """prompt int32 [T] on the engine's device. Returns the new tokens (stop token included).
+def run_generation(engine: DecodeEngine, history: torch.Tensor, cfg: SamplingConfig, max_new_tokens: int,
+                   seed: int, stop: StopCondition, streamer=None, prefill_progress=None,
+                   start: StateSnapshot | None = None, keep_state: bool = False) -> tuple[list[int], GenerationStats]:
+    """history int32 [T] on the engine's device: the whole sequence so far. start: a snapshot of its
+    first start.position tokens (then only the rest is prefilled), else the whole history is. Returns the
+    new tokens (stop token included). keep_state: leave the state holding exactly history + the new tokens
+    but the last (undoing the read-ahead steps past a stop), so that it can be snapshotted and continued.
     prefill_progress: optional callable(tokens_done, tokens_total) called after each prompt chunk."""
-    stats = GenerationStats(prompt_tokens=prompt.shape[0], graph=engine.use_graph)
-    if prompt.shape[0] + max_new_tokens > engine.max_seq_len:
-        raise ValueError(f"context overflow: {prompt.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
+    if history.shape[0] + max_new_tokens > engine.max_seq_len:
+        raise ValueError(f"context overflow: {history.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
                          f"max_seq_len {engine.max_seq_len}")
+    if start is not None and start.position >= history.shape[0]:
+        raise ValueError(f"the start snapshot holds {start.position} tokens: the history ({history.shape[0]}) must "
+                         "extend it by at least one token to prefill")
+    stats = GenerationStats(prompt_tokens=history.shape[0] - (start.position if start else 0), graph=engine.use_graph)
     if engine.use_graph:
-        start = time.perf_counter()
+        clock = time.perf_counter()
         graph = engine.graph_for(cfg)
-        stats.capture_s = time.perf_counter() - start
+        stats.capture_s = time.perf_counter() - clock
         replay = graph.replay
     else:
         def replay():
             engine.step(cfg)
-    engine.reset(prompt, seed, cfg)
+    engine.reset(history, seed, cfg, start)  # after the capture: its warm-up step writes the state
+    prompt = history[engine.state.position:]
     on_gpu = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     host = torch.empty(max_new_tokens, dtype=torch.int32, pin_memory=on_gpu)
@@ -181,13 +196,15 @@ def run_generation(engine: DecodeEngine, prompt: torch.Tensor, cfg: SamplingConf
             events[-1].record()
 
     sync()
-    start = time.perf_counter()
+    clock = time.perf_counter()
     engine.prefill(prompt, cfg, prefill_progress)
     launch_copy(0)
+    ahead = engine.read_ahead
+    # Only a read-ahead can overrun a stop; the prompt's state is the point to roll back to (a device copy).
+    after_prefill = engine.state.snapshot() if keep_state and ahead else None
     sync()
-    stats.prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    ahead = READ_BEHIND if engine.use_graph else 0
+    stats.prefill_s = time.perf_counter() - clock
+    clock = time.perf_counter()
     launched = 1  # token 0 came from the prefill
     for read in range(max_new_tokens):
         while launched < max_new_tokens and launched <= read + ahead:
@@ -202,7 +219,11 @@ def run_generation(engine: DecodeEngine, prompt: torch.Tensor, cfg: SamplingConf
         if stop.done(token):
             break
     sync()
-    stats.decode_s = time.perf_counter() - start
+    stats.decode_s = time.perf_counter() - clock
     stats.new_tokens = len(stop.tokens)
     engine.state.position += launched - 1  # steps run, including replays past a stop (then discarded)
+    if after_prefill is not None and launched > len(stop.tokens):
+        # The steps past the stop fed discarded tokens into the recurrent states, which cannot be undone:
+        # back to the end of the prompt (the reply is prefilled with the next turn).
+        engine.state.restore(after_prefill)
     return stop.tokens, stats

@@ -13,12 +13,13 @@ from .arguments import (check_device, check_dtype, check_ids_dtype_holds, check_
                         stop_string_tuple, stop_token_ids)
 from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
 from .config import ATTENTION, Qwen38Config
+from .conversation import Conversation, PrefixCache
 from .errors import NonFiniteLogitsError
 from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
 from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, input_lane
 from .sampling import SamplingConfig
 from .scratch import Scratch
-from .state import Qwen38State
+from .state import Qwen38State, StateSnapshot
 
 ops = torch.ops.qwen38
 
@@ -187,14 +188,20 @@ class Qwen38ForCausalLM(nn.Module):
                  eos_token_id: int | list[int] | None = None, stop_strings: str | list[str] | None = None,
                  tokenizer=None, streamer=None, max_seq_len: int | None = None,
                  kv_dtype: torch.dtype = torch.float32, use_graph: bool | None = None,
-                 prefill_progress=None) -> torch.Tensor:
+                 prefill_progress=None, conversation: Conversation | None = None,
+                 prefix_cache: PrefixCache | None = None) -> torch.Tensor:
         """transformers' generate() for one sequence: returns prompt + new ids [1, T + n] (stop token
         included). Sampling is reproducible for a seed (or a torch.Generator to draw one from). eos_token_id
         defaults to the checkpoint's; stop_strings need the tokenizer. On CUDA each step is a graph replay
         (use_graph=False for eager launches); statistics of the last call are in self.last_generation_stats.
         prefill_progress: optional callable(tokens_done, tokens_total), called after each prompt chunk of
         PREFILL_CHUNK tokens (a progress bar for long prompts). Bad arguments are ValueErrors; NaN or
-        infinite logits at any step raise NonFiniteLogitsError once the run ends."""
+        infinite logits at any step raise NonFiniteLogitsError once the run ends.
+        conversation: input_ids continue its history; only the tokens its state has not consumed are
+        prefilled, and it is updated with the new tokens and state. prefix_cache: the longest cached prefix
+        of the history is restored instead of prefilled, and the state at the end is cached. Either way the
+        output is that of the whole history from scratch (self.last_generation_stats.prompt_tokens counts
+        the tokens prefilled)."""
         check_input_ids(input_ids, self.config.vocab_size)
         if input_ids.shape[0] != 1:
             raise ValueError(f"generate() takes input_ids of shape [1, T] (batched decode is not supported yet), "
@@ -209,13 +216,22 @@ class Qwen38ForCausalLM(nn.Module):
         stops = stop_string_tuple(stop_strings, tokenizer)
         cfg = SamplingConfig(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                              min_new_tokens, eos)
-        engine = self._decode_engine(input_ids.shape[1] + max_new_tokens, max_seq_len, kv_dtype, use_graph)
+        history = (conversation.tokens if conversation is not None else []) + input_ids[0].tolist()
+        start = self._start_snapshot(history, conversation, prefix_cache)
+        engine = self._decode_engine(len(history) + max_new_tokens, max_seq_len, kv_dtype, use_graph)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        prompt = input_ids[0].to(self.device, torch.int32)
+        keep_state = conversation is not None or prefix_cache is not None
         tokens, self.last_generation_stats = run_generation(
-            engine, prompt, cfg, max_new_tokens, resolve_seed(seed, generator),
-            StopCondition(frozenset(eos), stops, tokenizer), streamer, prefill_progress)
+            engine, torch.tensor(history, dtype=torch.int32, device=self.device), cfg, max_new_tokens,
+            resolve_seed(seed, generator), StopCondition(frozenset(eos), stops, tokenizer), streamer,
+            prefill_progress, start, keep_state)
+        if keep_state:
+            snapshot = engine.state.snapshot()
+            if conversation is not None:
+                conversation.tokens, conversation.snapshot = history + tokens, snapshot
+            if prefix_cache is not None:
+                prefix_cache.put(history + tokens, snapshot)
         if streamer is not None:
             streamer.end()
         if bool(self._engine.sampler.nonfinite):
@@ -224,6 +240,16 @@ class Qwen38ForCausalLM(nn.Module):
                                        "in the computation)")
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
+
+    @staticmethod
+    def _start_snapshot(history: list[int], conversation: Conversation | None,
+                        prefix_cache: PrefixCache | None) -> StateSnapshot | None:
+        """The snapshot holding the longest prefix of history: the conversation's or the cache's."""
+        start = conversation.snapshot if conversation is not None else None
+        cached = prefix_cache.longest(history) if prefix_cache is not None else None
+        if cached is not None and (start is None or cached.position > start.position):
+            return cached
+        return start
 
     def _decode_engine(self, needed: int, max_seq_len: int | None, kv_dtype, use_graph) -> DecodeEngine:
         """The engine (static buffers, captured graphs) is kept between calls while it fits."""

@@ -2,11 +2,18 @@
 GDN layer, and the number of tokens consumed so far."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
+import safetensors.torch
 import torch
 
 from .config import ATTENTION, Qwen38Config
+
+# The config fields that decide a state's shapes and meaning: a snapshot restores only into a model with
+# the same values (eos ids, the source path and the context limit do not change what a state holds).
+SNAPSHOT_CONFIG_EXCLUDED = ("source", "eos_token_ids", "max_position_embeddings", "num_mtp_layers")
 
 
 @dataclass
@@ -21,10 +28,63 @@ class GDNState:
     recurrent: torch.Tensor  # float32 [Hv, dv, dk], key index fastest: row a of head h is one warp's work
 
 
+@dataclass
+class StateSnapshot:
+    """A copy of a state after `position` tokens: per layer, the KV rows 0..position-1 (k, v) or the GDN
+    (conv, recurrent) pair, on the state's device."""
+
+    position: int
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    config: Qwen38Config
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
+
+    def to(self, device) -> "StateSnapshot":
+        return StateSnapshot(self.position, [(a.to(device), b.to(device)) for a, b in self.layers], self.config)
+
+    def save(self, path, extra: dict[str, torch.Tensor] | None = None) -> None:
+        """A safetensors file (with extra tensors beside the state's); its header names the config the
+        state belongs to and the position."""
+        tensors = {f"{i}.{name}": t.contiguous().cpu() for i, pair in enumerate(self.layers)
+                   for name, t in zip("ab", pair)}
+        tensors.update(extra or {})
+        safetensors.torch.save_file(tensors, str(path), metadata={"qwen38.position": str(self.position),
+                                                                  "qwen38.config": config_key(self.config)})
+
+    @staticmethod
+    def load(path, config: Qwen38Config, device="cpu") -> tuple["StateSnapshot", dict[str, torch.Tensor]]:
+        """A snapshot saved by save(), and the extra tensors saved with it; a file of another model's
+        config is a ValueError naming the fields that differ."""
+        try:
+            f = safetensors.safe_open(str(path), "pt", device=str(device))
+        except safetensors.SafetensorError as e:
+            raise ValueError(f"{path} is not a safetensors file ({e})") from None
+        with f:
+            meta = f.metadata() or {}
+            if "qwen38.config" not in meta or "qwen38.position" not in meta:
+                raise ValueError(f"{path} is not a qwen38 state snapshot (no qwen38.config in its header)")
+            saved, ours = json.loads(meta["qwen38.config"]), json.loads(config_key(config))
+            differ = [f"{k}: file {saved.get(k)!r}, model {v!r}" for k, v in ours.items() if saved.get(k) != v]
+            if differ:
+                raise ValueError(f"{path} holds the state of another model config ({'; '.join(differ)})")
+            layers = [(f.get_tensor(f"{i}.a"), f.get_tensor(f"{i}.b")) for i in range(len(config.layer_types))]
+            extra = {k: f.get_tensor(k) for k in f.keys() if not k[0].isdigit()}
+        return StateSnapshot(int(meta["qwen38.position"]), layers, config), extra
+
+
+def config_key(config: Qwen38Config) -> str:
+    """The config fields a state depends on, as JSON (layer_types as a list)."""
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in SNAPSHOT_CONFIG_EXCLUDED}
+    return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}, sort_keys=True)
+
+
 class Qwen38State:
     def __init__(self, config: Qwen38Config, max_seq_len: int, device, kv_dtype=torch.float32):
         if kv_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_dtype must be torch.float32 or torch.bfloat16, found {kv_dtype}")
+        self.config = config
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)
         self.position = 0  # tokens already in the state
@@ -50,3 +110,26 @@ class Qwen38State:
         positions = torch.arange(self.position, self.position + num_tokens, dtype=torch.int32, device=self.device)
         self.position += num_tokens
         return positions
+
+    def snapshot(self) -> StateSnapshot:
+        """Device-side clones (no host sync): the KV rows written so far and every GDN state."""
+        n = self.position
+        return StateSnapshot(n, [(layer.k[:n].clone(), layer.v[:n].clone()) if isinstance(layer, KVCache)
+                                 else (layer.conv.clone(), layer.recurrent.clone()) for layer in self.layers],
+                             self.config)
+
+    def restore(self, snap: StateSnapshot) -> None:
+        """Copy snap INTO this state's tensors (never replacing them: a captured CUDA graph keeps reading the
+        same addresses). KV rows past snap.position are stale; attention never reads past the position."""
+        if config_key(snap.config) != config_key(self.config):
+            raise ValueError("the snapshot belongs to another model config")
+        if snap.position > self.max_seq_len:
+            raise ValueError(f"the snapshot holds {snap.position} tokens > this state's max_seq_len {self.max_seq_len}")
+        for layer, (a, b) in zip(self.layers, snap.layers):
+            if isinstance(layer, KVCache):
+                layer.k[:snap.position].copy_(a, non_blocking=True)
+                layer.v[:snap.position].copy_(b, non_blocking=True)
+            else:
+                layer.conv.copy_(a, non_blocking=True)
+                layer.recurrent.copy_(b, non_blocking=True)
+        self.position = snap.position
