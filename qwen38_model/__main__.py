@@ -75,10 +75,32 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "reply is printed, not the templated prompt)")
     g.add_argument("--system", metavar="TEXT", help="a system message (implies --chat)")
     g.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False")
-    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="stop after N new tokens")
+    add_generation_options(g, max_new_tokens=64)
+    c = sub.add_parser("chat", help="an interactive multi-turn chat, each turn prefilling only its own tokens",
+                       formatter_class=HelpFormatter,
+                       description="A multi-turn chat on standard input under the checkpoint's chat template. "
+                                   "The conversation's state is kept between turns, so a turn processes only its "
+                                   "new tokens. Commands: /reset, /save FILE, /load FILE, /quit. Ctrl-C stops the "
+                                   "current reply (the conversation keeps it); Ctrl-D or /quit ends the chat.")
+    c.add_argument("--model", metavar="PATH", help="a .gguf file or an HF folder (default: the built-in synthetic model)")
+    c.add_argument("--system", metavar="TEXT", help="a system message")
+    c.add_argument("--no-thinking", action="store_true", help="enable_thinking=False")
+    add_generation_options(c, max_new_tokens=512)
+    sub.add_parser("bench", help="GPU benchmarks at the 27B shape: decode (benchmarks/decode.py), or prefill "
+                   "with --prefill (benchmarks/prefill.py); `bench [--prefill] --help` lists their options")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
+        return argparse.Namespace(command="bench", bench_args=argv[1:])
+    return parser.parse_args(argv)
+
+
+def add_generation_options(g: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The options generate and chat share: token limits, sampling, stop strings, device and dtypes."""
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help="stop after N new tokens")
     g.add_argument("--min-new-tokens", type=int, default=0, metavar="N", help="no end-of-sequence before N tokens")
     g.add_argument("--max-context", type=int, metavar="N", help="KV cache size in tokens; prompt + new tokens must fit "
-                   "(default: prompt + max new tokens, at least 4096, at most the model's context)")
+                   "(chat: the whole conversation) (default: prompt + max new tokens, at least 4096, at most the "
+                   "model's context)")
     s = g.add_argument_group("sampling", "Unset values come from the checkpoint's generation_config.json (a "
                              "GGUF: its general.sampling.* keys), as transformers and llama.cpp read them; "
                              "else the defaults shown.")
@@ -97,12 +119,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV cache dtype")
     g.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
-    sub.add_parser("bench", help="GPU benchmarks at the 27B shape: decode (benchmarks/decode.py), or prefill "
-                   "with --prefill (benchmarks/prefill.py); `bench [--prefill] --help` lists their options")
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
-        return argparse.Namespace(command="bench", bench_args=argv[1:])
-    return parser.parse_args(argv)
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -256,32 +272,58 @@ def encode_prompt(args: argparse.Namespace, tokenizer, chat: bool) -> torch.Tens
 
 def generate(args: argparse.Namespace) -> None:
     from .generation import TextStreamer
-    from .model import Qwen38ForCausalLM
-    from .sampling import SamplingConfig
+
+    # Every user mistake is reported before the (possibly long) load of the weights.
+    path, device, tokenizer = model_source(args)
+    chat = args.chat or args.system is not None
+    ids = encode_prompt(args, tokenizer, chat)
+    sampling = check_generation_args(args, path)
+    if args.max_context is not None and ids.shape[1] + args.max_new_tokens > args.max_context:
+        raise ValueError(f"context overflow: {ids.shape[1]} prompt tokens + --max-new-tokens {args.max_new_tokens} "
+                         f"> --max-context {args.max_context}")
+    model = load_model(args, path, device)
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    report_sampling(sampling, seed)
+    if not chat:
+        sys.stdout.write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
+    model.generate(ids, **generation_kwargs(args, sampling, tokenizer), seed=seed,
+                   streamer=TextStreamer(tokenizer, skip_special_tokens=True),
+                   prefill_progress=prefill_bar() if ids.shape[1] > PREFILL_BAR_TOKENS else None)
+    sys.stderr.write(f"{model.last_generation_stats}\n{memory_line(model)}\n")
+
+
+def model_source(args: argparse.Namespace):
+    """The checkpoint's path, the device and the tokenizer (a CPU warning for a large checkpoint)."""
     from .synthetic import default_model_path
     from .tokenizer import load_tokenizer
 
-    # Every user mistake is reported before the (possibly long) load of the weights.
     path = pathlib.Path(args.model) if args.model else default_model_path()
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and checkpoint_bytes(path) > CPU_WARN_BYTES:
         sys.stderr.write(f"warning: a {checkpoint_bytes(path) / 1e9:.1f} GB checkpoint on the CPU: the CPU path runs "
                          "the plain-PyTorch reference ops (exact, float64 inside), meant for tests and tiny models; "
                          "expect minutes per token\n")
-    tokenizer = load_tokenizer(path)
-    chat = args.chat or args.system is not None
-    ids = encode_prompt(args, tokenizer, chat)
+    return path, device, load_tokenizer(path)
+
+
+def check_generation_args(args: argparse.Namespace, path: pathlib.Path) -> dict:
+    """The token limits, stop strings and sampling settings checked; returns the sampling settings."""
+    from .sampling import SamplingConfig
+
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
     if args.stop is not None and not all(args.stop):
         raise ValueError("--stop must not be empty (an empty stop string would end the output at once)")
-    if args.max_context is not None and ids.shape[1] + args.max_new_tokens > args.max_context:
-        raise ValueError(f"context overflow: {ids.shape[1]} prompt tokens + --max-new-tokens {args.max_new_tokens} "
-                         f"> --max-context {args.max_context}")
     sampling = sampling_settings(args, path)
     # Every sampling value checked (finite, in range) before the possibly long load, as generate() will.
     SamplingConfig(sampling["temperature"] > 0, sampling["temperature"] or 1.0, sampling["top_k"], sampling["top_p"],
                    sampling["min_p"], sampling["repetition_penalty"], args.presence_penalty, args.min_new_tokens)
+    return sampling
+
+
+def load_model(args: argparse.Namespace, path: pathlib.Path, device):
+    from .model import Qwen38ForCausalLM
+
     start = time.perf_counter()
     model = Qwen38ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES.get(args.dtype),
                                               quantize=args.quantize, lane=args.lane,
@@ -289,20 +331,170 @@ def generate(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     sys.stderr.write(f"\rloaded {path} on {model.device}: {model.weight_bytes() / 1e9:.2f} GB in {seconds:.1f} s "
                      f"({model.weight_bytes() / 1e9 / seconds:.2f} GB/s)\n")
-    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    return model
+
+
+def report_sampling(sampling: dict, seed: int) -> None:
     settings = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
     sys.stderr.write(f"sampling: {settings}, seed {seed}\n" if sampling["temperature"] > 0 else f"greedy: {settings}\n")
-    if not chat:
-        sys.stdout.write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
+
+
+def generation_kwargs(args: argparse.Namespace, sampling: dict, tokenizer) -> dict:
+    """generate()'s keyword arguments from the options (all but the seed, the streamer and progress)."""
+    sampling = dict(sampling)
     temperature = sampling.pop("temperature")
-    model.generate(ids, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                   do_sample=temperature > 0, temperature=temperature or 1.0, **sampling,
-                   presence_penalty=args.presence_penalty, seed=seed, stop_strings=args.stop or None,
-                   tokenizer=tokenizer, streamer=TextStreamer(tokenizer, skip_special_tokens=True),
-                   max_seq_len=args.max_context, kv_dtype=KV_DTYPES[args.kv_dtype],
-                   use_graph=False if args.eager else None,
-                   prefill_progress=prefill_bar() if ids.shape[1] > PREFILL_BAR_TOKENS else None)
-    sys.stderr.write(f"{model.last_generation_stats}\n{memory_line(model)}\n")
+    return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=temperature > 0,
+                temperature=temperature or 1.0, **sampling, presence_penalty=args.presence_penalty,
+                stop_strings=args.stop or None, tokenizer=tokenizer, max_seq_len=args.max_context,
+                kv_dtype=KV_DTYPES[args.kv_dtype], use_graph=False if args.eager else None)
+
+
+def chat(args: argparse.Namespace) -> None:
+    """The REPL: each line a user message (or a /command), each reply streamed; the conversation's state
+    is kept between turns, so a turn prefills only its own tokens."""
+    from .conversation import Conversation
+
+    path, device, tokenizer = model_source(args)
+    sampling = check_generation_args(args, path)
+    template = {"enable_thinking": False} if args.no_thinking else {}
+    separator = turn_separator(tokenizer, template)  # a template that cannot continue a chat fails here
+    model = load_model(args, path, device)
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    report_sampling(sampling, seed)
+    sys.stderr.write("chat: /reset, /save FILE, /load FILE, /quit (or Ctrl-D); Ctrl-C stops a reply\n")
+    enable_line_editing()
+    kwargs = generation_kwargs(args, sampling, tokenizer)
+    conversation = Conversation()
+    turn = 0
+    while (line := read_line()) is not None:
+        if line.startswith("/"):
+            try:
+                if not chat_command(line, conversation, model):
+                    return
+            except (ValueError, OSError) as e:  # a bad file: the conversation goes on
+                sys.stderr.write(f"error: {e}\n")
+            continue
+        if not line.strip():
+            continue
+        system = args.system if not conversation.tokens else None
+        ids = turn_ids(tokenizer, conversation.tokens, line, system, separator, template)
+        turn += 1
+        chat_turn(model, conversation, ids, dict(kwargs, seed=(seed + turn) % 2**31))
+
+
+def chat_turn(model, conversation, ids: list[int], kwargs: dict) -> None:
+    """One reply, streamed. A Ctrl-C keeps the message and the reply so far in the history (the state
+    stays the one before the turn: the next turn prefills them)."""
+    from .errors import Qwen38Error
+
+    history = list(conversation.tokens)
+    streamer = ReplyStreamer(kwargs["tokenizer"])
+    try:
+        model.generate(torch.tensor([ids]), streamer=streamer, conversation=conversation, **kwargs)
+    except KeyboardInterrupt:
+        conversation.tokens = history + ids + streamer.tokens
+        sys.stdout.write("\n")
+        sys.stderr.write(f"[stopped: {len(streamer.tokens)} tokens kept]\n")
+        return
+    except (Qwen38Error, ValueError) as e:  # e.g. the context is full: the conversation is as it was
+        sys.stderr.write(f"error: {e}\n")
+        return
+    stats = model.last_generation_stats
+    sys.stderr.write(f"[prefill {stats.prompt_tokens} tokens in {stats.prefill_s:.2f} s | reply {stats.new_tokens} "
+                     f"tokens, {stats.decode_tok_s:.1f} tok/s | context {len(conversation.tokens)} tokens]\n")
+
+
+def chat_command(line: str, conversation, model) -> bool:
+    """Run a /command; False ends the chat."""
+    from .conversation import Conversation
+
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/reset":
+        conversation.reset()
+        sys.stderr.write("[conversation cleared]\n")
+    elif name in ("/save", "/load") and not arg:
+        sys.stderr.write(f"error: {name} needs a file name\n")
+    elif name == "/save":
+        conversation.save(arg)
+        sys.stderr.write(f"[saved {len(conversation.tokens)} tokens to {arg}]\n")
+    elif name == "/load":
+        loaded = Conversation.load(arg, model)
+        conversation.tokens, conversation.snapshot = loaded.tokens, loaded.snapshot
+        sys.stderr.write(f"[loaded {len(conversation.tokens)} tokens from {arg}]\n")
+    else:
+        sys.stderr.write(f"error: unknown command {name} (/reset, /save FILE, /load FILE, /quit)\n")
+    return True
+
+
+def turn_separator(tokenizer, template: dict) -> str:
+    """What the chat template writes between an assistant's reply and the next user message (Qwen's:
+    '<|im_end|>\\n'), found by rendering a two-turn chat around marker characters."""
+    user = tokenizer.apply_chat_template([{"role": "user", "content": "\x01"}], **template)
+    both = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}, {"role": "assistant", "content": "\x02"},
+                                          {"role": "user", "content": "\x01"}], **template)
+    if "\x02" not in both or not both.endswith(user):
+        raise ValueError("the checkpoint's chat template does not render a later user turn as it renders a first "
+                         "one: chat cannot continue a conversation turn by turn with it")
+    return both[both.index("\x02") + 1 : len(both) - len(user)]
+
+
+def turn_ids(tokenizer, history: list[int], message: str, system: str | None, separator: str,
+             template: dict) -> list[int]:
+    """The tokens of one user turn: the first under the template (with the system message), a later one
+    after the separator that closes the previous reply (less the end-of-turn token the reply ended with)."""
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": message}]
+    text = tokenizer.apply_chat_template(messages, **template)
+    if history:
+        last = tokenizer.decode(history[-1:])
+        closed = history[-1] in tokenizer.eos_token_ids and separator.startswith(last)
+        text = (separator[len(last):] if closed else separator) + text
+    return tokenizer.encode(text)
+
+
+class ReplyStreamer:
+    """Prints the reply as it comes (special tokens left out) and keeps its tokens."""
+
+    def __init__(self, tokenizer):
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+        self.tokens: list[int] = []
+        self.seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.tokens.append(token)
+            sys.stdout.write(self.decoder.feed(token))
+        sys.stdout.flush()
+
+    def end(self) -> None:
+        sys.stdout.write(self.decoder.flush() + "\n")
+        sys.stdout.flush()
+
+
+def enable_line_editing() -> None:
+    """Line editing and history (up arrow) for input(), where the platform has readline."""
+    try:
+        import readline  # noqa: F401 (importing it is what hooks it into input())
+    except ImportError:
+        pass
+
+
+def read_line() -> str | None:
+    """The next line typed (None at end of input); a Ctrl-C at the prompt just clears the line."""
+    while True:
+        try:
+            return input("> ")
+        except EOFError:
+            sys.stdout.write("\n")
+            return None
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
 
 
 def main(argv=None) -> int:
@@ -310,6 +502,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             generate(args)
+        elif args.command == "chat":
+            chat(args)
         else:
             bench(args)
     except (Qwen38Error, ValueError, FileNotFoundError) as e:

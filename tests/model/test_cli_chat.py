@@ -1,0 +1,57 @@
+"""`chat`, the interactive REPL, driven through standard input in a subprocess on the built-in default
+model: every turn after the first prefills only its own tokens, /save and /load carry a conversation
+across /reset, mistakes leave the chat running, and Ctrl-C stops a reply, not the chat."""
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+STATS = re.compile(r"\[prefill (\d+) tokens in [\d.]+ s \| reply (\d+) tokens, [\d.]+ tok/s \| context (\d+) tokens\]")
+
+
+def chat_process(*args):
+    return subprocess.Popen([sys.executable, "-m", "qwen38_model", "chat", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def turns(stderr: str) -> list[tuple[int, int, int]]:
+    return [tuple(map(int, m)) for m in STATS.findall(stderr)]
+
+
+def test_turns_prefill_only_their_tokens_and_survive_save_reset_load(tmp_path):
+    saved = tmp_path / "chat.safetensors"
+    script = f"Hello there\nHow are you?\n/save {saved}\n/reset\nHi\n/load {saved}\nMore\n/bogus\n/load {tmp_path}/none\n/quit\n"
+    process = chat_process("--max-new-tokens", "6", "--system", "Be brief.")
+    out, err = process.communicate(script, timeout=300)
+    assert process.returncode == 0 and "Traceback" not in err, err
+    (p1, r1, c1), (p2, r2, c2), (p3, r3, c3), (p4, r4, c4) = turns(err)
+    assert p1 == c1 - r1  # the first turn: its whole prompt
+    # A later turn: its own tokens, plus the previous reply's last token (never fed back by a step).
+    assert p2 == c2 - r2 - c1 + 1
+    assert p3 == c3 - r3  # after /reset: a fresh conversation
+    assert p4 == c4 - r4 - c2 + 1  # after /load: continues the saved conversation, nothing re-read
+    assert f"[saved {c2} tokens to {saved}]" in err and f"[loaded {c2} tokens from {saved}]" in err
+    assert "error: unknown command /bogus" in err and f"error: No such file or directory: {tmp_path}/none" in err
+
+
+def test_ctrl_c_stops_the_reply_not_the_chat():
+    # min-new-tokens holds back the end of turn: the reply runs until interrupted.
+    process = chat_process("--max-new-tokens", "3000", "--min-new-tokens", "3000")
+    try:
+        process.stdin.write("Tell me a long story\n")
+        process.stdin.flush()
+        received, deadline = "", time.monotonic() + 120
+        while len(received) < 40 and time.monotonic() < deadline:  # the reply is streaming
+            if select.select([process.stdout], [], [], 1)[0]:
+                received += os.read(process.stdout.fileno(), 4096).decode(errors="replace")
+        assert len(received) >= 40, received
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate("/quit\n", timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    kept = re.search(r"\[stopped: (\d+) tokens kept\]", err)
+    assert kept and 0 < int(kept.group(1)) < 3000, err
