@@ -43,38 +43,62 @@ class Conversation:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int):
+    """Snapshots in two tiers, each least-recently-used first within its byte budget: where the model runs
+    (max_bytes), and host memory (max_host_bytes, pinned where CUDA is present), which takes what the
+    first tier evicts. A host hit restores straight from host memory."""
+
+    def __init__(self, max_bytes: int, max_host_bytes: int = 0):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, found {max_bytes}")
-        self.max_bytes = max_bytes
+        if max_host_bytes < 0:
+            raise ValueError(f"max_host_bytes must be >= 0, found {max_host_bytes}")
+        self.max_bytes, self.max_host_bytes = max_bytes, max_host_bytes
         self.entries: OrderedDict[tuple[int, ...], StateSnapshot] = OrderedDict()  # oldest use first
+        self.host: OrderedDict[tuple[int, ...], StateSnapshot] = OrderedDict()
         self.hits = self.misses = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.entries.values())
+        return tier_bytes(self.entries)
+
+    @property
+    def host_nbytes(self) -> int:
+        return tier_bytes(self.host)
 
     def longest(self, tokens: list[int]) -> StateSnapshot | None:
         """The snapshot of the longest cached proper prefix of tokens (at least one token is left to
         prefill: the first new token comes from its logits), marked as recently used."""
-        best = None
-        for key in self.entries:
-            if len(key) < len(tokens) and (best is None or len(key) > len(best)) and tuple(tokens[:len(key)]) == key:
-                best = key
+        best, best_tier = None, None
+        for tier in (self.entries, self.host):
+            for key in tier:
+                if len(key) < len(tokens) and (best is None or len(key) > len(best)) and tuple(tokens[:len(key)]) == key:
+                    best, best_tier = key, tier
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
-        self.entries.move_to_end(best)
-        return self.entries[best]
+        best_tier.move_to_end(best)
+        return best_tier[best]
 
     def put(self, tokens: list[int], snapshot: StateSnapshot) -> None:
-        """Cache snapshot as the state after tokens[:snapshot.position]; one larger than the whole budget
-        is not kept."""
+        """Cache snapshot as the state after tokens[:snapshot.position]; one larger than the budget is
+        not kept."""
         if snapshot.nbytes > self.max_bytes:
             return
         key = tuple(tokens[:snapshot.position])
+        self.host.pop(key, None)
         self.entries.pop(key, None)
         self.entries[key] = snapshot
         while self.nbytes > self.max_bytes:
-            self.entries.popitem(last=False)
+            self.spill(*self.entries.popitem(last=False))
+
+    def spill(self, key: tuple[int, ...], snapshot: StateSnapshot) -> None:
+        if snapshot.nbytes > self.max_host_bytes:
+            return
+        self.host[key] = snapshot.to_host()
+        while self.host_nbytes > self.max_host_bytes:
+            self.host.popitem(last=False)
+
+
+def tier_bytes(tier: OrderedDict) -> int:
+    return sum(s.nbytes for s in tier.values())

@@ -41,8 +41,15 @@ class StateSnapshot:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
 
-    def to(self, device) -> "StateSnapshot":
-        return StateSnapshot(self.position, [(a.to(device), b.to(device)) for a, b in self.layers], self.config)
+    def to_host(self) -> "StateSnapshot":
+        """A copy in host memory, pinned where CUDA is present (a restore from it is an async copy)."""
+        pin = torch.cuda.is_available()
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            return host.copy_(t)
+
+        return StateSnapshot(self.position, [(copy(a), copy(b)) for a, b in self.layers], self.config)
 
     def save(self, path, extra: dict[str, torch.Tensor] | None = None) -> None:
         """A safetensors file (with extra tensors beside the state's); its header names the config the

@@ -116,6 +116,22 @@ def test_prefix_cache_evicts_least_recently_used(oracle_model):
     assert sorted(cache.entries) == [(1, 2), (1, 4)] and cache.nbytes <= cache.max_bytes
 
 
+def test_prefix_cache_spills_to_host_memory(oracle_model):
+    model = oracle_model
+    state = model.new_state(8)
+    model(torch.tensor([[1, 2]]), state=state)
+    snap = state.snapshot()
+    cache = PrefixCache(max_bytes=snap.nbytes, max_host_bytes=snap.nbytes)
+    cache.put([1, 2], snap)
+    cache.put([1, 3], snap)  # evicts [1, 2] to the host tier
+    assert list(cache.entries) == [(1, 3)] and list(cache.host) == [(1, 2)]
+    spilled = cache.longest([1, 2, 5])
+    assert spilled is not snap and all(torch.equal(a, b) for x, y in zip(spilled.layers, snap.layers)
+                                       for a, b in zip(x, y))
+    cache.put([1, 4], snap)  # evicts [1, 3]: the host tier keeps only the most recent
+    assert list(cache.host) == [(1, 3)]
+
+
 def test_conversation_saved_and_loaded(oracle_model, tmp_path):
     model, conversation = oracle_model, Conversation()
     model.generate(torch.tensor([TURNS[0]]), max_new_tokens=4, eos_token_id=[], conversation=conversation)
