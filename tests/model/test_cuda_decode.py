@@ -134,3 +134,32 @@ def test_sampling_on_gpu_is_reproducible(oracle_dir, prompt):
     c = model.generate(prompt, seed=2, **kwargs)
     assert model.last_generation_stats.graph
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_conversation_through_the_graph_continues_exactly(oracle_dir):
+    """Turns continued through the captured graph: restore copies into the engine's buffers (the graph
+    keeps its addresses), the read-ahead replays past a stop are undone, and each reply is the one the
+    whole history gives from scratch."""
+    from qwen38_model import Conversation
+
+    model = Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-f32.gguf", device="cuda", dtype=torch.float32,
+                                              lane="f32")
+    turns = [[5, 17, 99, 3], [42, 7], [8, 150, 23, 61, 2]]
+    first = model.generate(torch.tensor([turns[0]]), max_new_tokens=3, eos_token_id=[])[0, len(turns[0]):].tolist()
+    stop = first[-1]
+    stopped_after = first.index(stop) + 1
+    addresses = [t.data_ptr() for layer in model._engine.state.layers for t in vars(layer).values()]
+    conversation, history = Conversation(), []
+    for k, turn in enumerate(turns):
+        out = model.generate(torch.tensor([turn]), max_new_tokens=8, eos_token_id=[stop], conversation=conversation)
+        stats = model.last_generation_stats
+        assert stats.graph
+        if k == 1:  # turn 1 stopped with replays in flight (undone): its reply is prefilled now
+            assert stats.prompt_tokens == len(turn) + stopped_after
+        reply = out[0, len(turn):].tolist()
+        history += turn
+        scratch = model.generate(torch.tensor([history]), max_new_tokens=8, eos_token_id=[stop])
+        assert reply == scratch[0, len(history):].tolist()
+        history += reply
+        assert conversation.tokens == history
+    assert [t.data_ptr() for layer in model._engine.state.layers for t in vars(layer).values()] == addresses
