@@ -161,11 +161,13 @@ def resolve_seed(seed: int | None, generator: torch.Generator | None) -> int:
 
 def run_generation(engine: DecodeEngine, history: torch.Tensor, cfg: SamplingConfig, max_new_tokens: int,
                    seed: int, stop: StopCondition, streamer=None, prefill_progress=None,
-                   start: StateSnapshot | None = None, keep_state: bool = False) -> tuple[list[int], GenerationStats]:
+                   start: StateSnapshot | None = None, keep_state: bool = False,
+                   snapshot_prompt: bool = False) -> tuple[list[int], GenerationStats, StateSnapshot | None]:
     """history int32 [T] on the engine's device: the whole sequence so far. start: a snapshot of its
     first start.position tokens (then only the rest is prefilled), else the whole history is. Returns the
     new tokens (stop token included). keep_state: leave the state holding exactly history + the new tokens
     but the last (undoing the read-ahead steps past a stop), so that it can be snapshotted and continued.
+    snapshot_prompt: also return a snapshot of the state at the end of the history (else None is).
     prefill_progress: optional callable(tokens_done, tokens_total) called after each prompt chunk."""
     if history.shape[0] + max_new_tokens > engine.max_seq_len:
         raise ValueError(f"context overflow: {history.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
@@ -201,7 +203,7 @@ def run_generation(engine: DecodeEngine, history: torch.Tensor, cfg: SamplingCon
     launch_copy(0)
     ahead = engine.read_ahead
     # Only a read-ahead can overrun a stop; the prompt's state is the point to roll back to (a device copy).
-    after_prefill = engine.state.snapshot() if keep_state and ahead else None
+    after_prefill = engine.state.snapshot() if (keep_state and ahead) or snapshot_prompt else None
     sync()
     stats.prefill_s = time.perf_counter() - clock
     clock = time.perf_counter()
@@ -222,8 +224,8 @@ def run_generation(engine: DecodeEngine, history: torch.Tensor, cfg: SamplingCon
     stats.decode_s = time.perf_counter() - clock
     stats.new_tokens = len(stop.tokens)
     engine.state.position += launched - 1  # steps run, including replays past a stop (then discarded)
-    if after_prefill is not None and launched > len(stop.tokens):
+    if keep_state and after_prefill is not None and launched > len(stop.tokens):
         # The steps past the stop fed discarded tokens into the recurrent states, which cannot be undone:
         # back to the end of the prompt (the reply is prefilled with the next turn).
         engine.state.restore(after_prefill)
-    return stop.tokens, stats
+    return stop.tokens, stats, after_prefill if snapshot_prompt else None

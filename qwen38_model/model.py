@@ -199,8 +199,8 @@ class Qwen38ForCausalLM(nn.Module):
         infinite logits at any step raise NonFiniteLogitsError once the run ends.
         conversation: input_ids continue its history; only the tokens its state has not consumed are
         prefilled, and it is updated with the new tokens and state. prefix_cache: the longest cached prefix
-        of the history is restored instead of prefilled, and the state at the end is cached. Either way the
-        output is that of the whole history from scratch (self.last_generation_stats.prompt_tokens counts
+        of the history is restored instead of prefilled, and the states at the end of the prompt and at the
+        end are cached. Either way the output is that of the whole history from scratch (self.last_generation_stats.prompt_tokens counts
         the tokens prefilled)."""
         check_input_ids(input_ids, self.config.vocab_size)
         if input_ids.shape[0] != 1:
@@ -222,15 +222,18 @@ class Qwen38ForCausalLM(nn.Module):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         keep_state = conversation is not None or prefix_cache is not None
-        tokens, self.last_generation_stats = run_generation(
+        tokens, self.last_generation_stats, prompt_snapshot = run_generation(
             engine, torch.tensor(history, dtype=torch.int32, device=self.device), cfg, max_new_tokens,
             resolve_seed(seed, generator), StopCondition(frozenset(eos), stops, tokenizer), streamer,
-            prefill_progress, start, keep_state)
+            prefill_progress, start, keep_state, snapshot_prompt=prefix_cache is not None)
         if keep_state:
             snapshot = engine.state.snapshot()
             if conversation is not None:
                 conversation.tokens, conversation.snapshot = history + tokens, snapshot
             if prefix_cache is not None:
+                # The prompt's end too: a request that re-renders this one's reply differently (a chat
+                # template that drops the thinking, another tokenization) still shares the prompt.
+                prefix_cache.put(history, prompt_snapshot)
                 prefix_cache.put(history + tokens, snapshot)
         if streamer is not None:
             streamer.end()
