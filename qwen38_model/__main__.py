@@ -60,8 +60,8 @@ def program_name() -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=program_name(), formatter_class=HelpFormatter,
-                                     description="Qwen3.8 (qwen35 / qwen3_5) from PyTorch: generate text, or run "
-                                                 "the GPU benchmarks.")
+                                     description="Qwen3.8 (qwen35 / qwen3_5) from PyTorch: generate text, chat, "
+                                                 "serve an OpenAI-compatible API, or run the GPU benchmarks.")
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
     parser.add_argument("--version", action="version", version=f"qwen38 {__version__} (torch {torch.__version__}, {build})")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +86,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--system", metavar="TEXT", help="a system message")
     c.add_argument("--no-thinking", action="store_true", help="enable_thinking=False")
     add_generation_options(c, max_new_tokens=512)
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra: pip install 'qwen38[serve]')",
+                       formatter_class=HelpFormatter,
+                       description="/v1/chat/completions and /v1/completions (stream: true as server-sent events), "
+                                   "/v1/models, /health. One sequence slot: requests wait FIFO; beyond --max-queue "
+                                   "waiting they are answered 429. A prefix cache spares re-reading shared history.")
+    v.add_argument("--model", metavar="PATH", help="a .gguf file or an HF folder (default: the built-in synthetic model)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    v.add_argument("--port", type=int, default=8000, help="port to listen on")
+    v.add_argument("--max-context", type=int, default=8192, metavar="N", help="KV cache size in tokens: prompt + "
+                   "max_tokens of a request must fit")
+    v.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait for the slot")
+    v.add_argument("--cache-gb", type=float, default=4.0, metavar="GB", help="prefix cache budget")
+    v.add_argument("--device", type=device_arg, help="cuda or cpu (default: cuda when available)")
+    v.add_argument("--dtype", choices=DTYPES, help="dense-weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    v.add_argument("--quantize", choices=["q8_0"], help="quantize dense weights at load")
+    v.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
+    v.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV cache dtype")
+    v.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
     sub.add_parser("bench", help="GPU benchmarks at the 27B shape: decode (benchmarks/decode.py), or prefill "
                    "with --prefill (benchmarks/prefill.py); `bench [--prefill] --help` lists their options")
     argv = sys.argv[1:] if argv is None else argv
@@ -497,6 +515,27 @@ def read_line() -> str | None:
             sys.stdout.write("\n")
 
 
+def serve(args: argparse.Namespace) -> None:
+    try:
+        import uvicorn
+
+        from .server import Server
+    except ImportError as e:
+        raise ValueError(f"serve needs the optional extra: pip install 'qwen38[serve]' ({e})") from None
+    for name in ("max_context", "max_queue", "port"):
+        if getattr(args, name) < (0 if name == "max_queue" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}, "
+                             f"found {getattr(args, name)}")
+    if not args.cache_gb > 0:
+        raise ValueError(f"--cache-gb must be > 0, found {args.cache_gb}")
+    path, device, tokenizer = model_source(args)
+    model = load_model(args, path, device)
+    server = Server(model, tokenizer, path.name, args.max_context, args.max_queue, int(args.cache_gb * 1e9),
+                    kv_dtype=KV_DTYPES[args.kv_dtype], use_graph=False if args.eager else None)
+    sys.stderr.write(f"serving {path.name} on http://{args.host}:{args.port}/v1\n")
+    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -504,6 +543,8 @@ def main(argv=None) -> int:
             generate(args)
         elif args.command == "chat":
             chat(args)
+        elif args.command == "serve":
+            serve(args)
         else:
             bench(args)
     except (Qwen38Error, ValueError, FileNotFoundError) as e:

@@ -1,0 +1,318 @@
+"""`qwen38 serve`: an OpenAI-compatible HTTP server (the optional extra `serve`: starlette + uvicorn).
+
+One sequence slot: requests wait FIFO for it in a bounded queue (429 when full); each generation runs in
+a worker thread and streams its tokens back to the event loop. A client that goes away cancels its
+generation at the next token. Prompts share one PrefixCache, so a chat that comes back with its history
+prefills only its new tokens. Every bad request is an OpenAI-style JSON error, never a traceback."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from .conversation import PrefixCache
+from .errors import Qwen38Error
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class Cancelled(Exception):
+    """Raised from the streamer in the worker thread: the client is gone."""
+
+
+def error_response(status: int, message: str, param=None, code=None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    kwargs: dict
+    loop: asyncio.AbstractEventLoop
+    tokens: asyncio.Queue = field(default_factory=asyncio.Queue)  # ints, then None (or an exception)
+    cancelled: bool = False
+    seen_prompt: bool = False
+
+    def put(self, value: torch.Tensor) -> None:  # the streamer protocol, called in the worker thread
+        if self.cancelled:
+            raise Cancelled
+        if not self.seen_prompt:  # generate() passes the prompt first
+            self.seen_prompt = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.loop.call_soon_threadsafe(self.tokens.put_nowait, token)
+
+    def end(self) -> None:
+        pass
+
+
+class Server:
+    def __init__(self, model, tokenizer, model_name: str, max_context: int, max_queue: int, cache_bytes: int,
+                 **engine_kwargs):
+        """engine_kwargs (kv_dtype, use_graph) go to every generate()."""
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.engine_kwargs = engine_kwargs
+        self.max_context, self.max_queue = max_context, max_queue
+        self.cache = PrefixCache(cache_bytes)
+        self.slot = asyncio.Lock()  # FIFO: asyncio wakes its waiters in arrival order
+        self.waiting = 0
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ], exception_handlers={404: self.not_found, 405: self.not_found, 500: self.internal_error})
+
+    async def not_found(self, request: Request, exc) -> JSONResponse:
+        return error_response(404, f"no route {request.method} {request.url.path}")
+
+    async def internal_error(self, request: Request, exc) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "waiting": self.waiting, "cached_prefixes": len(self.cache.entries)})
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                         "created": self.created, "owned_by": "qwen38"}]})
+
+    async def chat_completions(self, request: Request):
+        return await self.handle(request, chat=True)
+
+    async def completions(self, request: Request):
+        return await self.handle(request, chat=False)
+
+    async def handle(self, request: Request, chat: bool):
+        try:
+            body = await read_json(request)
+            ids = self.prompt_ids(body, chat)
+            kwargs = self.generation_kwargs(body, len(ids))
+        except RequestError as e:
+            return error_response(e.status, str(e), e.param, e.code)
+        if self.waiting >= self.max_queue and self.slot.locked():
+            return error_response(429, f"the server is busy: {self.waiting} requests already wait for the one "
+                                       "sequence slot", code="queue_full")
+        job = Job(ids, kwargs, asyncio.get_running_loop())
+        reply = Reply(self, job, request, chat, body.get("stream") is True)
+        return StreamingResponse(reply.events(), media_type="text/event-stream") if reply.stream else \
+            await reply.whole()
+
+    def prompt_ids(self, body: dict, chat: bool) -> list[int]:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise RequestError(400, "messages must be a non-empty list of {role, content} with string "
+                                        "values", "messages")
+            try:
+                text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
+                                                           for m in messages])
+            except ValueError as e:
+                raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str) or not text:
+                raise RequestError(400, "prompt must be a non-empty string", "prompt")
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise RequestError(400, "the prompt encodes to no tokens", "prompt")
+        return ids
+
+    def generation_kwargs(self, body: dict, prompt_tokens: int) -> dict:
+        """The request's sampling parameters as generate()'s arguments (temperature 0: greedy)."""
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 256))
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(400, f"max_tokens must be an integer >= 1, found {max_tokens!r}", "max_tokens")
+        if prompt_tokens + max_tokens > self.max_context:
+            raise RequestError(400, f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} > the server's context "
+                                    f"of {self.max_context} tokens", "messages", "context_length_exceeded")
+        temperature = number(body, "temperature", 1.0, 0.0, 2.0)
+        kwargs = dict(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
+                      top_p=number(body, "top_p", 1.0, 0.0, 1.0), top_k=0,
+                      presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                      min_new_tokens=integer(body, "min_tokens", 0), max_seq_len=self.max_context,
+                      tokenizer=self.tokenizer, **self.engine_kwargs)
+        if kwargs["top_p"] <= 0:
+            raise RequestError(400, "top_p must be > 0", "top_p")
+        for name in ("frequency_penalty", "logprobs", "tools"):
+            if body.get(name) not in (None, 0, False, []):
+                raise RequestError(400, f"{name} is not supported by this server", name)
+        if body.get("n", 1) != 1:
+            raise RequestError(400, "n must be 1 (one sequence slot)", "n")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(400, f"seed must be an integer, found {seed!r}", "seed")
+        kwargs["seed"] = seed
+        stop = body.get("stop")
+        if stop is not None:
+            stop = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+                raise RequestError(400, "stop must be a non-empty string or a list of at most 4", "stop")
+            kwargs["stop_strings"] = stop
+        return kwargs
+
+    def run(self, job: Job) -> None:
+        """In the worker thread: the generation, its tokens pushed to job.tokens, then None (or the error)."""
+        try:
+            self.model.generate(torch.tensor([job.ids]), streamer=job, prefix_cache=self.cache, **job.kwargs)
+            outcome = None
+        except Exception as e:  # delivered to the request's coroutine, which answers or ends the stream
+            outcome = e
+        job.loop.call_soon_threadsafe(job.tokens.put_nowait, outcome)
+
+
+class Reply:
+    """One request's answer: the whole JSON body, or its server-sent events."""
+
+    def __init__(self, server: Server, job: Job, request: Request, chat: bool, stream: bool):
+        self.server, self.job, self.request, self.chat, self.stream = server, job, request, chat, stream
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.stop_strings = job.kwargs.get("stop_strings") or []
+        self.decoder = server.tokenizer.stream_decoder(skip_special_tokens=True)
+        self.text, self.sent, self.count, self.finish = "", 0, 0, "length"
+
+    async def tokens(self):
+        """Waits for the slot, runs the job, yields its text pieces; the finish reason is set at the end."""
+        server = self.server
+        server.waiting += 1
+        try:
+            await server.slot.acquire()
+        finally:
+            server.waiting -= 1
+        worker = None
+        watcher = asyncio.create_task(self.watch_disconnect())
+        try:
+            worker = asyncio.get_running_loop().run_in_executor(None, server.run, self.job)
+            while (token := await self.job.tokens.get()) is not None:
+                if isinstance(token, Exception):
+                    raise token
+                self.count += 1
+                self.text += self.decoder.feed(token)
+                if token in server.model.config.eos_token_ids or self.stopped():
+                    self.finish = "stop"
+                if piece := self.ready():
+                    yield piece
+            self.text += self.decoder.flush()
+            if piece := self.ready(final=True):
+                yield piece
+        finally:
+            watcher.cancel()
+            self.job.cancelled = True  # a generation still running stops at its next token
+            # The slot is free once the worker is done. No await here: a task cancelled by the ASGI stack
+            # (the client left) is cancelled again at every await of its cleanup.
+            if worker is None:
+                server.slot.release()
+            else:
+                worker.add_done_callback(lambda _: server.slot.release())
+
+    async def watch_disconnect(self) -> None:
+        """The body has been read: the next ASGI message is the client going away (the server's writes to
+        a closed connection may not fail, so this is what notices)."""
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        self.job.cancelled = True
+
+    def stopped(self) -> bool:
+        cut = min((self.text.find(s) for s in self.stop_strings if s in self.text), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]  # OpenAI leaves the stop string out
+        return cut >= 0
+
+    def ready(self, final: bool = False) -> str:
+        """Text not sent yet, less what could still turn out to start a stop string."""
+        hold = 0 if final or self.finish == "stop" else max((len(s) - 1 for s in self.stop_strings), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        piece, self.sent = self.text[self.sent:end], end
+        return piece
+
+    def usage(self) -> dict:
+        prompt = len(self.job.ids)
+        stats = self.server.model.last_generation_stats
+        return {"prompt_tokens": prompt, "completion_tokens": self.count, "total_tokens": prompt + self.count,
+                "prompt_tokens_details": {"cached_tokens": prompt - stats.prompt_tokens}}
+
+    def choice(self, text: str, finish, delta: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        key, content = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
+        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+
+    def body(self, choices: list, usage: dict | None = None) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        body = {"id": self.id, "object": kind + (".chunk" if self.stream and self.chat else ""),
+                "created": int(time.time()), "model": self.server.model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    async def whole(self) -> JSONResponse:
+        try:
+            async for _ in self.tokens():
+                pass
+        except Exception as e:  # the generation failed: the answer says why, the server goes on
+            return error_response(*failure(e))
+        return JSONResponse(self.body([self.choice(self.text, self.finish, delta=False)], self.usage()))
+
+    async def events(self):
+        try:
+            async for piece in self.tokens():
+                yield sse(self.body([self.choice(piece, None, delta=True)]))
+        except Exception as e:  # mid-stream: the error is the last event
+            yield sse(json.loads(error_response(*failure(e)).body))
+            return
+        yield sse(self.body([self.choice("", self.finish, delta=True)], self.usage()))
+        yield "data: [DONE]\n\n"
+
+
+def failure(e: Exception) -> tuple[int, str]:
+    """A failed generation as (status, message): the request's fault (400) or the server's (500)."""
+    if isinstance(e, ValueError) and not isinstance(e, Qwen38Error):
+        return 400, str(e)
+    return 500, f"generation failed: {type(e).__name__}: {e}"
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def read_json(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    return body
+
+
+def number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise RequestError(400, f"{name} must be a number in [{low}, {high}], found {value!r}", name)
+    return float(value)
+
+
+def integer(body: dict, name: str, default: int) -> int:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(400, f"{name} must be an integer >= 0, found {value!r}", name)
+    return value

@@ -1,0 +1,119 @@
+"""`serve` with the official openai client on the built-in default model (CPU): chat and completions,
+streamed and not, the prefix cache across requests, malformed requests answered as JSON errors, the
+bounded FIFO queue (429) and a client that goes away cancelling its generation."""
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "qwen38_model", "serve", "--port", str(port),
+                                "--max-queue", "1"], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            break
+        except OSError:
+            assert process.poll() is None, process.stderr.read()
+            time.sleep(0.3)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["model-q8_0.gguf"]
+    assert json.loads(urllib.request.urlopen(server + "/health").read())["status"] == "ok"
+
+
+def test_chat_streamed_and_not_agree(client):
+    args = dict(model="m", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0)
+    whole = client.chat.completions.create(**args)
+    assert whole.usage.completion_tokens <= 8 and whole.choices[0].finish_reason in ("stop", "length")
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True)
+              if c.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
+
+
+def test_completion_reuses_the_cached_prompt(client):
+    first = client.completions.create(model="m", prompt="The quick brown fox", max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="m", prompt="The quick brown fox jumps over", max_tokens=4, temperature=0,
+                                      seed=1)
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="m", prompt="The quick brown fox jumps over", max_tokens=4, temperature=0, stream=True))
+    assert text == again.choices[0].text
+
+
+def test_bad_requests_are_json_errors(client, server):
+    cases = [(b"{not json", "not valid JSON"), (b"[1]", "JSON object"),
+             (b'{"messages": "hi"}', "messages must be"), (b'{"messages": [{"role": "user", "content": "x"}], '
+                                                           b'"max_tokens": 0}', "max_tokens"),
+             (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+             (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n must be 1"),
+             (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs is not supported")]
+    for body, message in cases:
+        status, answer = post(server + "/v1/chat/completions", body)
+        assert status == 400 and message in answer["error"]["message"], (body, answer)
+    with pytest.raises(openai.BadRequestError) as oversized:
+        client.completions.create(model="m", prompt="word " * 9000, max_tokens=4)
+    assert oversized.value.code == "context_length_exceeded"
+    assert post(server + "/v1/nothing", b"{}")[0] == 404
+    assert client.completions.create(model="m", prompt="still alive", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_queue_is_bounded_and_a_dropped_client_cancels(client, server):
+    host, port = server.removeprefix("http://").split(":")
+    long = http.client.HTTPConnection(host, int(port), timeout=120)
+    long.request("POST", "/v1/completions", json.dumps({"prompt": "Once", "max_tokens": 6000, "min_tokens": 6000,
+                                                         "stream": True}), {"Content-Type": "application/json"})
+    response = long.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # it holds the slot now
+    waiting = {}
+    thread = threading.Thread(target=lambda: waiting.update(
+        r=client.completions.create(model="m", prompt="Queued", max_tokens=3)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while json.loads(urllib.request.urlopen(server + "/health").read())["waiting"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model="m", prompt="One too many", max_tokens=3)
+    start = time.monotonic()
+    response.close()
+    long.close()  # the client goes away: its 6000-token generation stops, the queued request runs
+    thread.join(timeout=60)
+    assert waiting["r"].usage.completion_tokens >= 1 and time.monotonic() - start < 20
