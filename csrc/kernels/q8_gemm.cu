@@ -5,15 +5,16 @@
 //   so every block's int32 dot is exact and comes out of the tensor core ready for its two scales, with no
 //   integer partial to carry across blocks. This is what llama.cpp's MMQ computes too.
 // - The scaling is the cost: per block and output, the int32 dot must become a float and be scaled by
-//   the two block scales on the FP32 pipe next to each MMA, so the kernel is bound by those instructions
-//   rather than by the tensor cores. They are cut to two FMAs (see mma_block and compute_stage): the
-//   conversion is an exponent trick folded into the MMA's accumulator input, not I2F (quarter rate).
+//   the two block scales on the FP32 pipe next to each MMA. They are cut to two FMAs (see mma_block and
+//   compute_stage): the conversion is an exponent trick folded into the MMA's accumulator input, not I2F
+//   (quarter rate). Even so the kernel reaches only 25-34% of torch._int_mm on the same shapes: ncu
+//   (T = 4096, 34816 x 5120) shows it latency-bound (issue slots 50% busy, 1.1 of 4 warps eligible per
+//   scheduler, FMA pipe 33%); benchmarks/NOTES.md has what was tried and what would be next (wgmma).
 // - A = activation tokens (M), B = weight rows (N): both are [rows, K] with K contiguous, which is what
 //   ldmatrix hands to the s8 fragments (row-major A, column-major B) with no transpose; the accumulator's
 //   row pairs then fall on consecutive output features of one token.
-// - Block tile: 2 x 4 warps, each 16*M_TILES tokens x 32 weight rows; K in stages of 64 bytes (two blocks)
-//   through a 4-deep cp.async pipeline. Rows are padded from 64 to 80 bytes in shared memory so the eight
-//   16-byte rows of every ldmatrix phase fall on distinct banks.
+// - Block tile: 2 x 4 warps, each 16 * kMTiles tokens x 32 weight rows; K in stages of four (or two)
+//   blocks through a cp.async pipeline (Stage below).
 // - Grid x = token tiles, y = weight-row tiles: the blocks in flight together share weight tiles (read once
 //   from HBM, then from L2) while the whole activation (T x K int8, a few MB) stays L2-resident.
 // - Occupancy: the 64-token tile runs two blocks (16 warps) per SM; three blocks of the 32-token tile
