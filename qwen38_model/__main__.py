@@ -58,6 +58,11 @@ def program_name() -> str:
     return "qwen38" if pathlib.Path(sys.argv[0]).name == "qwen38" else "python -m qwen38_model"
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="PATH",
+                        help="a .gguf file or an HF folder (default: the built-in synthetic model)")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=program_name(), formatter_class=HelpFormatter,
                                      description="Qwen3.8 (qwen35 / qwen3_5) from PyTorch: generate text, chat, "
@@ -67,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streamed", formatter_class=HelpFormatter,
                        description="Generate text from a prompt, streamed to stdout; statistics go to stderr.")
-    g.add_argument("--model", metavar="PATH", help="a .gguf file or an HF folder (default: the built-in synthetic model)")
+    add_model_argument(g)
     source = g.add_mutually_exclusive_group()
     source.add_argument("--prompt", metavar="TEXT", help="the prompt (default: --prompt-file, else read from standard input)")
     source.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this file ('-': standard input)")
@@ -82,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                    "The conversation's state is kept between turns, so a turn processes only its "
                                    "new tokens. Commands: /reset, /save FILE, /load FILE, /quit. Ctrl-C stops the "
                                    "current reply (the conversation keeps it); Ctrl-D or /quit ends the chat.")
-    c.add_argument("--model", metavar="PATH", help="a .gguf file or an HF folder (default: the built-in synthetic model)")
+    add_model_argument(c)
     c.add_argument("--system", metavar="TEXT", help="a system message")
     c.add_argument("--no-thinking", action="store_true", help="enable_thinking=False")
     add_generation_options(c, max_new_tokens=512)
@@ -91,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                        description="/v1/chat/completions and /v1/completions (stream: true as server-sent events), "
                                    "/v1/models, /health. One sequence slot: requests wait FIFO; beyond --max-queue "
                                    "waiting they are answered 429. A prefix cache spares re-reading shared history.")
-    v.add_argument("--model", metavar="PATH", help="a .gguf file or an HF folder (default: the built-in synthetic model)")
+    add_model_argument(v)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=8000, help="port to listen on")
     v.add_argument("--max-context", type=int, default=8192, metavar="N", help="KV cache size in tokens: prompt + "
