@@ -90,8 +90,9 @@ def test_make_demo_in_a_fresh_venv(tmp_path):
             shutil.copy2(REPO / name, checkout / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
-    # A fresh shell with the venv activated: no make state of an outer `make test`.
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHONPATH")}
+    # A fresh shell with the venv activated: no make state of an outer `make test` (a `make test PY=...`
+    # exports PY to its recipes, which would send the inner `make demo` to the outer interpreter).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHONPATH", "PY")}
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", VIRTUAL_ENV=str(venv))
     start = time.perf_counter()
     result = subprocess.run(["make", "demo"], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
