@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
-from qwen38_ops.attention import workspace_numel
+from qwen38_ops.attention import SAME_SPLIT_TOKENS, workspace_numel
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
@@ -155,9 +155,9 @@ class GatedAttention(nn.Module):
         ops.attn_qk_norm_rope_store(qgkv, self.q_norm, self.k_norm, positions, c.rms_norm_eps, c.rope_theta,
                                     c.rotary_dim, q, cache.k, cache.v)
         attn = scratch.empty(self, "attn", q.shape)
-        if rows > 1:  # a prompt chunk (or a verify batch): flash attention on tensor cores
+        if rows > SAME_SPLIT_TOKENS:  # a prompt chunk: flash attention on tensor cores
             ops.attention_prefill(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn)
-        else:  # the decode step: split-K over the cache, combined in a fixed order
+        else:  # a decode step or a verify: split-K, each row in the decode step's float order
             workspace = scratch.empty(self, "workspace", (workspace_numel(rows, c.num_attention_heads, c.head_dim),))
             ops.attention(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)
         out = scratch.activation(self, "gated", rows, c.num_attention_heads * c.head_dim, input_lane(self.o_proj))

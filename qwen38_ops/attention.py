@@ -5,10 +5,19 @@ from .reference import attention as ref
 for _name in ("attn_qk_norm_rope_store", "attention", "attn_output_gate"):
     register(_name, getattr(ref, _name))
 
-# The CUDA kernel splits each (token, head) over the context into max(1, 64 // T) parts and keeps
-# (max, sum, acc[hd]) per part for the fixed-order combine.
+# The CUDA kernel splits each (token, head) over the context into num_splits(T) parts and keeps
+# (max, sum, acc[hd]) per part for the fixed-order combine. Up to SAME_SPLIT_TOKENS tokens each row gets
+# the decode step's 64 splits, so a speculative verify reproduces plain decode bit for bit
+# (csrc/kernels/attention.h).
 ATTENTION_SPLITS = 64
+SAME_SPLIT_TOKENS = 8
+
+
+def num_splits(num_tokens: int) -> int:
+    if num_tokens <= SAME_SPLIT_TOKENS:
+        return ATTENTION_SPLITS
+    return max(1, ATTENTION_SPLITS // num_tokens)
 
 
 def workspace_numel(num_tokens: int, num_heads: int, head_dim: int) -> int:
-    return max(num_tokens, ATTENTION_SPLITS) * num_heads * (head_dim + 2)
+    return num_tokens * num_splits(num_tokens) * num_heads * (head_dim + 2)

@@ -112,9 +112,8 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   QWEN38_CHECK_DTYPE("attention", workspace, at::kFloat);
   QWEN38_CHECK_CONTIGUOUS("attention", workspace);
   const int64_t needed = attention_workspace_numel((int)num_tokens, (int)num_heads, (int)head_dim);
-  QWEN38_CHECK(workspace.numel() >= needed, op, ": workspace must hold at least max(T, ", kAttentionSplits,
-              ") * Hq * (hd + 2) = ", needed, " floats (qwen38_ops.attention.workspace_numel), found ",
-              workspace.numel());
+  QWEN38_CHECK(workspace.numel() >= needed, op, ": workspace must hold T * splits(T) * Hq * (hd + 2) = ", needed,
+              " floats (qwen38_ops.attention.workspace_numel), found ", workspace.numel());
 
   const c10::cuda::CUDAGuard guard(q.device());
   cudaError_t err;

@@ -10,18 +10,22 @@
 
 namespace qwen38 {
 
-// Splits per (token, query head) of the attention kernel: max(1, kAttentionSplits / T). Must equal
-// qwen38_ops.attention.ATTENTION_SPLITS: the workspace holds max(T, 64) * Hq * (hd + 2) floats.
+// Splits per (token, query head) of the attention kernel. Up to kAttentionSameSplitTokens tokens every
+// row gets the decode step's kAttentionSplits, so a speculative verify of T <= 8 tokens computes each row
+// with exactly the float order of a T = 1 step (greedy speculative output equals plain greedy, bit for
+// bit); longer inputs share the 64 splits among their rows. Must equal qwen38_ops.attention.
 constexpr int kAttentionSplits = 64;
+constexpr int kAttentionSameSplitTokens = 8;
 constexpr int kAttentionMaxGroup = 8;  // query heads per kv head
 
 inline int attention_num_splits(int num_tokens) {
-  const int s = kAttentionSplits / (num_tokens > 0 ? num_tokens : 1);
+  if (num_tokens <= kAttentionSameSplitTokens) return kAttentionSplits;
+  const int s = kAttentionSplits / num_tokens;
   return s > 1 ? s : 1;
 }
+// Per (token, query head, split): hd partial accumulators, then (max, sum) after all of them.
 inline int64_t attention_workspace_numel(int num_tokens, int num_heads, int head_dim) {
-  const int64_t rows = num_tokens > kAttentionSplits ? num_tokens : kAttentionSplits;
-  return rows * num_heads * (head_dim + 2);
+  return (int64_t)num_tokens * attention_num_splits(num_tokens) * num_heads * (head_dim + 2);
 }
 // head_dim values the attention kernel is built for (one template instance each).
 inline bool attention_head_dim_supported(int head_dim) {

@@ -234,8 +234,8 @@ def run_attention_cuda(q, k_cache, v_cache, positions, scale):
 
 ATTENTION_CASES = [
     # (Hq, Hkv, hd, T, positions): decode at several context lengths (1 row, one tile, many splits),
-    # the oracle, every group-size instance (1, 2, 3->4, 5->6, 6, 8), causal prefill blocks (T = 7: 9
-    # splits each; T = 40: one split, no combine; T = 70: workspace sized by T).
+    # the oracle, every group-size instance (1, 2, 3->4, 5->6, 6, 8), causal prefill blocks (T = 7: the
+    # decode step's 64 splits each; T = 40: one split, no combine; T = 70: workspace sized by T).
     (24, 4, 256, 1, [0]),
     (24, 4, 256, 1, [37]),
     (24, 4, 256, 1, [4999]),
@@ -467,3 +467,20 @@ def test_workspace_formula_matches_kernel_contract():
         splits = max(1, 64 // T)
         assert workspace_numel(T, 24, 256) >= T * splits * 24 * 258
     assert math.isclose(workspace_numel(1, 24, 256), 64 * 24 * 258)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("T", [2, 4, 7, 8])
+def test_attention_rows_equal_single_token_calls_bitwise(T):
+    """A speculative verify of T <= 8 tokens must compute each row exactly as the decode step does (greedy
+    speculative output = plain greedy): row t of one T-row call equals a T = 1 call at positions[t], bit
+    for bit, at the 27B shape over a long context (many splits per row)."""
+    hq, hkv, hd, _ = M27B
+    positions = torch.arange(5000, 5000 + T, dtype=torch.int32, device="cuda")
+    k_cache, v_cache = make_cache(5000 + T + 3, hkv, hd, torch.bfloat16, device="cuda", seed=T)
+    q = torch.randn(T, hq, hd, device="cuda")
+    together = run_attention_cuda(q, k_cache, v_cache, positions, hd**-0.5)
+    for t in range(T):
+        alone = run_attention_cuda(q[t : t + 1].contiguous(), k_cache, v_cache, positions[t : t + 1], hd**-0.5)
+        assert torch.equal(together[t : t + 1], alone), t
