@@ -57,15 +57,20 @@ TORCH_LIBRARY(qwen38, m) {
   // k head (1e-6 inside the sqrt of the sum of squares). qkv [T, C] with C = 2*Hk*dk + Hv*dv, channel
   // order [q | k | v]; conv_state float32 [K-1, C], oldest first, updated in place to the last K-1 inputs
   // (pre-activation); conv_weight [C, K], tap K-1 multiplies the newest input. out [T, C].
+  // token_conv_states (optional) float32 [T, K-1, C]: the conv state after each token; token t's out and
+  // state are bitwise those of T calls of one token.
   m.def("gdn_conv(Tensor qkv, Tensor(a!) conv_state, Tensor conv_weight, int num_k_heads, int head_k_dim, "
-        "Tensor(b!) out) -> ()");
+        "Tensor(b!) out, Tensor(c!)? token_conv_states=None) -> ()");
   // Both gates from the fused b|a projection ba [T, 2*Hv]: beta = sigmoid(b),
   // decay = exp(a_neg * softplus(a + dt_bias)) with a_neg = -exp(A_log). beta, decay [T, Hv].
   m.def("gdn_gates(Tensor ba, Tensor a_neg, Tensor dt_bias, Tensor(a!) beta, Tensor(b!) decay) -> ()");
   // Delta-rule recurrence over T tokens on state float32 [Hv, dv, dk] (key index fastest), in place.
   // qkv = gdn_conv's out [T, C]. Per token, value head h, key head h % Hk, q scaled by 1/sqrt(dk):
   //   S *= decay; S += beta * (v - S k) k^T; out = S q.   out [T, Hv, dv].
-  m.def("gdn_recurrent(Tensor qkv, Tensor beta, Tensor decay, Tensor(a!) state, Tensor(b!) out) -> ()");
+  // token_states (optional) float32 [T, Hv, dv, dk]: the state after each token (token_states[T-1] = the
+  // final state); with it, every out and state is bitwise what T calls of one token give (speculative verify).
+  m.def("gdn_recurrent(Tensor qkv, Tensor beta, Tensor decay, Tensor(a!) state, Tensor(b!) out, "
+        "Tensor(c!)? token_states=None) -> ()");
 
   // ---- attention: gated full attention with a KV cache [max_seq, Hkv, hd] (float32 or bfloat16).
   // qgkv [T, Hq*2*hd + 2*Hkv*hd]: per query head [query hd | gate hd] interleaved, then k, then v.

@@ -1,6 +1,8 @@
 // CUDA bindings of the gdn family: argument checks, device guard, launch on the current stream.
 #include <ATen/ATen.h>
 
+#include <optional>
+
 #include "checks.h"
 #include "../kernels/gdn.h"
 #include "../kernels/gdn_prefill.h"
@@ -9,7 +11,7 @@ namespace qwen38 {
 namespace {
 
 void gdn_conv(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tensor& conv_weight, int64_t num_k_heads,
-              int64_t head_k_dim, at::Tensor& out) {
+              int64_t head_k_dim, at::Tensor& out, const std::optional<at::Tensor>& token_conv_states) {
   QWEN38_CHECK_CUDA("gdn_conv", qkv);
   QWEN38_CHECK_DTYPE("gdn_conv", qkv, at::kFloat);
   QWEN38_CHECK_ROWS("gdn_conv", qkv);
@@ -35,12 +37,23 @@ void gdn_conv(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tensor& c
   QWEN38_CHECK(num_k_heads > 0 && head_k_dim > 0 && head_k_dim <= 1024 && 2 * num_k_heads * head_k_dim <= channels,
               "gdn_conv: need num_k_heads > 0, 0 < head_k_dim <= 1024 and 2*num_k_heads*head_k_dim <= C = ", channels,
               ", found num_k_heads ", num_k_heads, ", head_k_dim ", head_k_dim);
+  float* token_conv_states_ptr = nullptr;
+  if (token_conv_states.has_value()) {
+    const at::Tensor& t = *token_conv_states;
+    QWEN38_CHECK(t.device() == qkv.device(), "gdn_conv: token_conv_states is on ", t.device(), " but qkv is on ",
+                qkv.device());
+    QWEN38_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == num_tokens &&
+                    t.size(1) == taps - 1 && t.size(2) == channels,
+                "gdn_conv: token_conv_states must be contiguous float32 [T, K-1, C] = [", num_tokens, ", ", taps - 1,
+                ", ", channels, "], found ", t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
+    token_conv_states_ptr = t.data_ptr<float>();
+  }
 
   const c10::cuda::CUDAGuard guard(qkv.device());
   const cudaError_t err = gdn_conv_launch(qkv.data_ptr<float>(), qkv.stride(0), conv_state.data_ptr<float>(),
                                           conv_weight.data_ptr<float>(), out.data_ptr<float>(), out.stride(0),
-                                          (int)num_tokens, (int)channels, (int)taps, (int)num_k_heads,
-                                          (int)head_k_dim, current_stream());
+                                          token_conv_states_ptr, (int)num_tokens, (int)channels, (int)taps,
+                                          (int)num_k_heads, (int)head_k_dim, current_stream());
   QWEN38_CHECK(err == cudaSuccess, "gdn_conv: kernel launch failed: ", cudaGetErrorString(err));
 }
 
@@ -78,11 +91,12 @@ void gdn_gates(const at::Tensor& ba, const at::Tensor& a_neg, const at::Tensor& 
 // serves 16 tokens) instead of the token-by-token one (gdn.cu), which stays the decode kernel. Estimated
 // crossover, not yet measured: at the 27B shape the per-token kernel costs ~2.7 us a layer plus ~1 us a
 // token, a chunk of up to 16 tokens ~3 us plus the state's read and write; bench_gdn's prefill row at
-// T = 8 against its decode rows at T = 1 and 4 places it.
+// T = 8 against its decode rows at T = 1 and 4 places it. With token_states the per-token kernel runs for
+// any T: the chunked kernel's float order differs, and a verify must reproduce plain decode steps bitwise.
 constexpr int64_t kGdnPrefillMinTokens = 8;
 
 void gdn_recurrent(const at::Tensor& qkv, const at::Tensor& beta, const at::Tensor& decay, at::Tensor& state,
-                   at::Tensor& out) {
+                   at::Tensor& out, const std::optional<at::Tensor>& token_states) {
   QWEN38_CHECK_CUDA("gdn_recurrent", qkv);
   QWEN38_CHECK_DTYPE("gdn_recurrent", qkv, at::kFloat);
   QWEN38_CHECK_ROWS("gdn_recurrent", qkv);
@@ -113,16 +127,35 @@ void gdn_recurrent(const at::Tensor& qkv, const at::Tensor& beta, const at::Tens
   QWEN38_CHECK(out.dim() == 3 && out.size(0) == num_tokens && out.size(1) == num_v_heads && out.size(2) == dv,
               "gdn_recurrent: out must be [T, Hv, dv] = [", num_tokens, ", ", num_v_heads, ", ", dv, "], found ",
               out.sizes());
+  float* token_states_ptr = nullptr;
+  if (token_states.has_value()) {
+    const at::Tensor& t = *token_states;
+    QWEN38_CHECK(t.device() == qkv.device(), "gdn_recurrent: token_states is on ", t.device(), " but qkv is on ",
+                qkv.device());
+    QWEN38_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 4 && t.size(0) == num_tokens &&
+                    t.size(1) == num_v_heads && t.size(2) == dv && t.size(3) == dk,
+                "gdn_recurrent: token_states must be contiguous float32 [T, Hv, dv, dk] = [", num_tokens, ", ",
+                num_v_heads, ", ", dv, ", ", dk, "], found ", t.scalar_type(), " ", t.sizes(), " strides ",
+                t.strides());
+    QWEN38_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "gdn_recurrent: token_states must start 16-byte aligned (written with 16-byte ",
+                "stores), found address ", t.data_ptr());
+    token_states_ptr = t.data_ptr<float>();
+  }
 
   const c10::cuda::CUDAGuard guard(qkv.device());
   // Shapes the chunked kernel does not take (see gdn_prefill_supported) run token by token.
-  const bool chunked = num_tokens >= kGdnPrefillMinTokens &&
+  const bool chunked = token_states_ptr == nullptr && num_tokens >= kGdnPrefillMinTokens &&
                        gdn_prefill_supported(qkv.data_ptr<float>(), qkv.stride(0), state.data_ptr<float>(),
                                              (int)num_k_heads, (int)num_v_heads, (int)dk);
-  const auto launch = chunked ? gdn_prefill_launch : gdn_recurrent_launch;
-  const cudaError_t err = launch(qkv.data_ptr<float>(), qkv.stride(0), beta.data_ptr<float>(), decay.data_ptr<float>(),
-                                 state.data_ptr<float>(), out.data_ptr<float>(), (int)num_tokens, (int)num_k_heads,
-                                 (int)num_v_heads, (int)dk, (int)dv, current_stream());
+  const cudaError_t err =
+      chunked ? gdn_prefill_launch(qkv.data_ptr<float>(), qkv.stride(0), beta.data_ptr<float>(),
+                                   decay.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<float>(),
+                                   (int)num_tokens, (int)num_k_heads, (int)num_v_heads, (int)dk, (int)dv,
+                                   current_stream())
+              : gdn_recurrent_launch(qkv.data_ptr<float>(), qkv.stride(0), beta.data_ptr<float>(),
+                                     decay.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<float>(),
+                                     token_states_ptr, (int)num_tokens, (int)num_k_heads, (int)num_v_heads, (int)dk,
+                                     (int)dv, current_stream());
   QWEN38_CHECK(err == cudaSuccess, "gdn_recurrent: kernel launch failed: ", cudaGetErrorString(err));
 }
 

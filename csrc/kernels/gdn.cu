@@ -4,6 +4,12 @@
 // Decode (T = 1) is what these kernels are shaped for; T > 1 (prefill, verification) runs the same
 // recurrence token by token inside one launch (next token's inputs in flight while one is computed), so
 // the state is still read once and written once; the conv runs its tokens in parallel runs.
+//
+// Token t of a T-token call computes exactly what a T = 1 call computes from the state token t-1 left:
+// every float operation of a token is written out (fmaf, __fmul_rn: fixed roundings no contraction or
+// unrolling can change), the reductions run in a fixed order, and a state kept in registers between tokens
+// holds the same bits as one stored and reloaded. So the optional per-token states (speculative decoding's
+// verify keeps the state after any prefix of its tokens) are bitwise those of plain decode steps.
 #include "gdn.h"
 
 #include <cuda_runtime.h>
@@ -23,7 +29,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x / __fadd_rn(1.0f, expf(-x)); }
 
 // ---------------------------------------------------------------------------------------------------
 // Programmatic dependent launch (Hopper). In a captured decode graph consecutive kernels are separated by
@@ -85,13 +91,14 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cuda
 // previous tokens' rows of qkv (or from conv_state before token 0), so the runs are independent. One
 // thread per channel over all T was latency-bound (one dependent global load per token: ~0.2 ms per layer
 // at T = 512, measured). Only the first run reads conv_state, so it alone writes the new state, after its
-// reads: no other block touches it.
+// reads: no other block touches it. token_conv_states (optional, [T, taps-1, C]) gets the window after each
+// token, straight from the registers that hold it.
 constexpr int kConvTokens = 16;  // >= taps - 1 (8 at most), so only run 0 reads conv_state
 template <int kTaps>
 __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, float* __restrict__ conv_state,
                                 const float* __restrict__ conv_weight, float* __restrict__ out,
-                                int64_t out_row_stride, int num_tokens, int channels, int num_qk_heads,
-                                int head_k_dim) {
+                                int64_t out_row_stride, float* __restrict__ token_conv_states, int num_tokens,
+                                int channels, int num_qk_heads, int head_k_dim) {
   wait_for_predecessor_then_release_dependents();
   const bool normalize = blockIdx.x < num_qk_heads;
   int channel;
@@ -123,15 +130,20 @@ __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_s
     const float x = active ? qkv[t * qkv_row_stride + channel] : 0.0f;
     float acc = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kTaps - 1; ++i) acc += weight[i] * window[i];
-    acc += weight[kTaps - 1] * x;
+    for (int i = 0; i < kTaps - 1; ++i) acc = fmaf(weight[i], window[i], acc);
+    acc = fmaf(weight[kTaps - 1], x, acc);
 #pragma unroll
     for (int i = 0; i < kTaps - 2; ++i) window[i] = window[i + 1];
     window[kTaps - 2] = x;
+    if (token_conv_states != nullptr && active) {
+#pragma unroll
+      for (int i = 0; i < kTaps - 1; ++i)
+        token_conv_states[((int64_t)t * (kTaps - 1) + i) * channels + channel] = window[i];
+    }
 
     float y = silu(acc);
     if (normalize) {
-      const float sum = warp_sum(y * y);
+      const float sum = warp_sum(__fmul_rn(y, y));
       if (lane == 0) warp_sums[t & 1][warp] = sum;
       __syncthreads();
       float total = 0.0f;
@@ -156,9 +168,11 @@ __global__ void gdn_gates_kernel(const float* __restrict__ ba, int64_t ba_row_st
                                  const float* __restrict__ dt_bias, float* __restrict__ beta,
                                  float* __restrict__ decay, int num_tokens, int num_v_heads) {
   wait_for_predecessor_then_release_dependents();
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= num_tokens * num_v_heads) return;
-  const int t = i / num_v_heads, h = i - t * num_v_heads;
+  // 64-bit: T and Hv are ints, their product reaches 2^31 at T = 44.7M tokens for Hv = 48.
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (int64_t)num_tokens * num_v_heads) return;
+  const int64_t t = i / num_v_heads;
+  const int h = (int)(i - t * num_v_heads);
   const float b = ba[t * ba_row_stride + h];
   const float a = ba[t * ba_row_stride + num_v_heads + h];
   beta[i] = 1.0f / (1.0f + expf(-b));
@@ -179,6 +193,8 @@ __global__ void gdn_gates_kernel(const float* __restrict__ ba, int64_t ba_row_st
 //   out = S'·q = decay (S·q) + delta (k·q)        (out reads the UPDATED state, as the reference does)
 // so all three dot products come from the same pass over the old row and reduce together (3 independent
 // shuffle chains instead of two dependent ones).
+// token_states (optional, [T, Hv, dv, dk]): the row after each token, stored from the registers that hold
+// it with the same coalesced 16-byte stores as the final write-back (T x 3.1 MB a layer at the 27B shape).
 //
 // Why 4 rows per block and a register cap: the 27B step is 48*128 = 6144 rows, i.e. 6144 warps. With
 // <= 40 registers a thread, 12 such blocks (48 warps) fit on an SM, so all of them are resident in one
@@ -210,7 +226,8 @@ template <int kVec, int kChunks>
 __global__ void __launch_bounds__(kRecurrentRowsPerBlock * 32, kChunks * kVec <= 4 ? 12 : 1)
 gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, const float* __restrict__ beta,
                      const float* __restrict__ decay, float* __restrict__ state, float* __restrict__ out,
-                     int num_tokens, int num_k_heads, int num_v_heads, int dk, int dv, float q_scale) {
+                     float* __restrict__ token_states, int num_tokens, int num_k_heads, int num_v_heads, int dk,
+                     int dv, float q_scale) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kRecurrentRowsPerBlock + (threadIdx.x >> 5);
   const int head = blockIdx.y;
@@ -260,8 +277,8 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
       }
     }
     v_out = x[v_offset];
-    beta_out = beta[t * num_v_heads + head];
-    decay_out = decay[t * num_v_heads + head];
+    beta_out = beta[(int64_t)t * num_v_heads + head];
+    decay_out = decay[(int64_t)t * num_v_heads + head];
   };
   if (num_tokens > 0) load_token(0, k, q, v, beta_t, decay_t);
   for (int t = 0; t < num_tokens; ++t) {
@@ -273,24 +290,34 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
     for (int i = 0; i < kChunks; ++i) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        sk += s[i][e] * k[i][e];
-        sq += s[i][e] * q[i][e];
-        kq += k[i][e] * q[i][e];
+        sk = fmaf(s[i][e], k[i][e], sk);
+        sq = fmaf(s[i][e], q[i][e], sq);
+        kq = fmaf(k[i][e], q[i][e], kq);
       }
     }
     sk = warp_sum(sk);
     sq = warp_sum(sq);
     kq = warp_sum(kq);
 
-    const float delta = beta_t * (v - decay_t * sk);
-    if (lane == 0) out[((int64_t)t * num_v_heads + head) * dv + row] = (decay_t * sq + delta * kq) * q_scale;
+    const float delta = __fmul_rn(beta_t, fmaf(-decay_t, sk, v));
+    if (lane == 0) {
+      out[((int64_t)t * num_v_heads + head) * dv + row] =
+          __fmul_rn(fmaf(decay_t, sq, __fmul_rn(delta, kq)), q_scale);
+    }
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        s[i][e] = decay_t * s[i][e] + delta * k[i][e];
+        s[i][e] = fmaf(decay_t, s[i][e], __fmul_rn(delta, k[i][e]));
         k[i][e] = k_next[i][e];
         q[i][e] = q_next[i][e];
+      }
+    }
+    if (token_states != nullptr) {
+      float* token_row = token_states + (int64_t)t * num_v_heads * dv * dk + (state_row - state);
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        if (owns[i]) store_vec<kVec>(token_row + (i * 32 + lane) * kVec, s[i]);
       }
     }
     v = v_next;
@@ -306,13 +333,13 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
 
 template <int kVec, int kChunks>
 cudaError_t launch_recurrent(const float* qkv, int64_t qkv_row_stride, const float* beta, const float* decay,
-                             float* state, float* out, int num_tokens, int num_k_heads, int num_v_heads, int dk,
-                             int dv, cudaStream_t stream) {
+                             float* state, float* out, float* token_states, int num_tokens, int num_k_heads,
+                             int num_v_heads, int dk, int dv, cudaStream_t stream) {
   const dim3 grid((dv + kRecurrentRowsPerBlock - 1) / kRecurrentRowsPerBlock, num_v_heads);
   const float q_scale = 1.0f / sqrtf((float)dk);
   return launch_kernel(gdn_recurrent_kernel<kVec, kChunks>, grid, dim3(kRecurrentRowsPerBlock * 32), stream, qkv,
-                       qkv_row_stride, beta, decay, state, out, num_tokens, num_k_heads, num_v_heads, dk, dv,
-                       q_scale);
+                       qkv_row_stride, beta, decay, state, out, token_states, num_tokens, num_k_heads, num_v_heads,
+                       dk, dv, q_scale);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -320,8 +347,8 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 }  // namespace
 
 cudaError_t gdn_conv_launch(const float* qkv, int64_t qkv_row_stride, float* conv_state, const float* conv_weight,
-                            float* out, int64_t out_row_stride, int num_tokens, int channels, int taps,
-                            int num_k_heads, int head_k_dim, cudaStream_t stream) {
+                            float* out, int64_t out_row_stride, float* token_conv_states, int num_tokens,
+                            int channels, int taps, int num_k_heads, int head_k_dim, cudaStream_t stream) {
   if (num_tokens <= 0 || channels <= 0) return cudaSuccess;
   if (head_k_dim <= 0 || head_k_dim > 1024 || 2 * num_k_heads * head_k_dim > channels) return cudaErrorInvalidValue;
   const int threads = (head_k_dim + 31) / 32 * 32;
@@ -331,7 +358,8 @@ cudaError_t gdn_conv_launch(const float* qkv, int64_t qkv_row_stride, float* con
 #define QWEN38_GDN_CONV(K)                                                                                  \
   case K:                                                                                                   \
     return launch_kernel(gdn_conv_kernel<K>, grid, dim3(threads), stream, qkv, qkv_row_stride, conv_state, \
-                         conv_weight, out, out_row_stride, num_tokens, channels, num_qk_heads, head_k_dim);
+                         conv_weight, out, out_row_stride, token_conv_states, num_tokens, channels,        \
+                         num_qk_heads, head_k_dim);
   switch (taps) {
     QWEN38_GDN_CONV(2)
     QWEN38_GDN_CONV(3)
@@ -348,23 +376,26 @@ cudaError_t gdn_conv_launch(const float* qkv, int64_t qkv_row_stride, float* con
 
 cudaError_t gdn_gates_launch(const float* ba, int64_t ba_row_stride, const float* a_neg, const float* dt_bias,
                              float* beta, float* decay, int num_tokens, int num_v_heads, cudaStream_t stream) {
-  const int n = num_tokens * num_v_heads;
+  const int64_t n = (int64_t)num_tokens * num_v_heads;
   if (n <= 0) return cudaSuccess;
   const int threads = 128;
-  return launch_kernel(gdn_gates_kernel, dim3((n + threads - 1) / threads), dim3(threads), stream, ba, ba_row_stride,
-                       a_neg, dt_bias, beta, decay, num_tokens, num_v_heads);
+  return launch_kernel(gdn_gates_kernel, dim3((unsigned)((n + threads - 1) / threads)), dim3(threads), stream, ba,
+                       ba_row_stride, a_neg, dt_bias, beta, decay, num_tokens, num_v_heads);
 }
 
 cudaError_t gdn_recurrent_launch(const float* qkv, int64_t qkv_row_stride, const float* beta, const float* decay,
-                                 float* state, float* out, int num_tokens, int num_k_heads, int num_v_heads,
-                                 int head_k_dim, int head_v_dim, cudaStream_t stream) {
+                                 float* state, float* out, float* token_states, int num_tokens, int num_k_heads,
+                                 int num_v_heads, int head_k_dim, int head_v_dim, cudaStream_t stream) {
   if (num_tokens <= 0 || num_v_heads <= 0 || head_v_dim <= 0) return cudaSuccess;
   const int dk = head_k_dim;
   if (dk <= 0 || dk > kGdnMaxHeadKDim || num_k_heads <= 0) return cudaErrorInvalidValue;
+  // token_states' alignment is a requirement, not a dispatch input: the kernel (so the sums' order) must be
+  // the one a T = 1 call on the same qkv and state picks.
+  if (token_states != nullptr && !aligned16(token_states)) return cudaErrorInvalidValue;
   const bool vec4 = dk % 4 == 0 && qkv_row_stride % 4 == 0 && aligned16(qkv) && aligned16(state);
-#define QWEN38_GDN_RECURRENT(VEC, CHUNKS)                                                                     \
-  return launch_recurrent<VEC, CHUNKS>(qkv, qkv_row_stride, beta, decay, state, out, num_tokens, num_k_heads, \
-                                       num_v_heads, dk, head_v_dim, stream)
+#define QWEN38_GDN_RECURRENT(VEC, CHUNKS)                                                                       \
+  return launch_recurrent<VEC, CHUNKS>(qkv, qkv_row_stride, beta, decay, state, out, token_states, num_tokens, \
+                                       num_k_heads, num_v_heads, dk, head_v_dim, stream)
   if (vec4) {
     if (dk <= 128) QWEN38_GDN_RECURRENT(4, 1);
     QWEN38_GDN_RECURRENT(4, 2);

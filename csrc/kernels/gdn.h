@@ -14,10 +14,11 @@ constexpr int kGdnMaxConvTaps = 8;
 
 // qkv [T, C] (row stride qkv_row_stride floats), conv_state [taps-1, C], conv_weight [C, taps],
 // out [T, C] (row stride out_row_stride). C = 2*num_k_heads*head_k_dim + (value channels).
+// token_conv_states: nullptr, or [T, taps-1, C] contiguous, the conv state after each token.
 // head_k_dim <= 1024 (one thread per channel of a head), 2 <= taps <= kGdnMaxConvTaps.
 cudaError_t gdn_conv_launch(const float* qkv, int64_t qkv_row_stride, float* conv_state, const float* conv_weight,
-                            float* out, int64_t out_row_stride, int num_tokens, int channels, int taps,
-                            int num_k_heads, int head_k_dim, cudaStream_t stream);
+                            float* out, int64_t out_row_stride, float* token_conv_states, int num_tokens,
+                            int channels, int taps, int num_k_heads, int head_k_dim, cudaStream_t stream);
 
 // ba [T, 2*num_v_heads] = [b | a] (row stride ba_row_stride), a_neg, dt_bias [num_v_heads];
 // beta, decay [T, num_v_heads] contiguous.
@@ -25,10 +26,12 @@ cudaError_t gdn_gates_launch(const float* ba, int64_t ba_row_stride, const float
                              float* beta, float* decay, int num_tokens, int num_v_heads, cudaStream_t stream);
 
 // qkv [T, 2*Hk*dk + Hv*dv] (row stride qkv_row_stride), beta, decay [T, Hv], state [Hv, dv, dk] in place,
-// out [T, Hv, dv]. dk <= kGdnMaxHeadKDim. The state must be 16-byte aligned; q/k rows are read with
-// 16-byte loads when dk and the row stride are multiples of 4 and qkv is 16-byte aligned.
+// out [T, Hv, dv]. token_states: nullptr, or [T, Hv, dv, dk] contiguous and 16-byte aligned, the state after
+// each token (bitwise what T calls of one token leave). dk <= kGdnMaxHeadKDim. q/k rows and the state are
+// read with 16-byte loads when dk and the row stride are multiples of 4 and qkv and the state are 16-byte
+// aligned.
 cudaError_t gdn_recurrent_launch(const float* qkv, int64_t qkv_row_stride, const float* beta, const float* decay,
-                                 float* state, float* out, int num_tokens, int num_k_heads, int num_v_heads,
-                                 int head_k_dim, int head_v_dim, cudaStream_t stream);
+                                 float* state, float* out, float* token_states, int num_tokens, int num_k_heads,
+                                 int num_v_heads, int head_k_dim, int head_v_dim, cudaStream_t stream);
 
 }  // namespace qwen38

@@ -1,8 +1,8 @@
 // Gated DeltaNet prefill: the delta-rule recurrence of gdn_recurrent over T tokens in chunks of
 // kGdnPrefillChunk, the float32 state continued from and written back in place. Same inputs, outputs and
-// layouts as gdn_recurrent_launch (gdn.h); exact in float32 (no reduced-precision products). The host
-// launcher takes raw device pointers, sizes and a stream; it launches asynchronously and returns the
-// launch's cudaError_t.
+// layouts as gdn_recurrent_launch (gdn.h), less the per-token states; exact in float32 (no reduced-precision
+// products). The host launcher takes raw device pointers, sizes and a stream; it launches asynchronously and
+// returns the launch's cudaError_t.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>

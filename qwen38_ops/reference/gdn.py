@@ -9,13 +9,17 @@ import torch.nn.functional as F
 L2_EPS = 1e-6  # inside the sqrt of the sum of squares, as HF/FLA's l2norm
 
 
-def gdn_conv(qkv, conv_state, conv_weight, num_k_heads, head_k_dim, out) -> None:
+def gdn_conv(qkv, conv_state, conv_weight, num_k_heads, head_k_dim, out, token_conv_states=None) -> None:
+    """token_conv_states (optional) [T, K-1, C]: the conv state after each token."""
     num_tokens = qkv.shape[0]
     taps = conv_weight.shape[1]
     dtype = out.dtype
     window = torch.cat([conv_state.to(dtype), qkv.to(dtype)], dim=0)  # [K-1+T, C], oldest first
     weight = conv_weight.to(dtype)
     y = sum(window[j : j + num_tokens] * weight[:, j] for j in range(taps))
+    if token_conv_states is not None:
+        for t in range(num_tokens):
+            token_conv_states[t].copy_(window[t + 1 : t + taps])
     conv_state.copy_(window[num_tokens:])
     y = F.silu(y)
     qk_dim = 2 * num_k_heads * head_k_dim
@@ -30,7 +34,8 @@ def gdn_gates(ba, a_neg, dt_bias, beta, decay) -> None:
     decay.copy_(torch.exp(a_neg * F.softplus(a + dt_bias)))
 
 
-def gdn_recurrent(qkv, beta, decay, state, out) -> None:
+def gdn_recurrent(qkv, beta, decay, state, out, token_states=None) -> None:
+    """token_states (optional) [T, Hv, dv, dk]: the state after each token."""
     num_v_heads, dv, dk = state.shape
     num_tokens = qkv.shape[0]
     num_k_heads = (qkv.shape[1] - num_v_heads * dv) // (2 * dk)
@@ -48,5 +53,7 @@ def gdn_recurrent(qkv, beta, decay, state, out) -> None:
         delta = beta[t].to(dtype)[:, None] * (v[t] - kv)
         s = s + delta[:, :, None] * k[t, :, None, :]
         o[t] = (s @ q[t, :, :, None]).squeeze(-1)
+        if token_states is not None:
+            token_states[t].copy_(s)
     state.copy_(s)
     out.copy_(o)

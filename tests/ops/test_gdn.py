@@ -1,11 +1,13 @@
 """gdn family: gdn_conv, gdn_gates, gdn_recurrent.
 
 CPU (CI): opcheck of every op, each reference against an independent formula (conv1d, the closed form of
-the delta rule on HF's [dk, dv] state layout), and the chunk form the prefill kernel computes, in float32,
-against the reference. CUDA (-m cuda): every kernel against the reference in float64, on random inputs,
-outputs poisoned first, at odd sizes and the 27B shapes; gdn_recurrent's chunked prefill path (T >= its
-threshold, csrc/cuda_bindings/gdn.cpp) at rel L2 <= 1e-5 with gates at their edges; two runs give the same
-bits; a captured graph replays bit for bit like eager; bad arguments raise.
+the delta rule on HF's [dk, dv] state layout), the per-token states of the references against single-token
+calls, and the chunk form the prefill kernel computes, in float32, against the reference. CUDA (-m cuda):
+every kernel against the reference in float64, on random inputs, outputs poisoned first, at odd sizes and
+the 27B shapes; gdn_recurrent's chunked prefill path (T >= its threshold, csrc/cuda_bindings/gdn.cpp) at
+rel L2 <= 1e-5 with gates at their edges; per-token states (speculative verify) and T <= 7 without them bit
+for bit equal to T calls of one token; gdn_gates past 2^31 elements; two runs give the same bits; a captured
+graph replays bit for bit like eager; bad arguments raise.
 """
 import pytest
 import torch
@@ -88,6 +90,17 @@ def test_opcheck_cpu():
     torch.library.opcheck(ops.gdn_recurrent.default, (qkv, beta, decay, state, torch.empty(T, hv, dv)))
 
 
+def test_opcheck_cpu_token_states():
+    hk, hv, dk, dv = SHAPE_ORACLE
+    T = 3
+    qkv, state, weight = make_conv_inputs(T, hk, hv, dk, dv)
+    torch.library.opcheck(ops.gdn_conv.default, (qkv, state, weight, hk, dk, torch.empty_like(qkv),
+                                                 torch.empty(T, *state.shape)))
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv)
+    torch.library.opcheck(ops.gdn_recurrent.default, (qkv, beta, decay, state, torch.empty(T, hv, dv),
+                                                      torch.empty(T, *state.shape)))
+
+
 @pytest.mark.parametrize("T", [1, 2, 6])
 def test_conv_reference_vs_conv1d(T):
     hk, hv, dk, dv = SHAPE_ORACLE
@@ -138,6 +151,73 @@ def test_recurrent_reference_vs_closed_form(shape):
             s = decay[t, h] * (eye - beta[t, h] * kk @ kk.T) @ s + beta[t, h] * kk @ v[t, h][None]
             torch.testing.assert_close(out[t, h], s.T @ q[t, kh] / dk**0.5, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(new_state[h], s.T, rtol=1e-12, atol=1e-12)
+
+
+def conv_steps(qkv, conv_state, weight, hk, dk):
+    """T calls of gdn_conv with one token each (plain decode), from conv_state (not modified): returns
+    (out [T, C], the conv state after each token [T, K-1, C]), each output poisoned before its call."""
+    state = conv_state.clone()
+    outs = torch.full_like(qkv, float("nan"))
+    states = torch.full((qkv.shape[0], *state.shape), float("nan"), dtype=state.dtype, device=state.device)
+    for t in range(qkv.shape[0]):
+        ops.gdn_conv(qkv[t : t + 1], state, weight, hk, dk, outs[t : t + 1])
+        states[t] = state
+    return outs, states
+
+
+def recurrent_steps(qkv, beta, decay, state):
+    """T calls of gdn_recurrent with one token each (plain decode; qkv rows sliced from the same tensor, so
+    the same alignment), from state (not modified): returns (out [T, Hv, dv], the state after each token
+    [T, Hv, dv, dk]), each output poisoned before its call."""
+    s = state.clone()
+    hv, dv, _ = state.shape
+    outs = torch.full((qkv.shape[0], hv, dv), float("nan"), dtype=state.dtype, device=state.device)
+    states = torch.full((qkv.shape[0], *state.shape), float("nan"), dtype=state.dtype, device=state.device)
+    for t in range(qkv.shape[0]):
+        ops.gdn_recurrent(qkv[t : t + 1], beta[t : t + 1], decay[t : t + 1], s, outs[t : t + 1])
+        states[t] = s
+    return outs, states
+
+
+@pytest.mark.parametrize("T,taps", [(1, 4), (5, 4), (4, 2), (6, 3)])
+def test_conv_reference_token_states(T, taps):
+    """token_conv_states[t] is the last K-1 inputs after token t, i.e. what t+1 single-token calls leave in
+    conv_state; the outputs and the final state are those of the call without it."""
+    hk, hv, dk, dv = SHAPE_ORACLE
+    qkv, state, weight = make_conv_inputs(T, hk, hv, dk, dv, taps=taps, seed=T)
+    out, new_state = torch.full_like(qkv, float("nan")), state.clone()
+    token_states = torch.full((T, taps - 1, qkv.shape[1]), float("nan"))
+    ops.gdn_conv(qkv, new_state, weight, hk, dk, out, token_states)
+    window = torch.cat([state, qkv])
+    for t in range(T):
+        assert torch.equal(token_states[t], window[t + 1 : t + taps])
+    step_out, step_states = conv_steps(qkv, state, weight, hk, dk)
+    assert torch.equal(token_states, step_states) and torch.equal(new_state, token_states[-1])
+    plain_out, plain_state = torch.full_like(qkv, float("nan")), state.clone()
+    ops.gdn_conv(qkv, plain_state, weight, hk, dk, plain_out)
+    assert torch.equal(out, plain_out) and torch.equal(new_state, plain_state)
+    torch.testing.assert_close(step_out, out, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [SHAPE_ORACLE, (3, 7, 32, 20)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_recurrent_reference_token_states(shape, dtype):
+    """token_states[t] equals the state t+1 single-token calls leave (bit for bit: the reference runs the
+    same per-token operations either way), token_states[T-1] the final state; out and the final state are
+    those of the call without token_states."""
+    hk, hv, dk, dv = shape
+    T = 5
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, dtype=dtype, seed=7, gates="edge")
+    out = torch.full((T, hv, dv), float("nan"), dtype=dtype)
+    new_state = state.clone()
+    token_states = torch.full((T, hv, dv, dk), float("nan"), dtype=dtype)
+    ops.gdn_recurrent(qkv, beta, decay, new_state, out, token_states)
+    step_out, step_states = recurrent_steps(qkv, beta, decay, state)
+    assert torch.equal(token_states, step_states) and torch.equal(out, step_out)
+    assert torch.equal(new_state, token_states[-1])
+    plain_out, plain_state = torch.full_like(out, float("nan")), state.clone()
+    ops.gdn_recurrent(qkv, beta, decay, plain_state, plain_out)
+    assert torch.equal(out, plain_out) and torch.equal(new_state, plain_state)
 
 
 def chunked_delta_rule(qkv, beta, decay, state, chunk=16):
