@@ -1,6 +1,7 @@
 """`serve` with the official openai client on the built-in default model (CPU): chat and completions,
 streamed and not, the prefix cache across requests, malformed requests answered as JSON errors, the
-bounded FIFO queue (429) and a client that goes away cancelling its generation."""
+bounded FIFO queue (429) and a client that goes away cancelling its generation. On the GPU (`-m cuda`): 100
+sequential streamed requests leave the GPU memory where it was."""
 import http.client
 import json
 import socket
@@ -12,6 +13,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -117,3 +119,61 @@ def test_queue_is_bounded_and_a_dropped_client_cancels(client, server):
     long.close()  # the client goes away: its 6000-token generation stops, the queued request runs
     thread.join(timeout=60)
     assert waiting["r"].usage.completion_tokens >= 1 and time.monotonic() - start < 20
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_100_streamed_requests_leak_nothing():
+    """The server in this process (so that its GPU memory can be read) on the built-in model: after a warm-up
+    request (engine, graph capture), 100 sequential streamed chats, each with another prompt, leave
+    torch.cuda.memory_allocated() where it was. The prefix cache holds snapshots by design: it must stay in its
+    budget (small here, so it evicts all along) and is emptied before both readings."""
+    import gc
+
+    import uvicorn
+
+    from qwen38_model import Qwen38ForCausalLM
+    from qwen38_model.server import Server
+    from qwen38_model.synthetic import default_model_path
+    from qwen38_model.tokenizer import load_tokenizer
+
+    path = default_model_path()
+    model = Qwen38ForCausalLM.from_pretrained(path, device="cuda")
+    server = Server(model, load_tokenizer(path), path.name, max_context=512, max_queue=4, cache_bytes=4 << 20)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=listener.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not listener.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.1)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def streamed_chat(i: int) -> str:
+        chunks = list(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"Request {i}: say something."}], max_tokens=16,
+            temperature=0, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    def allocated_without_cache() -> int:
+        server.cache.entries.clear()
+        server.cache.host.clear()
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    try:
+        streamed_chat(-1)
+        before = allocated_without_cache()
+        for i in range(100):
+            streamed_chat(i)
+            assert server.cache.nbytes <= server.cache.max_bytes
+        assert model.last_generation_stats.graph
+        assert allocated_without_cache() == before
+    finally:
+        listener.should_exit = True
+        thread.join(timeout=30)
