@@ -12,6 +12,7 @@ same token's GEMVs as torch bf16 F.linear calls captured in a graph.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -61,14 +62,18 @@ class SyntheticQ8Checkpoint(Checkpoint):
         return 1 + 0.1 * torch.randn(shape, device=device, generator=g)  # norm multipliers
 
 
-def build_model(path: str | None, lane: str) -> Qwen38ForCausalLM:
-    """The checkpoint at `path` on the GPU, or (None) the 27B shape with synthetic Q8_0 weights."""
+def build_model(path: str | None, lane: str, mtp: bool = False) -> Qwen38ForCausalLM:
+    """The checkpoint at `path` on the GPU, or (None) the 27B shape with synthetic Q8_0 weights; mtp=True:
+    with the MTP block (synthetic: one more attention layer, eh_proj and its norms; a checkpoint must have it)."""
     if path:
         model = Qwen38ForCausalLM.from_pretrained(path, device="cuda", lane=lane)
+        if mtp and model.mtp is None:
+            raise ValueError(f"{path} has no MTP block")
     else:
+        config = dataclasses.replace(QWEN38_27B, num_mtp_layers=int(mtp))
         with torch.no_grad():
-            model = Qwen38ForCausalLM(QWEN38_27B, SyntheticQ8Checkpoint(QWEN38_27B), "cuda", torch.bfloat16,
-                                      None, lane).eval()
+            model = Qwen38ForCausalLM(config, SyntheticQ8Checkpoint(config), "cuda", torch.bfloat16, None,
+                                      lane).eval()
     torch.cuda.synchronize()
     return model
 

@@ -37,7 +37,7 @@ class Qwen38Config:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 262144
     tie_word_embeddings: bool = False
-    num_mtp_layers: int = 0  # nextn / mtp.* blocks present in the checkpoint (loaded later, not run)
+    num_mtp_layers: int = 0  # MTP (nextn / mtp.*) layers in the checkpoint: 0, or 1 (loaded as model.mtp)
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     source: str = ""  # file or folder the config was read from, for error messages
 

@@ -12,13 +12,15 @@ import qwen38_ops
 from .arguments import (check_device, check_dtype, check_ids_dtype_holds, check_input_ids, check_token_count,
                         stop_string_tuple, stop_token_ids)
 from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
+from .checkpoint.layout import MTP_PARTS
 from .config import ATTENTION, Qwen38Config
 from .conversation import Conversation, PrefixCache
 from .errors import NonFiniteLogitsError
 from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
 from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, input_lane
+from .mtp import MTPBlock
 from .sampling import SamplingConfig
-from .scratch import Scratch
+from .scratch import Activation, Scratch
 from .state import Qwen38State, StateSnapshot
 
 ops = torch.ops.qwen38
@@ -44,6 +46,7 @@ COMMON_SINGLE = ("attn_norm", "post_attention_norm", "ffn_down")
 class CausalLMOutput:
     logits: torch.Tensor  # float32 [B, T', V]
     state: Qwen38State | None = None
+    mtp_logits: torch.Tensor | None = None  # float32 [B, T'-1, V] with return_mtp_logits
 
 
 class Qwen38ForCausalLM(nn.Module):
@@ -65,13 +68,25 @@ class Qwen38ForCausalLM(nn.Module):
                                     for i in range(config.num_layers))
         self.register_buffer("norm", load("output_norm"))
         self.lm_head = Linear(load("output"), lane, "lm_head")
+        # The MTP block (checkpoint layer num_layers) shares the embedding and the head; None without one.
+        self.mtp = None
+        if config.num_mtp_layers:
+            w = self._layer_weights(checkpoint, config.num_layers, True, device, dtype, quantize)
+            self.mtp = MTPBlock(config, w, embed, lane, input_lane(self.lm_head))
+
+    def _layer_weights(self, checkpoint: Checkpoint, i: int, attention: bool, device, dtype, quantize) -> dict:
+        """Layer i's weights by part (fused groups concatenated); the MTP layer adds its MTP_PARTS."""
+        groups = ("qgkv", "gate_up") if attention else ("qkvz", "ba", "gate_up")
+        singles = COMMON_SINGLE + (ATTENTION_SINGLE if attention else GDN_SINGLE)
+        if i >= self.config.num_layers:
+            singles += MTP_PARTS
+        w = {g: checkpoint.load_fused(FUSED_GROUPS[g], i, device, dtype, quantize) for g in groups}
+        w.update({p: checkpoint.load(p, i, device, dtype, quantize) for p in singles})
+        return w
 
     def _load_layer(self, checkpoint: Checkpoint, i: int, device, dtype, quantize) -> DecoderLayer:
         attention = self.config.layer_types[i] == ATTENTION
-        groups = ("qgkv", "gate_up") if attention else ("qkvz", "ba", "gate_up")
-        singles = COMMON_SINGLE + (ATTENTION_SINGLE if attention else GDN_SINGLE)
-        w = {g: checkpoint.load_fused(FUSED_GROUPS[g], i, device, dtype, quantize) for g in groups}
-        w.update({p: checkpoint.load(p, i, device, dtype, quantize) for p in singles})
+        w = self._layer_weights(checkpoint, i, attention, device, dtype, quantize)
         mixer = (GatedAttention if attention else GatedDeltaNet)(self.config, w, self.lane)
         return DecoderLayer(self.config, mixer, MLP(self.config, w, self.lane), w)
 
@@ -109,7 +124,8 @@ class Qwen38ForCausalLM(nn.Module):
         return self.norm.device
 
     def new_state(self, max_seq_len: int, kv_dtype: torch.dtype = torch.float32) -> Qwen38State:
-        return Qwen38State(self.config, max_seq_len, self.device, kv_dtype)
+        """A state for one sequence; with the MTP block, it holds the block's KV cache too."""
+        return Qwen38State(self.config, max_seq_len, self.device, kv_dtype, mtp=self.mtp is not None)
 
     def embed_tokens(self, ids: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """ids int32 [T] on the model's device (read by the kernel: no host round trip)."""
@@ -124,18 +140,66 @@ class Qwen38ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: Qwen38State | None = None,
-                logits_to_keep: int = 0) -> CausalLMOutput:
+                logits_to_keep: int = 0, return_mtp_logits: bool = False) -> CausalLMOutput:
         """input_ids [B, T]. With a state, the tokens continue it (B must be 1) and the state advances;
-        without one, each row is an independent sequence. logits_to_keep=k > 0 keeps the last k rows."""
+        without one, each row is an independent sequence. logits_to_keep=k > 0 keeps the last k rows.
+        return_mtp_logits: also out.mtp_logits float32 [B, T-1, V] (the last k rows with logits_to_keep=k):
+        row t is the MTP block's logits for token t+2, from the normed hidden at t and token t+1, at
+        position t (teacher-forced). A state of a model with the block keeps the block's cache in step with
+        every call (the pair that straddles two calls included)."""
         check_input_ids(input_ids, self.config.vocab_size)
         if input_ids.shape[0] != 1 and state is not None:
             raise ValueError(f"a state holds one sequence; input_ids has batch {input_ids.shape[0]}")
-        logits = []
+        if return_mtp_logits and self.mtp is None:
+            raise ValueError(f"return_mtp_logits=True but {self.config.source or 'this checkpoint'} has no MTP block "
+                             "(a GGUF converted with --no-mtp, or an HF folder without mtp.* tensors)")
+        logits, mtp_logits = [], []
         for ids in input_ids.to(self.device, torch.int32):
             seq_state = state or self.new_state(ids.shape[0])
+            start = seq_state.position
             positions = seq_state.reserve(ids.shape[0])
-            logits.append(self.prefill(ids, positions, seq_state, logits_to_keep))
-        return CausalLMOutput(torch.stack(logits), state)
+            if self.mtp is None or (state is None and not return_mtp_logits):
+                logits.append(self.prefill(ids, positions, seq_state, logits_to_keep))
+                continue
+            rows, mtp_rows = self._prefill_with_mtp(ids, positions, start, seq_state, logits_to_keep,
+                                                    return_mtp_logits)
+            logits.append(rows)
+            mtp_logits.append(mtp_rows)
+        return CausalLMOutput(torch.stack(logits), state, torch.stack(mtp_logits) if return_mtp_logits else None)
+
+    def _prefill_with_mtp(self, ids: torch.Tensor, positions: torch.Tensor, start: int, state: Qwen38State,
+                          logits_to_keep: int, return_mtp_logits: bool):
+        """prefill() that also runs the MTP block over every pair (h_t, x_{t+1}) whose token is known, the
+        pair with the previous call's last hidden (state.mtp_hidden) first when the state had tokens before
+        `start`. Returns the logits rows and the MTP logits of this call's pairs (None unless asked)."""
+        total = ids.shape[0]
+        first_kept = total - (logits_to_keep if 0 < logits_to_keep < total else total)
+        first_mtp_kept = (total - 1) - (logits_to_keep if 0 < logits_to_keep < total - 1 else total - 1)
+        scratch = Scratch(self.device)
+        logits, mtp_logits = [], []
+        for chunk_start in range(0, total, PREFILL_CHUNK):
+            end = min(chunk_start + PREFILL_CHUNK, total)
+            residual, delta = self.trunk(ids[chunk_start:end], positions[chunk_start:end], state, scratch)
+            normed = self.final_norm(residual, delta, scratch)  # every row: the block reads them all
+            if end > first_kept:
+                kept = _rows(normed, max(chunk_start, first_kept) - chunk_start)
+                logits.append(self.lm_head(kept, scratch).clone())  # the block's head call reuses the buffer
+            h = normed.x
+            if start + chunk_start > 0:  # the pair (h_{p-1}, x_p) of the chunk's first position p is pending
+                hidden, pair_ids = torch.cat([state.mtp_hidden, h[:-1]]), ids[chunk_start:end]
+                pair_positions = positions[chunk_start:end] - 1
+                first_pair = chunk_start - 1  # the pair's t - start: -1 for the previous call's last token
+            else:
+                hidden, pair_ids, pair_positions = h[:-1], ids[1:end], positions[: end - 1]
+                first_pair = 0
+            if hidden.shape[0]:
+                act = self.mtp(hidden, pair_ids, pair_positions, state.mtp_cache, scratch)
+                skip = max(first_mtp_kept - first_pair, 0)
+                if return_mtp_logits and skip < hidden.shape[0]:
+                    mtp_logits.append(self.lm_head(_rows(act, skip), scratch).clone())
+            state.mtp_hidden.copy_(h[-1:])
+        empty = torch.empty(0, self.config.vocab_size, device=self.device)
+        return torch.cat(logits), (torch.cat(mtp_logits) if mtp_logits else empty) if return_mtp_logits else None
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen38State, logits_to_keep: int = 0,
                 chunk_size: int = PREFILL_CHUNK, progress=None) -> torch.Tensor:
@@ -172,13 +236,18 @@ class Qwen38ForCausalLM(nn.Module):
             delta = layer(residual, delta, layer_state, positions, scratch)
         return residual, delta
 
-    def head(self, residual, delta, scratch: Scratch, logits_to_keep: int = 0) -> torch.Tensor:
-        """Final norm and LM head over the last logits_to_keep rows (0: all)."""
-        if 0 < logits_to_keep < residual.shape[0]:
-            residual, delta = residual[-logits_to_keep:], delta[-logits_to_keep:]
+    def final_norm(self, residual, delta, scratch: Scratch, rows: int = 0) -> Activation:
+        """The final norm (residual += delta, then RMSNorm) over the last `rows` rows (0: all): the normed
+        hidden, float32 act.x [rows, D], in the lm_head's input lane (the MTP block's `hidden` input)."""
+        if 0 < rows < residual.shape[0]:
+            residual, delta = residual[-rows:], delta[-rows:]
         act = scratch.activation(self, "final_norm", *residual.shape, input_lane(self.lm_head))
         ops.add_rms_norm(residual, delta, self.norm, self.config.rms_norm_eps, *act.outs())
-        return self.lm_head(act, scratch)
+        return act
+
+    def head(self, residual, delta, scratch: Scratch, logits_to_keep: int = 0) -> torch.Tensor:
+        """Final norm and LM head over the last logits_to_keep rows (0: all)."""
+        return self.lm_head(self.final_norm(residual, delta, scratch, logits_to_keep), scratch)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, min_new_tokens: int = 0,
@@ -267,3 +336,8 @@ class Qwen38ForCausalLM(nn.Module):
             self._engine = engine = None  # free the old buffers before allocating the new ones
             self._engine = engine = DecodeEngine(self, size, kv_dtype, use_graph)
         return engine
+
+
+def _rows(act: Activation, first: int) -> Activation:
+    """Rows first.. of an activation (row slices stay contiguous)."""
+    return Activation(*(None if t is None else t[first:] for t in act.outs()))

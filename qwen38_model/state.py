@@ -1,5 +1,6 @@
 """Per-sequence inference state: a KV cache per attention layer, a conv ring and a recurrent state per
-GDN layer, and the number of tokens consumed so far."""
+GDN layer, and the number of tokens consumed so far; with an MTP block, its KV cache and the trunk's last
+normed hidden state (the h of the block's next pair, whose token has not been seen yet)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from .config import ATTENTION, Qwen38Config
 # The config fields that decide a state's shapes and meaning: a snapshot restores only into a model with
 # the same values (eos ids, the source path and the context limit do not change what a state holds).
 SNAPSHOT_CONFIG_EXCLUDED = ("source", "eos_token_ids", "max_position_embeddings", "num_mtp_layers")
+MTP_KEYS = ("mtp.k", "mtp.v", "mtp.hidden")  # the MTP part of a saved snapshot (never a digit first: see load)
 
 
 @dataclass
@@ -31,15 +33,16 @@ class GDNState:
 @dataclass
 class StateSnapshot:
     """A copy of a state after `position` tokens: per layer, the KV rows 0..position-1 (k, v) or the GDN
-    (conv, recurrent) pair, on the state's device."""
+    (conv, recurrent) pair, on the state's device; with an MTP block, its (k rows, v rows, hidden)."""
 
     position: int
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     config: Qwen38Config
+    mtp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
+        return sum(t.numel() * t.element_size() for part in self.layers + [self.mtp or ()] for t in part)
 
     def to_host(self) -> "StateSnapshot":
         """A copy in host memory, pinned where CUDA is present (a restore from it is an async copy)."""
@@ -49,13 +52,15 @@ class StateSnapshot:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             return host.copy_(t)
 
-        return StateSnapshot(self.position, [(copy(a), copy(b)) for a, b in self.layers], self.config)
+        return StateSnapshot(self.position, [(copy(a), copy(b)) for a, b in self.layers], self.config,
+                             None if self.mtp is None else tuple(copy(t) for t in self.mtp))
 
     def save(self, path, extra: dict[str, torch.Tensor] | None = None) -> None:
         """A safetensors file (with extra tensors beside the state's); its header names the config the
         state belongs to and the position."""
         tensors = {f"{i}.{name}": t.contiguous().cpu() for i, pair in enumerate(self.layers)
                    for name, t in zip("ab", pair)}
+        tensors.update({key: t.contiguous().cpu() for key, t in zip(MTP_KEYS, self.mtp or ())})
         tensors.update(extra or {})
         safetensors.torch.save_file(tensors, str(path), metadata={"qwen38.position": str(self.position),
                                                                   "qwen38.config": config_key(self.config)})
@@ -77,8 +82,9 @@ class StateSnapshot:
             if differ:
                 raise ValueError(f"{path} holds the state of another model config ({'; '.join(differ)})")
             layers = [(f.get_tensor(f"{i}.a"), f.get_tensor(f"{i}.b")) for i in range(len(config.layer_types))]
-            extra = {k: f.get_tensor(k) for k in f.keys() if not k[0].isdigit()}
-        return StateSnapshot(int(meta["qwen38.position"]), layers, config), extra
+            mtp = tuple(f.get_tensor(k) for k in MTP_KEYS) if MTP_KEYS[0] in f.keys() else None
+            extra = {k: f.get_tensor(k) for k in f.keys() if not k[0].isdigit() and k not in MTP_KEYS}
+        return StateSnapshot(int(meta["qwen38.position"]), layers, config, mtp), extra
 
 
 def config_key(config: Qwen38Config) -> str:
@@ -88,7 +94,8 @@ def config_key(config: Qwen38Config) -> str:
 
 
 class Qwen38State:
-    def __init__(self, config: Qwen38Config, max_seq_len: int, device, kv_dtype=torch.float32):
+    def __init__(self, config: Qwen38Config, max_seq_len: int, device, kv_dtype=torch.float32, mtp: bool = False):
+        """mtp: also hold an MTP block's KV cache and hidden carry (the model's new_state says)."""
         if kv_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_dtype must be torch.float32 or torch.bfloat16, found {kv_dtype}")
         self.config = config
@@ -107,6 +114,12 @@ class Qwen38State:
                     torch.zeros(c.conv_kernel - 1, c.conv_dim, device=device),
                     torch.zeros(c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim,
                                 device=device)))
+        shape = (max_seq_len, c.num_key_value_heads, c.head_dim)
+        self.mtp_cache = KVCache(torch.zeros(shape, dtype=kv_dtype, device=device),
+                                 torch.zeros(shape, dtype=kv_dtype, device=device)) if mtp else None
+        # The trunk's normed hidden at position - 1, float32 [1, D]: model.forward pairs it with the next
+        # call's first token (the pair that straddles two calls).
+        self.mtp_hidden = torch.zeros(1, c.hidden_size, device=device) if mtp else None
 
     def reserve(self, num_tokens: int) -> torch.Tensor:
         """Positions for the next num_tokens tokens (int32, on the state's device); checks capacity first,
@@ -121,9 +134,12 @@ class Qwen38State:
     def snapshot(self) -> StateSnapshot:
         """Device-side clones (no host sync): the KV rows written so far and every GDN state."""
         n = self.position
+        mtp = None
+        if self.mtp_cache is not None:
+            mtp = (self.mtp_cache.k[:n].clone(), self.mtp_cache.v[:n].clone(), self.mtp_hidden.clone())
         return StateSnapshot(n, [(layer.k[:n].clone(), layer.v[:n].clone()) if isinstance(layer, KVCache)
                                  else (layer.conv.clone(), layer.recurrent.clone()) for layer in self.layers],
-                             self.config)
+                             self.config, mtp)
 
     def restore(self, snap: StateSnapshot) -> None:
         """Copy snap INTO this state's tensors (never replacing them: a captured CUDA graph keeps reading the
@@ -132,6 +148,15 @@ class Qwen38State:
             raise ValueError("the snapshot belongs to another model config")
         if snap.position > self.max_seq_len:
             raise ValueError(f"the snapshot holds {snap.position} tokens > this state's max_seq_len {self.max_seq_len}")
+        if (snap.mtp is None) != (self.mtp_cache is None):
+            has = "holds no MTP cache" if snap.mtp is None else "holds an MTP cache"
+            raise ValueError(f"the snapshot {has}, this state {'has' if self.mtp_cache is not None else 'has none'} "
+                             "(a state of the model with its MTP block vs one without)")
+        if snap.mtp is not None:
+            k, v, hidden = snap.mtp
+            self.mtp_cache.k[:snap.position].copy_(k, non_blocking=True)
+            self.mtp_cache.v[:snap.position].copy_(v, non_blocking=True)
+            self.mtp_hidden.copy_(hidden, non_blocking=True)
         for layer, (a, b) in zip(self.layers, snap.layers):
             if isinstance(layer, KVCache):
                 layer.k[:snap.position].copy_(a, non_blocking=True)

@@ -4,9 +4,9 @@
   with every parameter randomized so that any convention mistake (norm offset, A_log sign, head order)
   shows in the logits, plus a small byte-level BPE tokenizer with Qwen3.5's pre-tokenizer and ChatML.
 - `hf_to_gguf` converts such a folder the way llama.cpp's convert_hf_to_gguf.py does for
-  `Qwen3_5TextModel` with `--no-mtp` (tensor names, value-head reorder, +1 norms, -exp(A_log), output
-  types, tensor order, metadata keys and order, tokenizer metadata). It holds the whole model in memory:
-  meant for test-sized models.
+  `Qwen3_5TextModel`, with `--no-mtp` or (mtp=True) with the MTP block as `blk.{num_hidden_layers}`
+  (tensor names, value-head reorder, +1 norms, -exp(A_log), output types, tensor order, metadata keys and
+  order, tokenizer metadata). It holds the whole model in memory: meant for test-sized models.
 - `default_model_path` builds (once, cached) a small but non-trivial model as an HF folder and a Q8_0 GGUF.
 """
 from __future__ import annotations
@@ -424,7 +424,7 @@ def _write_tokenizer_files(path: pathlib.Path, bpe, chat_template: str, token_id
 
 
 # ---------------------------------------------------------------------------------------------------------
-# HF folder -> GGUF, as llama.cpp's convert_hf_to_gguf.py (Qwen3_5TextModel, --no-mtp)
+# HF folder -> GGUF, as llama.cpp's convert_hf_to_gguf.py (Qwen3_5TextModel, --no-mtp or with the MTP block)
 # ---------------------------------------------------------------------------------------------------------
 
 GGUF_TYPES = {  # qtype argument -> (type of the big matrices, general.file_type)
@@ -436,25 +436,28 @@ GGUF_TYPES = {  # qtype argument -> (type of the big matrices, general.file_type
 
 
 def hf_to_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, qtype: str = "f32", *,
-               model_name: str | None = None) -> pathlib.Path:
+               model_name: str | None = None, mtp: bool = False) -> pathlib.Path:
     """Convert an HF Qwen3.5 folder (text or VLM form) to a `qwen35` GGUF, as llama.cpp's converter does with
-    `--outtype qtype --no-mtp` (model_name = its `--model-name`). Returns out_path."""
+    `--outtype qtype --no-mtp`, or without `--no-mtp` when mtp=True (model_name = its `--model-name`).
+    Returns out_path."""
     if qtype not in GGUF_TYPES:
         raise ValueError(f"qtype must be one of {sorted(GGUF_TYPES)}, not {qtype!r}")
     hf_dir, out_path = pathlib.Path(hf_dir), pathlib.Path(out_path)
     hparams = gguf_hparams(hf_dir)
+    num_mtp = hparams.get("mtp_num_hidden_layers", 0) if mtp else 0
     matrix_type, file_type = GGUF_TYPES[qtype]
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN35])
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, hparams["num_hidden_layers"])
-    for hf_name, tensor in _read_hf_tensors(hf_dir):
+    # The converter maps names over block_count = trunk + MTP layers: the MTP layer is one more block.
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, hparams["num_hidden_layers"] + num_mtp)
+    for hf_name, tensor in _read_hf_tensors(hf_dir, hparams["num_hidden_layers"] if num_mtp else None):
         name, tensor = convert_hf_tensor(hf_name, tensor.to(torch.float32), hparams)
-        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias")) or _nextn_gguf_name(name)
         if gguf_name is None:
             raise CheckpointError(f"{hf_dir}: cannot map tensor {hf_name!r} to a qwen35 GGUF name")
         data, data_type = _encode_tensor(gguf_name, tensor.numpy(), matrix_type)
         writer.add_tensor(gguf_name, data, raw_dtype=data_type)
     _add_general_metadata(writer, hf_dir, model_name)
-    _add_model_metadata(writer, hparams, file_type)
+    _add_model_metadata(writer, hparams, file_type, num_mtp)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer_metadata(writer, hf_dir, hparams["vocab_size"])
     writer.write_header_to_file(path=out_path)
@@ -471,16 +474,48 @@ def gguf_hparams(hf_dir: pathlib.Path) -> dict[str, Any]:
     return {**config, **config.get("text_config", {})}
 
 
-def _read_hf_tensors(hf_dir: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_hf_tensors(hf_dir: pathlib.Path, mtp_block: int | None) -> Iterator[tuple[str, torch.Tensor]]:
     """Text-model tensors in the converter's order: shard files sorted, names sorted within each shard
-    (gguf-py's SafetensorsLocal). Vision tower and MTP block skipped (`--no-mtp`); the VLM's
-    `model.language_model.` prefix becomes `model.`."""
+    (gguf-py's SafetensorsLocal; a renamed tensor keeps its place). Vision tower skipped; the VLM's
+    `model.language_model.` prefix becomes `model.`. The MTP block is skipped (`--no-mtp`) when mtp_block is
+    None, else renamed into layer mtp_block (the converter's _Qwen35MtpMixin)."""
     for part in _safetensors_parts(hf_dir):
         with safetensors.safe_open(part, framework="pt") as f:
             for name in sorted(f.keys()):
-                if "visual." in name or name.startswith("mtp."):
+                if "visual." in name or (name.startswith("mtp.") and mtp_block is None):
+                    continue
+                if name.startswith("mtp."):
+                    yield mtp_tensor_name(name, mtp_block), f.get_tensor(name)
                     continue
                 yield name.replace("model.language_model.", "model.", 1), f.get_tensor(name)
+
+
+# The MTP block's own HF tensors, as the converter renames them inside layer n (then mapped to blk.n.nextn.*).
+MTP_RENAMES = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+               "norm": "shared_head.norm"}
+NEXTN_TENSORS = {"eh_proj": gguf.MODEL_TENSOR.NEXTN_EH_PROJ, "enorm": gguf.MODEL_TENSOR.NEXTN_ENORM,
+                 "hnorm": gguf.MODEL_TENSOR.NEXTN_HNORM, "shared_head.norm": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM}
+
+
+def mtp_tensor_name(name: str, first_block: int) -> str:
+    """mtp.layers.i.X -> model.layers.{first_block + i}.X; mtp.fc/pre_fc_norm_*/norm -> model.layers.{first_block}
+    .eh_proj/enorm/hnorm/shared_head.norm (names ending in norm.weight then get the +1 like every norm)."""
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[1] == "layers" and parts[2].isdecimal():
+        return f"model.layers.{first_block + int(parts[2])}.{parts[3]}"
+    if len(parts) == 3 and parts[1] in MTP_RENAMES:
+        return f"model.layers.{first_block}.{MTP_RENAMES[parts[1]]}.{parts[2]}"
+    return name  # not a tensor of the block: left for the name map to reject
+
+
+def _nextn_gguf_name(name: str) -> str | None:
+    """blk.N.nextn.* for the block's own tensors. llama.cpp's gguf-py lists them for qwen35; the released
+    gguf-py 0.19 does not, so its name map cannot (same names, from its own TENSOR_NAMES)."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdecimal() or parts[-1] != "weight":
+        return None
+    tensor = NEXTN_TENSORS.get(".".join(parts[3:-1]))
+    return None if tensor is None else gguf.TENSOR_NAMES[tensor].format(bid=int(parts[2])) + ".weight"
 
 
 def _safetensors_parts(hf_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -571,11 +606,12 @@ def _add_general_metadata(writer: gguf.GGUFWriter, hf_dir: pathlib.Path, model_n
     metadata.set_gguf_meta_model(writer)
 
 
-def _add_model_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any], file_type: gguf.LlamaFileType) -> None:
-    """`qwen35.*` keys in the order the converter writes them."""
+def _add_model_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any], file_type: gguf.LlamaFileType,
+                        num_mtp: int) -> None:
+    """`qwen35.*` keys in the order the converter writes them; block_count counts the MTP layers, and
+    nextn_predict_layers (written last) says how many of the blocks they are."""
     rope = hp.get("rope_parameters") or {}
-    n_layers = hp["num_hidden_layers"]
-    writer.add_block_count(n_layers)
+    writer.add_block_count(hp["num_hidden_layers"] + num_mtp)
     writer.add_context_length(hp["max_position_embeddings"])
     writer.add_embedding_length(hp["hidden_size"])
     writer.add_feed_forward_length(hp["intermediate_size"])
@@ -601,6 +637,8 @@ def _add_model_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any], file_type: 
     writer.add_rope_dimension_count(int(hp["head_dim"] * factor))
     if "mrope_section" not in rope:  # llama.cpp requires the key: the converter writes the default
         writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if num_mtp:
+        writer.add_nextn_predict_layers(num_mtp)
 
 
 def recurrent_layers(hp: dict[str, Any]) -> list[bool]:

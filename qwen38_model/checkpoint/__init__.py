@@ -3,11 +3,16 @@
 
 Beyond each format's own structure (gguf_file.py, hf_folder.py), a checkpoint must hold exactly the
 tensors its config describes (no layer silently dropped or ignored), each of the expected shape, and
-finite: a NaN in one lm_head row would make that row's token win forever."""
+finite: a NaN in one lm_head row would make that row's token win forever.
+
+The MTP (nextn) block is layer num_layers of the checkpoint: blk.{num_layers}.* in a GGUF (its count is
+qwen35.nextn_predict_layers), mtp.* in an HF folder (mtp_num_hidden_layers). An HF folder whose config counts
+the block but that holds no mtp.* tensor at all loads without it (repackaged checkpoints drop the block and
+keep the config); a partial block is an error."""
 from __future__ import annotations
 
+import dataclasses
 import pathlib
-import re
 
 import torch
 
@@ -16,7 +21,7 @@ from ..errors import CheckpointError
 from ..files import regular_file
 from .gguf_file import GGUFCheckpoint
 from .hf_folder import HFCheckpoint
-from .layout import HF_NAMES, SMALL_PARTS, expected_shape, gguf_tensor_name, hf_to_internal, layer_parts
+from .layout import HF_NAMES, MTP_HF_NAMES, SMALL_PARTS, expected_shape, gguf_tensor_name, hf_to_internal, layer_parts
 from .tensors import Q8Tensor
 
 # Elements per isfinite pass over a weight: bounds the pass's temporary to 16 MB (a 27B embedding has 1.3 G).
@@ -35,6 +40,9 @@ class Checkpoint:
     def __init__(self, source: GGUFCheckpoint | HFCheckpoint, progress=None):
         self.source = source
         self.config = source.config
+        if (not isinstance(source, GGUFCheckpoint) and self.config.num_mtp_layers
+                and not any(n.startswith("mtp.") for n in source.names())):
+            self.config = dataclasses.replace(self.config, num_mtp_layers=0)
         self.path = source.path
         self.is_gguf = isinstance(source, GGUFCheckpoint)
         self.progress = progress  # called with (bytes read so far, bytes in the checkpoint)
@@ -85,10 +93,20 @@ class Checkpoint:
                               f"the first {float(values[bad[0]])} at flat index {int(bad[0])}")
 
     def _check_tensor_set(self) -> None:
-        """The tensors are exactly those of the config's layers: a block_count of 1 over 8 stored layers, an
-        attention tensor in a GDN layer or an unknown blk.N must not load as a different model."""
+        """The tensors are exactly those of the config's layers (and MTP block): a block_count of 1 over 8
+        stored layers, an attention tensor in a GDN layer or an unknown blk.N must not load as a different
+        model."""
         config, names = self.config, set(self.source.names())
-        wanted = [self._name(part, layer) for layer in range(config.num_layers) for part in layer_parts(config, layer)]
+        if config.num_mtp_layers > 1:
+            raise CheckpointError(f"{self.path}: {config.num_mtp_layers} MTP layers; this implementation runs one "
+                                  "(the released Qwen3.5/3.6/3.8 checkpoints have one)")
+        if self.is_gguf and config.num_mtp_layers and f"blk.{config.num_layers}.nextn.eh_proj.weight" not in names:
+            # Said first: a wrong nextn_predict_layers would otherwise read as a missing trunk tensor.
+            raise CheckpointError(f"{self.path}: blk.{config.num_layers} is an MTP block by "
+                                  f"qwen35.nextn_predict_layers ({self._describe_layers()}), but it has no "
+                                  f"'blk.{config.num_layers}.nextn.eh_proj.weight'")
+        layers = range(config.num_layers + config.num_mtp_layers)
+        wanted = [self._name(part, layer) for layer in layers for part in layer_parts(config, layer)]
         wanted += [self._name("token_embd", None), self._name("output_norm", None)]
         if not config.tie_word_embeddings:
             wanted.append(self._name("output", None))
@@ -105,7 +123,7 @@ class Checkpoint:
         """llama.cpp's converter and quantizer store norms, conv weights, ssm_a and ssm_dt as F32, always.
         Checked because such a tensor can be smaller than the alignment: relabelled F16 or BF16, it would
         still fit its padded slot and load its bytes as garbage."""
-        for layer in [None, *range(self.config.num_layers)]:
+        for layer in [None, *range(self.config.num_layers + self.config.num_mtp_layers)]:
             parts = ["output_norm"] if layer is None else layer_parts(self.config, layer)
             for part in set(parts) & SMALL_PARTS:
                 name = self._name(part, layer)
@@ -115,18 +133,12 @@ class Checkpoint:
                                           "as F32)")
 
     def _tolerated(self, names: set[str]) -> list[str]:
-        """Stored tensors the model does not use: the head of a tied model, the MTP block(s), the vision
-        tower. A GGUF's MTP blocks are its last nextn_predict_layers blk.N, each with its nextn.eh_proj (so a
-        wrong nextn_predict_layers cannot turn a trunk layer into an ignored block)."""
-        if not self.is_gguf:
-            return [n for n in names if n.startswith(("mtp.", "model.visual.")) or n == "lm_head.weight"]
-        mtp = range(self.config.num_layers, self.config.num_layers + self.config.num_mtp_layers)
-        missing = next((b for b in mtp if f"blk.{b}.nextn.eh_proj.weight" not in names), None)
-        if missing is not None:
-            raise CheckpointError(f"{self.path}: blk.{missing} is an MTP block by qwen35.nextn_predict_layers "
-                                  f"({self._describe_layers()}), but it has no 'blk.{missing}.nextn.eh_proj.weight'")
-        block_of = re.compile(r"blk\.(\d+)\.")
-        return [n for n in names if (m := block_of.match(n)) and int(m.group(1)) in mtp]
+        """Stored tensors the model does not use: the head of a tied model, the vision tower, and an HF
+        folder's mtp.* when its config counts no MTP block (transformers drops them the same way)."""
+        if self.is_gguf:
+            return []
+        unused = ("model.visual.",) + (() if self.config.num_mtp_layers else ("mtp.",))
+        return [n for n in names if n.startswith(unused) or n == "lm_head.weight"]
 
     def _describe_layers(self) -> str:
         c = self.config
@@ -138,8 +150,13 @@ class Checkpoint:
             return gguf_tensor_name(part, layer)
         if part == "output":
             return "lm_head.weight"
+        if part in MTP_HF_NAMES:
+            return MTP_HF_NAMES[part]
         name = HF_NAMES[part]
-        return name if layer is None else f"layers.{layer}.{name}"
+        if layer is None:
+            return name
+        mtp_layer = layer - self.config.num_layers
+        return f"mtp.layers.{mtp_layer}.{name}" if mtp_layer >= 0 else f"layers.{layer}.{name}"
 
     def _has(self, part: str, layer: int | None) -> bool:
         return self.source.has(self._name(part, layer))

@@ -17,10 +17,14 @@ GDN_PARTS = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_conv1d", "ss
              "ssm_out")
 ATTENTION_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm")
 GLOBAL_PARTS = ("token_embd", "output_norm", "output")
+# The MTP (nextn) block's own tensors, beside its one full-attention layer (blk.{num_layers}.* in a GGUF):
+# eh_proj [D, 2D] maps concat[enorm(embedding); hnorm(hidden)] to D, shared_head_norm precedes the shared head.
+MTP_PARTS = ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm")
+MTP_NORMS = {"nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm"}
 
 # Stored float32 whatever the checkpoint's dtype (DESIGN: small tensors are float32).
 SMALL_PARTS = {"attn_norm", "post_attention_norm", "ssm_conv1d", "ssm_dt", "ssm_a", "ssm_norm", "attn_q_norm",
-               "attn_k_norm", "output_norm"}
+               "attn_k_norm", "output_norm"} | MTP_NORMS
 
 
 def gguf_tensor_name(part: str, layer: int | None) -> str:
@@ -34,6 +38,10 @@ def gguf_tensor_name(part: str, layer: int | None) -> str:
 
 
 def layer_parts(config: Qwen38Config, layer: int) -> tuple[str, ...]:
+    """The parts of trunk layer `layer`, or of the MTP block when layer == num_layers (a full-attention
+    layer plus the block's own tensors)."""
+    if layer >= config.num_layers:
+        return COMMON_PARTS + ATTENTION_PARTS + MTP_PARTS
     kind = ATTENTION_PARTS if config.layer_types[layer] == ATTENTION else GDN_PARTS
     return COMMON_PARTS + kind
 
@@ -54,6 +62,7 @@ def expected_shape(config: Qwen38Config, part: str) -> tuple[int, ...]:
         "ssm_out": (D, c.linear_value_dim),
         "attn_q": (2 * q_dim, D), "attn_k": (kv_dim, D), "attn_v": (kv_dim, D), "attn_output": (D, q_dim),
         "attn_q_norm": (c.head_dim,), "attn_k_norm": (c.head_dim,),
+        "nextn.eh_proj": (D, 2 * D), "nextn.enorm": (D,), "nextn.hnorm": (D,), "nextn.shared_head_norm": (D,),
     }[part]
 
 
@@ -71,8 +80,11 @@ HF_NAMES = {
     "attn_output": "self_attn.o_proj.weight", "attn_q_norm": "self_attn.q_norm.weight",
     "attn_k_norm": "self_attn.k_norm.weight",
 }
+# The MTP block's own tensors sit at the top level (its layer is mtp.layers.0.*, named as a trunk layer's).
+MTP_HF_NAMES = {"nextn.eh_proj": "mtp.fc.weight", "nextn.enorm": "mtp.pre_fc_norm_embedding.weight",
+                "nextn.hnorm": "mtp.pre_fc_norm_hidden.weight", "nextn.shared_head_norm": "mtp.norm.weight"}
 # Zero-centred RMSNorm weights: HF stores w, the model multiplies by 1 + w (the GDN gated norm excepted).
-PLUS_ONE_PARTS = {"attn_norm", "post_attention_norm", "output_norm", "attn_q_norm", "attn_k_norm"}
+PLUS_ONE_PARTS = {"attn_norm", "post_attention_norm", "output_norm", "attn_q_norm", "attn_k_norm"} | MTP_NORMS
 
 
 def value_head_order(config: Qwen38Config) -> torch.Tensor:
