@@ -2,13 +2,16 @@
 states so nothing measured is L2-resident (48 x 6.3 MB of recurrent state = 302 MB read+written, against
 the H200's 60 MB L2). pdl=1|0: with and without programmatic dependent launch (see csrc/kernels/gdn.cu).
 
-Two sections. Decode (T = 1, 4, 16): the figures below. Prefill (T = 8, 32, 512, 4096): each op of the
+Three sections. Decode (T = 1, 4, 16): the figures below. Prefill (T = 8, 32, 512, 4096): each op of the
 GDN core (conv, gates, recurrent, and the three in model order) as one layer would run it on a prompt
 chunk of T tokens, graph-replayed over the 48 layers' states; us_per_token = us_per_layer / T, the number
 to hold against prefill's ~1.3 us per token per layer for the whole GDN core (b6f1a55, pp4096). From T = 8
 gdn_recurrent runs the chunked kernel (threshold in csrc/cuda_bindings/gdn.cpp; one chunk costs about the
 same for any T <= 16): its T = 8 row against the decode rows at T = 1 and 4 (token by token) places the
-threshold.
+threshold. Verify (T = 1..8): gdn_recurrent as speculative decoding's verify runs it, with token_states
+(the per-token kernel for any T, writing T x 3.1 MB more a layer; a buffer per layer, so those writes
+reach memory as the model's would) and without (T = 8 runs the chunked kernel); bytes = the state read
+and written once plus the token states written.
 
 The recurrent step is memory-bound: it reads and writes the float32 state once (48*128*128*4 B = 3.1 MB
 each way per layer). Its figure of merit is state bytes (read + written) per second over the streaming
@@ -36,6 +39,7 @@ C = 2 * HK * DK + HV * DV
 LAYERS = 48
 PREFILL_TOKENS = (8, 32, 512, 4096)
 PREFILL_REPLAYS = 3  # a T = 4096 replay of the per-token recurrence: ~0.25 s (252 ms GDN core, b6f1a55)
+VERIFY_TOKENS = range(1, 9)  # a verify checks k + 1 <= 8 tokens
 
 
 def make_layers(num_tokens: int):
@@ -158,16 +162,51 @@ def bench(probe_gbps: float) -> list[dict]:
     return rows
 
 
+def kernels_run_by(fn) -> str:
+    """The names of the CUDA kernels fn() launches (profiler), space-separated."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.key for e in prof.key_averages())
+
+
+def bench_verify(probe_gbps: float) -> list[dict]:
+    """gdn_recurrent at T = 1..8 with and without token_states (graph-replayed, 48 layers' states and, with
+    them, 48 layers' token_states buffers)."""
+    rows = []
+    state_bytes = HV * DV * DK * 4
+    for num_tokens in VERIFY_TOKENS:
+        L = make_layers(num_tokens)
+        token_states = [torch.empty(num_tokens, HV, DV, DK, device="cuda") for _ in range(LAYERS)]
+        for with_states in (False, True):
+            def recurrent(i):
+                ops.gdn_recurrent(L["conv_out"], L["beta"], L["decay"], L["states"][i % LAYERS], L["out"],
+                                  token_states[i % LAYERS] if with_states else None)
+
+            t = time_graph(recurrent, LAYERS)["median_s"]
+            nbytes = (2 + (num_tokens if with_states else 0)) * state_bytes
+            kernel = "chunked" if "gdn_prefill_kernel" in kernels_run_by(lambda: recurrent(0)) else "per-token"
+            rows.append(dict(op="gdn_recurrent", T=num_tokens, token_states=with_states, kernel=kernel, mode="graph",
+                             pdl="1", us_per_layer=t * 1e6, bytes_per_layer=nbytes, gbps=nbytes / t / 1e9,
+                             ratio_vs_read_probe=nbytes / t / 1e9 / probe_gbps))
+        del L, token_states
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     args, probe = parse_args_and_probe(__doc__)
     rows = bench(probe["best_gbps"])
     print_table(rows, ["op", "T", "mode", "pdl", "us_per_layer", "gbps", "ratio_vs_read_probe"],
                 title=f"gdn decode at the 27B shape, rotating over {LAYERS} layers' states")
+    verify = bench_verify(probe["best_gbps"])
+    print_table(verify, ["op", "T", "token_states", "kernel", "us_per_layer", "gbps", "ratio_vs_read_probe"],
+                title=f"gdn_recurrent verify at the 27B shape, per layer (graph over {LAYERS} layers' states)")
     prefill = bench_prefill()
     print_table(prefill, ["op", "T", "us_per_layer", "us_per_token"],
                 title=f"gdn prefill at the 27B shape, per layer (graph over {LAYERS} layers' states)")
     write_json(args.json, dict(env=env_info(), read_probe=probe, shape=dict(Hk=HK, Hv=HV, dk=DK, dv=DV, C=C),
-                               layers=LAYERS, results=rows, prefill=prefill))
+                               layers=LAYERS, results=rows, verify=verify, prefill=prefill))
 
 
 if __name__ == "__main__":

@@ -338,6 +338,28 @@ def test_gates_cuda_matches_reference(T, hv):
     torch.testing.assert_close(decay.cpu().double(), exp_decay, rtol=2e-6, atol=1e-7)
 
 
+@cuda
+@needs_gpu
+def test_gates_cuda_past_2_31_elements():
+    """T * Hv > 2^31 (T = 44.7M tokens at Hv = 48; ba 17 GB, beta and decay 8.6 GB each): every element
+    written (NaN-poisoned first) and the rows around element 2^31 and the last rows equal the reference's
+    (a 32-bit index wraps there: the kernel wrote nothing at all)."""
+    hv = 48
+    T = 2**31 // hv + 5
+    small_ba, a_neg, dt_bias = [x.cuda() for x in make_gate_inputs(64, hv, seed=12)]
+    ba = small_ba.repeat(T // 64 + 1, 1)[:T]  # [T, 2*Hv]: row r is small_ba's row r % 64
+    beta = torch.full((T, hv), float("nan"), device="cuda")
+    decay = torch.full((T, hv), float("nan"), device="cuda")
+    ops.gdn_gates(ba, a_neg, dt_bias, beta, decay)
+    assert not beta.isnan().any() and not decay.isnan().any()
+    for first in (2**31 // hv - 2, T - 3):
+        rows = slice(first, first + 3)
+        exp_beta, exp_decay = torch.empty(3, hv, device="cuda"), torch.empty(3, hv, device="cuda")
+        ref.gdn_gates(ba[rows], a_neg, dt_bias, exp_beta, exp_decay)
+        torch.testing.assert_close(beta[rows], exp_beta, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(decay[rows], exp_decay, rtol=2e-6, atol=1e-7)
+
+
 def run_recurrent_cuda(qkv, beta, decay, state):
     state = state.clone()
     hv, dv, _ = state.shape
@@ -467,21 +489,27 @@ def kernels_run_by(fn) -> str:
 @cuda
 @needs_gpu
 def test_recurrent_dispatch():
-    """A 64-token prompt runs the chunked kernel; one token, misaligned qkv rows and an unsupported group
-    (Hv / Hk = 5) run the per-token kernel. (The other tests pass with either kernel: this one says which.)"""
-    def kernels(T, shape, view):
+    """A 64-token prompt runs the chunked kernel, so does T = 8 (the threshold); one token, T = 7, misaligned
+    qkv rows, an unsupported group (Hv / Hk = 5) and any T with token_states run the per-token kernel. (The
+    other tests pass with either kernel: this one says which.)"""
+    def kernels(T, shape, view, with_token_states=False):
         hk, hv, dk, dv = shape
         qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda")
         out = torch.empty(T, hv, dv, device="cuda")
-        names = kernels_run_by(lambda: ops.gdn_recurrent(view(qkv), beta, decay, state, out))
+        tokens = torch.empty(T, hv, dv, dk, device="cuda") if with_token_states else None
+        names = kernels_run_by(lambda: ops.gdn_recurrent(view(qkv), beta, decay, state, out, tokens))
         assert ("gdn_prefill_kernel" in names) != ("gdn_recurrent_kernel" in names), names
         return "chunked" if "gdn_prefill_kernel" in names else "per-token"
 
     assert kernels(64, SHAPE_27B, aligned_rows_view) == "chunked"
     assert kernels(64, SHAPE_ORACLE, lambda x: x) == "chunked"
+    assert kernels(8, SHAPE_27B, lambda x: x) == "chunked"
     assert kernels(1, SHAPE_27B, lambda x: x) == "per-token"
+    assert kernels(7, SHAPE_27B, lambda x: x) == "per-token"
     assert kernels(64, SHAPE_27B, rows_view) == "per-token"
     assert kernels(64, (1, 5, 32, 32), lambda x: x) == "per-token"
+    assert kernels(8, SHAPE_27B, lambda x: x, with_token_states=True) == "per-token"
+    assert kernels(64, SHAPE_27B, aligned_rows_view, with_token_states=True) == "per-token"
 
 
 @cuda
@@ -502,25 +530,127 @@ def test_recurrent_prefill_continues_state():
 
 @cuda
 @needs_gpu
-def test_prefill_equals_token_by_token():
-    """T tokens in one call == T calls of one token (conv and recurrence): the decode and prefill paths
-    agree to float32 rounding."""
-    hk, hv, dk, dv = (2, 4, 64, 64)
-    T = 6
-    qkv, conv_state, weight = [x.cuda() for x in make_conv_inputs(T, hk, hv, dk, dv, seed=3)]
-    _, beta, decay, state = [x.cuda() for x in make_recurrent_inputs(T, hk, hv, dk, dv, seed=4)]
-    conv_all, cs_all = run_conv_cuda(qkv, conv_state, weight, hk, dk)
-    out_all, s_all = run_recurrent_cuda(conv_all, beta, decay, state)
-    cs, s, outs = conv_state.clone(), state.clone(), []
+@pytest.mark.parametrize("shape", [SHAPE_27B, (2, 4, 64, 64), (3, 6, 64, 40), (1, 3, 30, 30)])
+def test_small_T_equals_token_by_token_bitwise(shape):
+    """A FACT the model relies on: T <= 7 tokens in one call, without per-token states, give bit for bit what
+    T calls of one token give (conv out and state, recurrent out and state). Below the chunked kernel's
+    threshold (kGdnPrefillMinTokens = 8, csrc/cuda_bindings/gdn.cpp) a T-token call runs the decode kernel,
+    whose per-token float operations are pinned (csrc/kernels/gdn.cu); the conv is one kernel for any T."""
+    hk, hv, dk, dv = shape
+    for T in range(1, 8):
+        qkv, conv_state, weight = [x.cuda() for x in make_conv_inputs(T, hk, hv, dk, dv, seed=T)]
+        _, beta, decay, state = [x.cuda() for x in make_recurrent_inputs(T, hk, hv, dk, dv, seed=T, gates="edge")]
+        conv_all, cs_all = run_conv_cuda(qkv, conv_state, weight, hk, dk)
+        out_all, s_all = run_recurrent_cuda(conv_all, beta, decay, state)
+        conv_one, conv_states = conv_steps(qkv, conv_state, weight, hk, dk)
+        out_one, states = recurrent_steps(conv_one, beta, decay, state)
+        assert torch.isfinite(out_all).all() and torch.isfinite(s_all).all()
+        assert torch.equal(conv_all, conv_one) and torch.equal(cs_all, conv_states[-1]), T
+        assert torch.equal(out_all, out_one) and torch.equal(s_all, states[-1]), T
+
+
+def padding_untouched(buf, numel, pad=64):
+    """The NaN padding padded() put around numel values is still NaN (nothing written outside them)."""
+    return bool(buf[:pad].isnan().all() and buf[pad + numel :].isnan().all())
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES[:6])
+@pytest.mark.parametrize("T,taps", [(1, 4), (3, 4), (8, 4), (20, 4), (5, 2), (6, 3)])
+def test_conv_token_states_cuda(shape, T, taps):
+    """token_conv_states (NaN-poisoned, inside NaN padding) == the reference's exactly (they are copies of
+    inputs); out as the reference (2e-6, as test_conv_cuda_matches_reference) and bit for bit as without
+    them; final state == token_conv_states[T-1]; every out row and per-token state bit for bit those of T
+    calls of one token (T = 20: two of the kernel's 16-token runs, the second starting from qkv rows)."""
+    assert_cuda_kernel("gdn_conv")
+    hk, hv, dk, dv = shape
+    qkv, state, weight = make_conv_inputs(T, hk, hv, dk, dv, taps=taps, seed=T + taps)
+    C = qkv.shape[1]
+    exp_out, exp_state = torch.empty_like(qkv, dtype=torch.float64), state.double()
+    exp_tokens = torch.empty(T, taps - 1, C, dtype=torch.float64)
+    ref.gdn_conv(qkv.double(), exp_state, weight.double(), hk, dk, exp_out, exp_tokens)
+    qkv, state, weight = qkv.cuda(), state.cuda(), weight.cuda()
+    new_state, out = state.clone(), torch.full_like(qkv, float("nan"))
+    tokens, tokens_buf = padded(torch.full((T, taps - 1, C), float("nan"), device="cuda"))
+    ops.gdn_conv(qkv, new_state, weight, hk, dk, out, tokens)
+    assert padding_untouched(tokens_buf, tokens.numel()), "a write outside token_conv_states"
+    assert torch.equal(tokens.cpu().double(), exp_tokens) and torch.equal(new_state, tokens[-1])
+    torch.testing.assert_close(out.cpu().double(), exp_out, rtol=2e-6, atol=2e-6)
+    plain_out, plain_state = run_conv_cuda(qkv, state, weight, hk, dk)
+    assert torch.equal(out, plain_out) and torch.equal(new_state, plain_state)
+    one_out, one_states = conv_steps(qkv, state, weight, hk, dk)
+    assert torch.equal(out, one_out) and torch.equal(tokens, one_states)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("T", [1, 3, 8, 9])
+def test_recurrent_token_states_cuda(shape, T):
+    """token_states (NaN-poisoned, inside NaN padding) and out against the float64 reference at edge gates
+    (5e-5 absolute: |S| ~ 1, unit q and k, float32 dot products over dk <= 256, T <= 9 steps); final state ==
+    token_states[T-1]; every out and per-token state bit for bit those of T calls of one token, also at
+    T >= 8, where a call without token_states would run the chunked kernel. dk = 30 runs the scalar path."""
+    assert_cuda_kernel("gdn_recurrent")
+    hk, hv, dk, dv = shape
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, seed=dk + T, gates="edge")
+    exp_out, exp_state = torch.empty(T, hv, dv, dtype=torch.float64), state.double()
+    exp_tokens = torch.empty(T, hv, dv, dk, dtype=torch.float64)
+    ref.gdn_recurrent(qkv.double(), beta.double(), decay.double(), exp_state, exp_out, exp_tokens)
+    qkv, beta, decay, state = qkv.cuda(), beta.cuda(), decay.cuda(), state.cuda()
+    new_state, out = state.clone(), torch.full((T, hv, dv), float("nan"), device="cuda")
+    tokens, tokens_buf = padded(torch.full((T, hv, dv, dk), float("nan"), device="cuda"))
+    ops.gdn_recurrent(qkv, beta, decay, new_state, out, tokens)
+    assert padding_untouched(tokens_buf, tokens.numel()), "a write outside token_states"
+    assert torch.isfinite(out).all() and torch.isfinite(tokens).all()
+    torch.testing.assert_close(out.cpu().double(), exp_out, rtol=0, atol=5e-5)
+    torch.testing.assert_close(tokens.cpu().double(), exp_tokens, rtol=0, atol=5e-5)
+    assert torch.equal(new_state, tokens[-1])
+    one_out, one_states = recurrent_steps(qkv, beta, decay, state)
+    assert torch.equal(out, one_out) and torch.equal(tokens, one_states)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("gates", ["uniform", "edge"])
+@pytest.mark.parametrize("T", [2, 5, 8])
+@pytest.mark.parametrize("view", ["aligned", "misaligned"])
+def test_verify_27b_equals_decode_steps(T, gates, view):
+    """Speculative verify at the 27B shape (conv K = 4, C = 10240): conv with token_conv_states, gates, then
+    the recurrence with token_states over T tokens == T plain decode steps of the three ops, bit for bit in
+    every output and every per-token state, so the state after any prefix of the verified tokens is the
+    one decode would hold. misaligned: qkv rows 16-byte misaligned (the recurrence's 4-byte-load path) in
+    both runs."""
+    hk, hv, dk, dv = SHAPE_27B
+    qkv, conv_state, weight = [x.cuda() for x in make_conv_inputs(T, hk, hv, dk, dv, seed=T)]
+    ba, a_neg, dt_bias = [x.cuda() for x in make_gate_inputs(T, hv, seed=T)]
+    _, _, _, state = [x.cuda() for x in make_recurrent_inputs(T, hk, hv, dk, dv, seed=T, gates=gates)]
+    C = qkv.shape[1]
+    place = rows_view if view == "misaligned" else (lambda x: x)
+
+    conv = place(torch.full_like(qkv, float("nan")))
+    cs, conv_tokens = conv_state.clone(), torch.full((T, 3, C), float("nan"), device="cuda")
+    ops.gdn_conv(qkv, cs, weight, hk, dk, conv, conv_tokens)
+    beta, decay = torch.full((T, hv), float("nan"), device="cuda"), torch.full((T, hv), float("nan"), device="cuda")
+    ops.gdn_gates(ba, a_neg, dt_bias, beta, decay)
+    s, out = state.clone(), torch.full((T, hv, dv), float("nan"), device="cuda")
+    tokens = torch.full((T, hv, dv, dk), float("nan"), device="cuda")
+    ops.gdn_recurrent(conv, beta, decay, s, out, tokens)
+
+    cs1, s1 = conv_state.clone(), state.clone()
+    conv1 = place(torch.full_like(qkv, float("nan")))
     for t in range(T):
-        conv_t = torch.empty(1, qkv.shape[1], device="cuda")
-        ops.gdn_conv(qkv[t : t + 1], cs, weight, hk, dk, conv_t)
-        out_t = torch.empty(1, hv, dv, device="cuda")
-        ops.gdn_recurrent(conv_t, beta[t : t + 1].contiguous(), decay[t : t + 1].contiguous(), s, out_t)
-        outs.append(out_t)
-    torch.testing.assert_close(cs, cs_all, rtol=0, atol=0)
-    torch.testing.assert_close(torch.cat(outs), out_all, rtol=0, atol=1e-6)
-    torch.testing.assert_close(s, s_all, rtol=0, atol=1e-6)
+        ops.gdn_conv(qkv[t : t + 1], cs1, weight, hk, dk, conv1[t : t + 1])
+        assert torch.equal(conv[t], conv1[t]) and torch.equal(conv_tokens[t], cs1), t
+        b1, d1 = torch.full((1, hv), float("nan"), device="cuda"), torch.full((1, hv), float("nan"), device="cuda")
+        ops.gdn_gates(ba[t : t + 1], a_neg, dt_bias, b1, d1)
+        assert torch.equal(beta[t : t + 1], b1) and torch.equal(decay[t : t + 1], d1), t
+        out1 = torch.full((1, hv, dv), float("nan"), device="cuda")
+        ops.gdn_recurrent(conv1[t : t + 1], b1, d1, s1, out1)
+        assert torch.equal(out[t : t + 1], out1) and torch.equal(tokens[t], s1), t
+    assert torch.equal(conv, conv1) and torch.equal(cs, cs1) and torch.equal(s, s1)
+    assert torch.isfinite(out).all() and torch.isfinite(tokens).all()
 
 
 @cuda
@@ -564,10 +694,11 @@ def test_back_to_back_recurrent_on_one_state(pdl, monkeypatch):
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
-@pytest.mark.parametrize("T", [1, 100])
-def test_deterministic_and_graph_replay_bitwise(T, pdl, monkeypatch):
+@pytest.mark.parametrize("T,verify", [(1, False), (100, False), (8, True)])
+def test_deterministic_and_graph_replay_bitwise(T, verify, pdl, monkeypatch):
     """Two eager runs give the same bits, and a captured CUDA graph replays exactly like eager (with and
-    without programmatic dependent launch), for a decode step and a 100-token prompt (the chunked kernel)."""
+    without programmatic dependent launch), for a decode step, a 100-token prompt (the chunked kernel) and
+    an 8-token verify with per-token states."""
     monkeypatch.setenv("QWEN38_PDL", pdl)
     hk, hv, dk, dv = SHAPE_27B
     qkv, conv_state, weight = [x.cuda() for x in make_conv_inputs(T, hk, hv, dk, dv, seed=8)]
@@ -577,16 +708,19 @@ def test_deterministic_and_graph_replay_bitwise(T, pdl, monkeypatch):
     bufs = dict(conv_state=conv_state.clone(), state=state.clone(), conv=torch.empty_like(qkv),
                 beta=torch.empty(T, hv, device="cuda"), decay=torch.empty(T, hv, device="cuda"),
                 out=torch.empty(T, hv, dv, device="cuda"))
+    if verify:
+        bufs.update(conv_tokens=torch.empty(T, *conv_state.shape, device="cuda"),
+                    tokens=torch.empty(T, *state.shape, device="cuda"))
 
     def step():
-        ops.gdn_conv(qkv, bufs["conv_state"], weight, hk, dk, bufs["conv"])
+        ops.gdn_conv(qkv, bufs["conv_state"], weight, hk, dk, bufs["conv"], bufs.get("conv_tokens"))
         ops.gdn_gates(ba, a_neg, dt_bias, bufs["beta"], bufs["decay"])
-        ops.gdn_recurrent(bufs["conv"], bufs["beta"], bufs["decay"], bufs["state"], bufs["out"])
+        ops.gdn_recurrent(bufs["conv"], bufs["beta"], bufs["decay"], bufs["state"], bufs["out"], bufs.get("tokens"))
 
     def reset():
         bufs["conv_state"].copy_(conv_state)
         bufs["state"].copy_(state)
-        for k in ("conv", "beta", "decay", "out"):
+        for k in bufs.keys() - {"conv_state", "state"}:
             bufs[k].fill_(float("nan"))
 
     results = []
@@ -618,6 +752,11 @@ def test_opcheck_cuda():
     torch.library.opcheck(ops.gdn_gates.default, (ba, a_neg, dt_bias, beta, decay))
     qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda")
     torch.library.opcheck(ops.gdn_recurrent.default, (qkv, beta, decay, state, torch.empty(T, hv, dv, device="cuda")))
+    torch.library.opcheck(ops.gdn_recurrent.default, (qkv, beta, decay, state, torch.empty(T, hv, dv, device="cuda"),
+                                                      torch.empty(T, hv, dv, dk, device="cuda")))
+    qkv, cstate, weight = make_conv_inputs(T, hk, hv, dk, dv, device="cuda")
+    torch.library.opcheck(ops.gdn_conv.default, (qkv, cstate, weight, hk, dk, torch.empty_like(qkv),
+                                                 torch.empty(T, *cstate.shape, device="cuda")))
 
 
 def check_bad_inputs():
@@ -639,6 +778,16 @@ def check_bad_inputs():
     progress()
     with pytest.raises(RuntimeError, match="out must be"):
         ops.gdn_conv(qkv, cstate, weight, hk, dk, out[:, :-1])
+    progress()
+    with pytest.raises(RuntimeError, match="token_conv_states must be"):
+        ops.gdn_conv(qkv, cstate, weight, hk, dk, out, torch.empty(T + 1, *cstate.shape, device="cuda"))
+    progress()
+    with pytest.raises(RuntimeError, match="token_conv_states must be"):
+        ops.gdn_conv(qkv, cstate, weight, hk, dk, out,
+                     torch.empty(T, cstate.shape[1], cstate.shape[0], device="cuda").transpose(1, 2))
+    progress()
+    with pytest.raises(RuntimeError, match="token_conv_states is on"):
+        ops.gdn_conv(qkv, cstate, weight, hk, dk, out, torch.empty(T, *cstate.shape))
     ba, a_neg, dt_bias = make_gate_inputs(T, hv, device="cuda")
     progress()
     with pytest.raises(RuntimeError, match="gdn_gates"):
@@ -664,6 +813,22 @@ def check_bad_inputs():
     progress()
     with pytest.raises(RuntimeError, match="gdn_recurrent"):
         ops.gdn_recurrent(qkv, beta.cpu(), decay, state, out)
+    progress()
+    with pytest.raises(RuntimeError, match="token_states must be"):
+        ops.gdn_recurrent(qkv, beta, decay, state, out, torch.empty(T, hv, dv, dk, device="cuda", dtype=torch.float64))
+    progress()
+    with pytest.raises(RuntimeError, match="token_states must be"):
+        ops.gdn_recurrent(qkv, beta, decay, state, out, torch.empty(T, hv, dk, dv, device="cuda").transpose(2, 3))
+    progress()
+    with pytest.raises(RuntimeError, match="token_states must be"):
+        ops.gdn_recurrent(qkv, beta, decay, state, out, torch.empty(T - 1, hv, dv, dk, device="cuda"))
+    progress()
+    with pytest.raises(RuntimeError, match="token_states must start 16-byte aligned"):
+        ops.gdn_recurrent(qkv, beta, decay, state, out,
+                          torch.empty(T * hv * dv * dk + 1, device="cuda")[1:].view(T, hv, dv, dk))
+    progress()
+    with pytest.raises(RuntimeError, match="token_states is on"):
+        ops.gdn_recurrent(qkv, beta, decay, state, out, torch.empty(T, hv, dv, dk))
 
 
 @cuda
