@@ -10,6 +10,8 @@ For each turn 2..N, the time to first token (from calling generate() to the stre
 token on the host) three ways: continuing a Conversation, through a PrefixCache holding the previous turn's
 state (the server's path), and with nothing reused (the whole history prefilled); and the message alone from
 an empty state, so that the target "TTFT with a 16k history <= 1.2x TTFT with none" is a ratio of one run.
+Also the turn after a reply that a stop token ends halfway while replays run ahead (how chat replies end):
+what it prefills shows what the rollback past a stop costs.
 Then the snapshot of the state after the last turn: its size, snapshot(), restore() from the GPU and from
 pinned host memory (to_host()), save to and load from disk. Every timing is synchronized before and after,
 after a warm-up, and is the median of --repeats (the whole-history prefills: of at most 3).
@@ -154,7 +156,7 @@ def main(argv=None) -> dict:
     results = dict(env=env, load_s=time.perf_counter() - start, kv_dtype=args.kv_dtype, lane=args.lane,
                    sizes=dict(history=args.history, message=args.message, turns=args.turns, reply=args.reply,
                               repeats=args.repeats))
-    capacity = args.history + args.turns * (args.message + args.reply)
+    capacity = args.history + (args.turns + 2) * (args.message + args.reply)  # the turns, then the stop case's two
     # One engine for every call (a fixed max_seq_len), never stopping early.
     common = dict(eos_token_id=[], kv_dtype=kv_dtype, max_seq_len=capacity)
     generator = torch.Generator().manual_seed(0)
@@ -201,6 +203,18 @@ def main(argv=None) -> dict:
                          speedup=r["speedup_over_no_reuse"]))
         model.generate(torch.tensor([message]), max_new_tokens=args.reply, conversation=conversation, **common)
 
+    # A reply that a stop token ends halfway, with replays in flight (how a chat's replies end), then a turn.
+    message, after = random_ids(args.message), random_ids(args.message)
+    reply = model.generate(torch.tensor([message]), max_new_tokens=args.reply, conversation=copy_of(conversation),
+                           **common)[0, args.message:].tolist()
+    stopped = copy_of(conversation)
+    model.generate(torch.tensor([message]), max_new_tokens=args.reply, conversation=stopped,
+                   **{**common, "eos_token_id": [reply[len(reply) // 2]]})
+    results["after_stop"] = dict(history=len(stopped.tokens), reply=len(stopped.tokens) - len(conversation.tokens)
+                                 - args.message, **time_to_first_token(model, after, args.repeats, sync,
+                                                                       lambda: dict(conversation=copy_of(stopped)),
+                                                                       **common))
+
     with tempfile.TemporaryDirectory() as folder:
         results["snapshot"] = snapshot = snapshot_costs(model, conversation.snapshot, capacity, kv_dtype,
                                                         args.repeats, sync, pathlib.Path(folder))
@@ -221,6 +235,9 @@ def main(argv=None) -> dict:
     print(f"turn 1 ({args.history} tokens prefilled): {results['turn1']['ttft_s'] * 1e3:.1f} ms to the first token; "
           f"worst ratio to no history {worst:.3f} (target <= {TARGET_TTFT_RATIO}); restore from the GPU "
           f"{snapshot['restore_gpu_s'] * 1e3:.2f} ms (target <= {TARGET_RESTORE_S * 1e3:.0f} ms)")
+    a = results["after_stop"]
+    print(f"after a reply of {a['reply']} tokens ended by a stop token: the next turn prefilled {a['prefilled']} tokens "
+          f"(+{args.message} of its own), {a['ttft_s'] * 1e3:.1f} ms to the first token")
     write_json(args.json or (None if args.tiny else default_result_path(env, "conversation")), results)
     return results
 
