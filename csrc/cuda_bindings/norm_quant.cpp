@@ -10,7 +10,7 @@
 
 #include "checks.h"
 #include "../kernels/norm_quant.h"
-#include "../kernels/q8_gemv.h"  // pdl_enabled
+#include "../kernels/pdl.cuh"
 
 namespace qwen38 {
 namespace {

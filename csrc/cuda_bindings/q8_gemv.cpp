@@ -10,6 +10,7 @@
 #include <string>
 
 #include "checks.h"
+#include "../kernels/pdl.cuh"
 #include "../kernels/q8_gemm.h"
 
 namespace qwen38 {
@@ -63,11 +64,11 @@ int64_t token_rows(const char* op, const at::Tensor& x) {
 
 void run(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& weight_q) {
   const c10::cuda::CUDAGuard guard(weight_q.device());
-  Q8GemvConfig cfg = q8_0_gemv_default_config(act, a.N, a.K, a.T);
+  Q8GemvConfig cfg = q8_0_gemv_default_config(act, a.N);
   const bool overridden = q8_0_gemv_config_from_env(&cfg);
   const cudaError_t err = q8_0_gemv(act, a, cfg, pdl_enabled(), current_stream());
   QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err),
-              overridden ? " (QWEN38_Q8_GEMV_CONFIG names a config that is not compiled?)" : "");
+              overridden ? " (QWEN38_Q8_GEMV_CONFIG must name a compiled \"trip,parts\" config, see q8_gemv.h)" : "");
 }
 
 // The GEMM's extra requirements (q8_gemm.h): K in whole 64-byte stages, 8-byte scale pairs.

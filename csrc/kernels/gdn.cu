@@ -14,8 +14,9 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <utility>
+
+#include "pdl.cuh"
 
 namespace qwen38 {
 namespace {
@@ -32,53 +33,30 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float silu(float x) { return x / __fadd_rn(1.0f, expf(-x)); }
 
 // ---------------------------------------------------------------------------------------------------
-// Programmatic dependent launch (Hopper). In a captured decode graph consecutive kernels are separated by
+// Programmatic dependent launch (pdl.cuh). In a captured decode graph consecutive kernels are separated by
 // a fixed ~1.4 us (measured here: a 48-thread kernel costs 1.41 us a launch), which is as much as the
-// recurrent step's whole memory time. Launched with programmatic stream serialization, a kernel's blocks
-// are scheduled while its predecessor is still running and park in griddepcontrol.wait, which returns once
-// the predecessor has completed and its writes are visible; so the launch gap overlaps the previous
-// kernel instead of following it. Measured on the H200 in a graph rotating over 48 layers: the recurrent
-// step 3.70 -> 2.72 us a layer (38% -> 52% of the read probe), conv + gates + recurrent 7.78 -> 5.87 us.
+// recurrent step's whole memory time; with PDL the launch gap overlaps the previous kernel instead of
+// following it. Measured on the H200 in a graph rotating over 48 layers: the recurrent step 3.70 -> 2.72 us
+// a layer (38% -> 52% of the read probe), conv + gates + recurrent 7.78 -> 5.87 us.
 //
-// Rule that keeps this correct whatever the predecessor is: NOTHING is loaded into registers before the
-// wait (not even the recurrent state: the kernel just before may be the one writing it, e.g. a state
-// reset or the previous token's recurrent step on the same state). What a kernel may do before the wait
-// is prefetch into L2: L2 is the GPU's point of coherence, so a prefetched line is simply updated by any
-// write the predecessor still makes, and the real load after the wait sees that write. Each kernel
-// releases its own dependents right after its wait, so anything launched after it starts no earlier than
-// its predecessor completed; a chain of such kernels stays ordered. Without the launch attribute both
-// instructions are no-ops. QWEN38_PDL=0 in the environment launches without the attribute (read per
-// launch, so a benchmark can compare both in one process; a graph keeps what was in force at capture).
+// PDL wait of every GDN kernel: the call below, before which NOTHING is loaded into registers (not even the
+// recurrent state: the kernel just before may be the one writing it, e.g. a state reset or the previous
+// token's recurrent step on the same state). The only thing done before it is the recurrent step's
+// prefetch of its state rows into L2 (L2 is the GPU's point of coherence, so a prefetched line is simply
+// updated by a write the predecessor still makes, and the real load after the wait sees that write). Each
+// kernel releases its own dependents right after its wait.
 __device__ __forceinline__ void wait_for_predecessor_then_release_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(__cvta_generic_to_global(p)));
 }
 
-bool pdl_enabled() {
-  const char* flag = std::getenv("QWEN38_PDL");
-  return flag == nullptr || flag[0] != '0';
-}
-
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return launch_maybe_pdl(kernel, grid, block, 0, stream, pdl_enabled(), std::forward<Args>(args)...);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@
 
 #include <cuda_runtime.h>
 
-#include "q8_gemv.h"  // PDL helpers
+#include "pdl.cuh"
 
 namespace qwen38 {
 namespace {
@@ -376,7 +376,7 @@ gdn_prefill_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
   float* out_row = out + (int64_t)min(head, p.num_v_heads - 1) * p.dv + min(row, p.dv - 1);
   const int64_t out_token_stride = (int64_t)p.num_v_heads * p.dv;
 
-  // PDL: nothing is read before the predecessor (which may write qkv, the gates or this state) completes.
+  // PDL wait: nothing is read before the predecessor (which may write qkv, the gates or this state) completes.
   pdl_wait_for_predecessor();
   pdl_allow_successor();
 

@@ -8,7 +8,7 @@
 //   F = 17408 spreads across 34 blocks instead of queueing on one SM);
 // - reductions are fixed trees (warp butterflies, then warp partials summed in index order): same bits on
 //   every run and inside a graph;
-// - PDL (q8_gemv.h): the producer lets its successor (the GEMV) launch at once, so the GEMV's first weight
+// - PDL (pdl.cuh): the producer lets its successor (the GEMV) launch at once, so the GEMV's first weight
 //   loads overlap this kernel.
 //
 // Quantisation (quantize.cuh, shared with attention's output gate) is bit for bit the reference's and ggml's
@@ -20,7 +20,7 @@
 
 #include <cuda_fp16.h>
 
-#include "q8_gemv.h"    // PDL helpers
+#include "pdl.cuh"
 #include "quantize.cuh"  // the int8 / two-word block quantizers every producer shares
 
 namespace qwen38 {
@@ -93,6 +93,8 @@ __global__ void __launch_bounds__(kRowScope<OP> ? 1024 : 32 * kWarpScopeWarps)
       if (e < seg_start + seg_len) prefetch_l1(a.weight + (OP == Producer::GatedRmsNorm ? e - seg_start : e));
     }
   }
+  // PDL wait: before it, only the norm weight's L1 prefetch (a constant); x, residual, z and every output
+  // may belong to the predecessor.
   pdl_wait_for_predecessor();
 
   float4 v[kHeld];

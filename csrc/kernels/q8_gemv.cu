@@ -2,45 +2,58 @@
 //
 // Why it is shaped like this. At batch 1 the GEMV streams each weight byte exactly once and does almost no
 // arithmetic per byte, so its speed is the HBM rate times the fraction of the kernel during which enough
-// loads are in flight (Little's law on the H200: ~4.5 TB/s x ~1-2 us loaded latency = 5-9 MB, 40-70 KB
-// per SM). So:
-// - Each lane loads 16 bytes per instruction (a warp covers a contiguous 512-byte "piece" of a row) with
-//   ld.global.nc.L1::no_allocate: the weights are read once and must not evict the activation from L1.
-// - Each warp issues PIECES such loads for each of its ROWS rows before using any (K-unrolled), then
-//   consumes the whole batch branch-free, so the batch's activation loads are hoisted together too.
-// - SPLIT warps of a block may share one row's K range, combined in shared memory in a fixed order (no
-//   atomics, no workspace -- the op has none -- the same bits on every run): finer work units for the
-//   5120-row projections. No split crosses blocks; none was needed to beat the alternatives measured.
-// - The activation (<= 70 KB) is read with __ldg: L1/L2-resident for all warps of an SM.
-// - The first batch of weight loads is issued before griddepcontrol.wait (PDL, see q8_gemv.h).
-// Measured (bench_q8_gemv, H200, 2026-11-29): the wide shapes stream at 76-97% of the read probe, the
-// narrow ones at 60-69% (int8 lane). What is lost is mostly the partly filled last wave of blocks and the
-// ramp of each launch. A persistent variant (grid = resident blocks, equal rows per block, each warp
-// streaming a contiguous piece range through a register ring, rows cut between warps combined in shared
-// memory) was tried and measured WORSE (int8 LM head 74% vs 97%, 5120 x 6144 62% vs 60%): its per-piece
-// segment bookkeeping serialised the activation loads that this batch form hoists.
+// loads are in flight (Little's law on the H200: ~4.5 TB/s x ~1-2 us loaded latency = 5-9 MB, 40-70 KB per
+// SM). The mapping is the one measured fastest on the H200 (shared/reference/decode-gap.md: 75 / 86 / 83 /
+// 85 / 93 / 98% of the read probe on the six 27B shapes, against 53 / 66 / 73 / 68 / 88 / 98% for this
+// file's previous 4-warp blocks with an in-block split-K):
+// - One warp = one weight row, the whole K range; 256-thread blocks (8 rows); at most 48 registers
+//   (__launch_bounds__ with 5 blocks per SM: 40 warps per SM). The 5120-row projections are 640 blocks,
+//   one wave of the 660 slots of 132 SMs, with no split-K and no shared-memory combine.
+// - A warp walks its row in trips of TRIP 512-byte pieces (lane l loads the 16 bytes of chunk 32p + l, one
+//   half of a 32-weight block). ALL loads of a trip -- weights, weight scales, activation chunks, activation
+//   scales -- are issued back to back before any math: the loop of the previous form issued one activation
+//   load per piece inside the math (one serialized L1/L2 round trip each, visible in its SASS).
+// - Weights are read with L1::no_allocate (read once; they must not evict the activation, which every warp
+//   of an SM reads through L1).
+// - No per-lane branch before a shuffle: pieces past the row end exist only in the tail, rows past N are
+//   recomputed from row N - 1 and not stored.
+// - The first trip's weights are loaded before griddepcontrol.wait (PDL: they are constants, pdl.cuh).
 //
-// Lanes of a piece: lane l holds chunk c = 32p + l, bytes [16c, 16c + 16) = half of the 32-weight block c/2.
-// The int8 lanes need the EXACT int32 sum of a block (ggml: sumi * (d_w * d_x)), so the two lanes of a block
-// add their dp4a halves with one shuffle and the even lane accumulates -- in double: sumi * d_w * d_x is
-// exact in double and so is the sum to ~1e-16, so `out` is the exact dot rounded once to float. With float
-// accumulation (this kernel's first form) the int8 model drifted from llama.cpp's logits at position 5 of
-// the oracle (a rounding flip in the next activation; median per-position rel L2 1.8e-2) where the exact
-// value stays within 7e-8 up to position 17 -- llama.cpp's own order is one of many float orders, and the
-// exact sum is the one closest to all of them. One DFMA per 32-weight block costs nothing at HBM speed. K % 512 != 0: the last piece of a
-// row is partial; lanes past the row end load nothing and add zero.
+// Numerics. The int8 lane needs the EXACT int32 sum of a block (ggml: sumi * (d_w * d_x)): the two lanes of a
+// block add their dp4a halves with one shuffle, and one lane of the pair adds sumi * (d_w * d_x) to a double
+// with one DFMA. d_w * d_x is formed in fp32 and is exact there: both are fp16 values (the int8 producers
+// store d rounded to fp16, as ggml's q8_0 does), so the product has at most 22 significant bits; and
+// sumi * (d_w * d_x) is exact in double. So the only roundings are the double additions and the final
+// conversion to float: the bits of the previous form of this kernel (which formed the scale product in
+// double), in its order. With float accumulation (this kernel's first form) the int8 model drifted from
+// llama.cpp's logits at position 5 of the oracle (a rounding flip in the next activation; median
+// per-position rel L2 1.8e-2) where the double sum stays within 7e-8 up to position 17.
+// The two-word lane's s = amax/127 is a full fp32 value, so its scale product stays in double (35 bits,
+// exact); 127 hi + lo is exact in int32 and the 1/127 is applied once at the end (a double division per
+// block measured 67% -> 52% of the read probe at 16384 x 5120). The f32 lane dequantizes in float32
+// (16 FMAs per chunk in four chains, then one FMA by the block scale) and sums in float.
+// The summation order is fixed per config (q8_gemv.h: PARTS), never by T: rows of a T-row call are
+// computed exactly as a T = 1 call computes them, only their weight loads are shared.
 #include "q8_gemv.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <type_traits>
 
+#include "pdl.cuh"
+
 namespace qwen38 {
 namespace {
 
+// Every load here is a coherent ld.global, none is ld.global.nc (__ldg): ptxas takes .nc data to be constant
+// for the kernel's lifetime and moves .nc loads across griddepcontrol.wait both ways (SASS of CUDA 13.0's
+// ptxas): this kernel's weight loads, written before the wait, sank below it (the PDL prologue lost), and in
+// a minimal kernel an __ldg written after the wait was issued before it (a race with the predecessor that
+// writes the activation). Coherent loads stay on their side of the wait.
+// Weights: read once, L1::no_allocate so they do not evict the activation that all warps of an SM share.
 __device__ __forceinline__ int4 load_weights16(const int8_t* p) {
   int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
@@ -48,8 +61,21 @@ __device__ __forceinline__ int4 load_weights16(const int8_t* p) {
 
 __device__ __forceinline__ float load_weight_scale(const __half* p) {
   unsigned short bits;
-  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(bits) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.u16 %0, [%1];" : "=h"(bits) : "l"(p));
   return __half2float(__ushort_as_half(bits));
+}
+
+// Activations: L1-allocating (the default), read after the wait.
+__device__ __forceinline__ int4 load_act16(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float load_act_scale(const float* p) {
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
 }
 
 __device__ __forceinline__ int dot16_i8(int4 w, int4 x) {
@@ -81,217 +107,307 @@ __device__ __forceinline__ float dot16_f32(int4 w, const float4 (&x)[4]) {
   return (s0 + s1) + (s2 + s3);
 }
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
+// What a lane holds of one row of x for one 16-byte chunk c (16 weights, half of block c / 2).
+template <Q8Act ACT>
+struct XChunk;
+template <>
+struct XChunk<Q8Act::F32> {
+  float4 v[4];
+};
+template <>
+struct XChunk<Q8Act::Int8> {
+  int4 q;
+  float d;
+};
+template <>
+struct XChunk<Q8Act::Int8x2> {
+  int4 q, lo;
+  float d;
+};
 
-// Block = 4 warps. SPLIT warps share a row's K range (pieces interleaved, so the block reads one contiguous
-// span), ROWS rows per warp share each activation load. A warp loads PIECES pieces of each of its rows,
-// then consumes them, then loads the next PIECES.
-template <Q8Act ACT, int TOKENS, int PIECES, int SPLIT, int ROWS>
-__global__ void __launch_bounds__(kThreads) q8_0_gemv_kernel(const Q8GemvArgs a) {
-  static_assert(kWarps % SPLIT == 0, "SPLIT must divide the warps of a block");
-  constexpr int kRowsPerBlock = (kWarps / SPLIT) * ROWS;
-  pdl_allow_successor();
+// A lane's place in one row of x: its chunk of the current piece. at(u) loads the chunk u pieces on.
+template <Q8Act ACT>
+struct XCursor {
+  const int4* q;   // Int8 lanes: x_q (16 bytes a chunk); F32: x (64 bytes a chunk, as four int4)
+  const int4* lo;  // Int8x2: x_q_lo
+  const float* d;  // Int8 lanes: x_d, the block of this lane's chunk
+  static constexpr int kChunkInt4 = ACT == Q8Act::F32 ? 4 : 1;
 
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int part = warp % SPLIT;
-  const int row0 = blockIdx.x * kRowsPerBlock + (warp / SPLIT) * ROWS;
-  const int t0 = blockIdx.y * TOKENS;
-  const int chunks = a.K >> 4;            // 16-byte chunks per row
-  const int pieces = (chunks + 31) >> 5;  // 512-byte pieces per row (the last may be partial)
-  const int my_pieces = pieces > part ? (pieces - part + SPLIT - 1) / SPLIT : 0;  // pieces part + SPLIT*j
-  const int blocks_per_row = a.K >> 5;
-
-  using Acc = std::conditional_t<ACT == Q8Act::F32, float, double>;
-  auto result = [](Acc v) {
-    if constexpr (ACT == Q8Act::Int8x2) return static_cast<float>(v / 127.0);
-    return static_cast<float>(v);
-  };
-  int4 w[PIECES][ROWS];
-  float wd[PIECES][ROWS];
-  Acc acc[ROWS][TOKENS];
+  __device__ __forceinline__ XChunk<ACT> at(int u) const {
+    XChunk<ACT> x;
+    if constexpr (ACT == Q8Act::F32) {
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-    for (int t = 0; t < TOKENS; ++t) acc[r][t] = Acc(0);
-
-  auto load_batch = [&](int j0) {
-#pragma unroll
-    for (int u = 0; u < PIECES; ++u) {
-      const int c = (part + SPLIT * (j0 + u)) * 32 + lane;
-      const bool in_row = j0 + u < my_pieces && c < chunks;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const size_t row = static_cast<size_t>(row0 + r);
-        if (in_row && row0 + r < a.N) {
-          w[u][r] = load_weights16(a.weight_q + row * a.K + static_cast<size_t>(c) * 16);
-          wd[u][r] = load_weight_scale(a.weight_d + row * blocks_per_row + (c >> 1));
-        } else {
-          w[u][r] = make_int4(0, 0, 0, 0);
-          wd[u][r] = 0.f;
-        }
+      for (int i = 0; i < 4; ++i) {
+        const int4 v = load_act16(q + u * 32 * kChunkInt4 + i);
+        x.v[i] = make_float4(__int_as_float(v.x), __int_as_float(v.y), __int_as_float(v.z), __int_as_float(v.w));
       }
+    } else {
+      x.q = load_act16(q + u * 32);
+      if constexpr (ACT == Q8Act::Int8x2) x.lo = load_act16(lo + u * 32);
+      x.d = load_act_scale(d + u * 16);
     }
-  };
-
-  // No branches on piece validity here: every activation load is issued (from a clamped, always-legal
-  // address) and masked by a select, so the compiler hoists all of a batch's loads ahead of the math
-  // instead of paying one L1 round trip per piece. Masked pieces carry zero weights and scales.
-  auto compute_batch = [&](int j0) {
-#pragma unroll
-    for (int t = 0; t < TOKENS; ++t) {
-      if (t0 + t < a.T) {  // block-uniform
-        const size_t tok = static_cast<size_t>(t0 + t);
-#pragma unroll
-        for (int u = 0; u < PIECES; ++u) {
-          const int c_raw = (part + SPLIT * (j0 + u)) * 32 + lane;
-          const bool in_row = j0 + u < my_pieces && c_raw < chunks;
-          const size_t c = in_row ? static_cast<size_t>(c_raw) : 0;
-          if constexpr (ACT == Q8Act::F32) {
-            const float* x_row = static_cast<const float*>(a.x) + tok * a.x_stride;
-            const float4* xp = reinterpret_cast<const float4*>(x_row + c * 16);
-            float4 x[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float4 v = __ldg(xp + i);
-              x[i] = in_row ? v : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) acc[r][t] = fmaf(dot16_f32(w[u][r], x), wd[u][r], acc[r][t]);
-          } else {
-            const int8_t* x_row = static_cast<const int8_t*>(a.x) + tok * a.x_stride;
-            const int4 xq = __ldg(reinterpret_cast<const int4*>(x_row + c * 16));
-            int4 xlo = make_int4(0, 0, 0, 0);
-            if constexpr (ACT == Q8Act::Int8x2)
-              xlo = __ldg(reinterpret_cast<const int4*>(a.x_lo + tok * a.x_lo_stride + c * 16));
-            // Both lanes of a block hold its full int32 sum after the shuffle; only the even one adds it
-            // (a select, not a branch, so the batch's loads stay hoistable).
-            const float xd_raw = __ldg(a.x_d + tok * a.x_d_stride + (c >> 1));
-            const float xd = in_row && !(lane & 1) ? xd_raw : 0.f;
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-              int hi = dot16_i8(w[u][r], xq);
-              hi += __shfl_xor_sync(0xffffffffu, hi, 1);  // the block's other 16 weights
-              const double scale = static_cast<double>(wd[u][r]) * static_cast<double>(xd);  // exact
-              if constexpr (ACT == Q8Act::Int8) {
-                acc[r][t] = fma(static_cast<double>(hi), scale, acc[r][t]);
-              } else {
-                int lo = dot16_i8(w[u][r], xlo);
-                lo += __shfl_xor_sync(0xffffffffu, lo, 1);
-                // 127 (hi + lo/127), exact in int32 (|.| < 2^27); the 1/127 is applied once at the end
-                // (a double division per block measured 67% -> 52% of the read probe at 16384 x 5120).
-                acc[r][t] = fma(static_cast<double>(127 * hi + lo), scale, acc[r][t]);
-              }
-            }
-          }
-        }
-      }
-    }
-  };
-
-  load_batch(0);
-  pdl_wait_for_predecessor();  // weights are constant; the activation and `out` belong to the predecessor
-  for (int j0 = 0; j0 < my_pieces; j0 += PIECES) {
-    compute_batch(j0);
-    if (j0 + PIECES < my_pieces) load_batch(j0 + PIECES);
+    return x;
   }
+  __device__ __forceinline__ void advance(int pieces) {
+    q += pieces * 32 * kChunkInt4;
+    if constexpr (ACT == Q8Act::Int8x2) lo += pieces * 32;
+    if constexpr (ACT != Q8Act::F32) d += pieces * 16;
+  }
+};
 
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-    for (int t = 0; t < TOKENS; ++t) {
-      Acc v = acc[r][t];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      acc[r][t] = v;
-    }
+// The same for the weight row: 16 quants and the block scale of this lane's chunk.
+struct WCursor {
+  const int8_t* q;
+  const __half* d;
+  __device__ __forceinline__ int4 quants(int u) const { return load_weights16(q + u * 512); }
+  __device__ __forceinline__ float scale(int u) const { return load_weight_scale(d + u * 16); }
+  __device__ __forceinline__ void advance(int pieces) {
+    q += pieces * 512;
+    d += pieces * 16;
+  }
+};
 
-  if constexpr (SPLIT == 1) {
-    if (lane == 0) {
+template <Q8Act ACT>
+__device__ __forceinline__ XChunk<ACT> zero_x() {
+  XChunk<ACT> x;
+  if constexpr (ACT == Q8Act::F32) {
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-        for (int t = 0; t < TOKENS; ++t)
-          if (row0 + r < a.N && t0 + t < a.T)
-            a.out[static_cast<size_t>(t0 + t) * a.out_stride + row0 + r] = result(acc[r][t]);
-    }
+    for (int i = 0; i < 4; ++i) x.v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   } else {
-    __shared__ Acc partial[kWarps][ROWS][TOKENS];
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-        for (int t = 0; t < TOKENS; ++t) partial[warp][r][t] = acc[r][t];
-    }
-    __syncthreads();
-    constexpr int kOutputs = kRowsPerBlock * TOKENS;
-    if (threadIdx.x < kOutputs) {
-      const int group = threadIdx.x / (ROWS * TOKENS);
-      const int r = (threadIdx.x / TOKENS) % ROWS;
-      const int t = threadIdx.x % TOKENS;
-      Acc v = partial[group * SPLIT][r][t];
-#pragma unroll
-      for (int s = 1; s < SPLIT; ++s) v += partial[group * SPLIT + s][r][t];  // fixed order: same bits every run
-      const int row = blockIdx.x * kRowsPerBlock + group * ROWS + r;
-      if (row < a.N && t0 + t < a.T) a.out[static_cast<size_t>(t0 + t) * a.out_stride + row] = result(v);
-    }
+    x.q = make_int4(0, 0, 0, 0);
+    if constexpr (ACT == Q8Act::Int8x2) x.lo = x.q;
+    x.d = 0.f;
   }
-}
-
-template <Q8Act ACT, int TOKENS, int PIECES, int SPLIT, int ROWS>
-cudaError_t launch(const Q8GemvArgs& a, bool pdl, cudaStream_t stream) {
-  constexpr int kRowsPerBlock = (kWarps / SPLIT) * ROWS;
-  const unsigned grid_y = static_cast<unsigned>((a.T + TOKENS - 1) / TOKENS);
-  if (grid_y > 65535u) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>((a.N + kRowsPerBlock - 1) / kRowsPerBlock), grid_y);
-  return launch_maybe_pdl(q8_0_gemv_kernel<ACT, TOKENS, PIECES, SPLIT, ROWS>, grid, dim3(kThreads), 0, stream, pdl,
-                          a);
-}
-
-// 2 <= T < the GEMM's threshold (a verify batch, a short prompt): the shape's decode config with TOKENS
-// rows sharing each weight load, so the weights stream once per TOKENS rows.
-template <Q8Act ACT, int TOKENS>
-cudaError_t launch_rows(const Q8GemvArgs& a, bool pdl, cudaStream_t stream) {
-  const Q8GemvConfig cfg = q8_0_gemv_default_config(ACT, a.N, a.K, 1);
-  if (cfg.pieces == 2 && cfg.split == 1 && cfg.rows == 4) return launch<ACT, TOKENS, 2, 1, 4>(a, pdl, stream);
-  if (cfg.pieces == 4 && cfg.split == 4 && cfg.rows == 1) return launch<ACT, TOKENS, 4, 4, 1>(a, pdl, stream);
-  return launch<ACT, TOKENS, 4, 1, 2>(a, pdl, stream);
+  return x;
 }
 
 template <Q8Act ACT>
-cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
-  if (a.T == 2) return launch_rows<ACT, 2>(a, pdl, stream);
-  if (a.T > 2) return launch_rows<ACT, 4>(a, pdl, stream);
-#define QWEN38_Q8_GEMV_DISPATCH(P, S, R) \
-  if (cfg.pieces == P && cfg.split == S && cfg.rows == R) return launch<ACT, 1, P, S, R>(a, pdl, stream);
+using Acc = std::conditional_t<ACT == Q8Act::F32, float, double>;
+
+// Where part q's partial sum lives. f32: in slot q of every lane (each lane has its own 16 products). Int
+// lanes: a block's sum is formed on both lanes of its pair and added by one of them, so the pair holds the
+// parts between its two lanes -- slot q % kSlots of the even (q < kSlots) or the odd lane -- and half the
+// registers hold all PARTS sums. The value is the same as if the even lane held them all: the odd lane of
+// pair m adds exactly what the even lane would, and a butterfly over the odd lanes (xor 16, 8, 4, 2) pairs
+// them as the one over the even lanes does.
+template <Q8Act ACT, int PARTS>
+constexpr int kSlots = ACT == Q8Act::F32 ? PARTS : (PARTS + 1) / 2;
+
+// Adds one chunk's 16 products to the partial sum `acc` of this lane. The int lanes shuffle (all 32 lanes
+// must be here); `adds` says whether this lane is the one of its pair that adds the block to this part.
+template <Q8Act ACT>
+__device__ __forceinline__ void accumulate(Acc<ACT>& acc, int4 w, float wd, const XChunk<ACT>& x, bool adds) {
+  if constexpr (ACT == Q8Act::F32) {
+    acc = fmaf(dot16_f32(w, x.v), wd, acc);
+  } else {
+    int hi = dot16_i8(w, x.q);
+    hi += __shfl_xor_sync(0xffffffffu, hi, 1);  // the block's other 16 weights
+    if constexpr (ACT == Q8Act::Int8) {
+      const float scale = adds ? wd * x.d : 0.f;  // exact: two fp16 values
+      acc = fma(static_cast<double>(hi), static_cast<double>(scale), acc);
+    } else {
+      int lo = dot16_i8(w, x.lo);
+      lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+      const double scale = adds ? static_cast<double>(wd) * static_cast<double>(x.d) : 0.0;  // exact
+      acc = fma(static_cast<double>(127 * hi + lo), scale, acc);
+    }
+  }
+}
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+
+// Blocks per SM the register budget is cut for: 5 at T = 1 (<= 48 registers, 40 warps per SM). The T-row
+// forms hold TOKENS chunks of x and TOKENS x slots sums per lane; these counts are the most blocks whose
+// register share holds them without spilling in the loop (ptxas -v, CUDA 13.0).
+template <Q8Act ACT, int TOKENS>
+constexpr int kMinBlocks = TOKENS == 1 ? 5
+                           : ACT == Q8Act::Int8 ? (TOKENS == 2 ? 4 : 3)
+                           : ACT == Q8Act::Int8x2 ? (TOKENS == 2 ? 3 : 2)
+                                                   : (TOKENS == 2 ? 4 : 2);
+
+// Warp w of block b owns weight row 8b + w, for TOKENS rows of x (t0 = TOKENS * blockIdx.y onwards).
+template <Q8Act ACT, int TOKENS, int TRIP, int PARTS>
+__global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv_kernel(const Q8GemvArgs a) {
+  // Pieces are consumed in steps of kStep, in which piece p0 + u belongs to part u % PARTS (p0 a multiple of
+  // kStep): the part, and so the slot, is known at compile time.
+  constexpr int kStep = TRIP > PARTS ? TRIP : PARTS;
+  static_assert(kStep % TRIP == 0 && kStep % PARTS == 0, "TRIP and PARTS must be powers of two");
+  constexpr int kSlot = kSlots<ACT, PARTS>;
+  pdl_allow_successor();
+
+  const int lane = threadIdx.x & 31;
+  const int parity = ACT == Q8Act::F32 ? 0 : lane & 1;
+  const int row_id = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const size_t row = static_cast<size_t>(row_id < a.N ? row_id : a.N - 1);
+  const int t0 = blockIdx.y * TOKENS;
+  const int chunks = a.K >> 4;            // 16-byte chunks per row
+  const int pieces = (chunks + 31) >> 5;  // 512-byte pieces per row; the last may be partial
+  const int whole_steps_end = ((chunks >> 5) / kStep) * kStep;  // pieces [0, this) come in whole steps
+
+  WCursor wc{a.weight_q + row * a.K + lane * 16, a.weight_d + row * (a.K >> 5) + (lane >> 1)};
+  XCursor<ACT> xc[TOKENS];
+#pragma unroll
+  for (int t = 0; t < TOKENS; ++t) {
+    const size_t tok = static_cast<size_t>(t0 + t < a.T ? t0 + t : a.T - 1);  // rows past T: recomputed, not stored
+    if constexpr (ACT == Q8Act::F32) {
+      xc[t].q = reinterpret_cast<const int4*>(static_cast<const float*>(a.x) + tok * a.x_stride) + lane * 4;
+    } else {
+      xc[t].q = reinterpret_cast<const int4*>(static_cast<const int8_t*>(a.x) + tok * a.x_stride) + lane;
+      xc[t].d = a.x_d + tok * a.x_d_stride + (lane >> 1);
+      if constexpr (ACT == Q8Act::Int8x2) xc[t].lo = reinterpret_cast<const int4*>(a.x_lo + tok * a.x_lo_stride) + lane;
+    }
+  }
+
+  Acc<ACT> acc[kSlot][TOKENS];
+#pragma unroll
+  for (int i = 0; i < kSlot; ++i)
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) acc[i][t] = Acc<ACT>(0);
+  // Adds piece u of a step (part u % PARTS) for every row of x.
+  auto add_piece = [&](int u, int4 w, float wd, const XChunk<ACT>(&x)[TOKENS]) {
+    const int part = u % PARTS;
+    const bool adds = ACT == Q8Act::F32 || part / kSlot == parity;
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) accumulate<ACT>(acc[part % kSlot][t], w, wd, x[t], adds);
+  };
+
+  int4 w[TRIP];
+  float wd[TRIP];
+  auto load_weights = [&](int s) {
+#pragma unroll
+    for (int u = 0; u < TRIP; ++u) {
+      w[u] = wc.quants(s + u);
+      wd[u] = wc.scale(s + u);
+    }
+  };
+  // One step of whole pieces from the cursors' place; its first trip's weights are already in w, wd when
+  // `first_loaded` (a constant at each call, so no branch is left between a trip's loads).
+  auto step = [&](bool first_loaded) {
+#pragma unroll
+    for (int s = 0; s < kStep; s += TRIP) {
+      if (!(first_loaded && s == 0)) load_weights(s);
+      XChunk<ACT> x[TRIP][TOKENS];
+#pragma unroll
+      for (int u = 0; u < TRIP; ++u)
+#pragma unroll
+        for (int t = 0; t < TOKENS; ++t) x[u][t] = xc[t].at(s + u);
+#pragma unroll
+      for (int u = 0; u < TRIP; ++u) add_piece(s + u, w[u], wd[u], x[u]);
+    }
+    wc.advance(kStep);
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) xc[t].advance(kStep);
+  };
+
+  // PDL wait: before it, only the first trip's weights and scales (constants) are loaded; x, x_d and out
+  // may belong to the predecessor.
+  if (whole_steps_end > 0) load_weights(0);
+  pdl_wait_for_predecessor();
+  if (whole_steps_end > 0) step(true);
+  for (int p0 = kStep; p0 < whole_steps_end; p0 += kStep) step(false);
+
+  // The tail: fewer than kStep whole pieces and the partial last piece, one piece at a time; lanes past the
+  // row's end load nothing and add zero.
+#pragma unroll
+  for (int u = 0; u < kStep; ++u) {
+    if (whole_steps_end + u < pieces) {  // warp-uniform
+      int4 wt = make_int4(0, 0, 0, 0);
+      float wdt = 0.f;
+      XChunk<ACT> xt[TOKENS];
+#pragma unroll
+      for (int t = 0; t < TOKENS; ++t) xt[t] = zero_x<ACT>();
+      if ((whole_steps_end + u) * 32 + lane < chunks) {
+        wt = wc.quants(u);
+        wdt = wc.scale(u);
+#pragma unroll
+        for (int t = 0; t < TOKENS; ++t) xt[t] = xc[t].at(u);
+      }
+      add_piece(u, wt, wdt, xt);
+    }
+  }
+
+  // Each slot's lane sums by an xor butterfly (every lane of a parity ends with the same total; the int
+  // lanes keep the two parities apart), then the parts in order.
+#pragma unroll
+  for (int t = 0; t < TOKENS; ++t) {
+    Acc<ACT> part[PARTS];
+#pragma unroll
+    for (int i = 0; i < kSlot; ++i) {
+      Acc<ACT> v = acc[i][t];
+#pragma unroll
+      for (int o = 16; o >= (ACT == Q8Act::F32 ? 1 : 2); o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      part[i] = v;  // lane 0's parity: part i
+      if (kSlot < PARTS) part[kSlot + i] = __shfl_xor_sync(0xffffffffu, v, 1);  // the odd lanes' part
+    }
+    Acc<ACT> v = part[0];
+#pragma unroll
+    for (int q = 1; q < PARTS; ++q) v += part[q];
+    float y;
+    if constexpr (ACT == Q8Act::Int8x2) {
+      y = static_cast<float>(v / 127.0);
+    } else {
+      y = static_cast<float>(v);
+    }
+    if (lane == 2 * t && row_id < a.N && t0 + t < a.T) a.out[static_cast<size_t>(t0 + t) * a.out_stride + row] = y;
+  }
+}
+
+template <Q8Act ACT, int TOKENS, int TRIP, int PARTS>
+cudaError_t launch(const Q8GemvArgs& a, bool pdl, cudaStream_t stream) {
+  const unsigned grid_y = static_cast<unsigned>((a.T + TOKENS - 1) / TOKENS);
+  if (grid_y > 65535u) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((a.N + kWarps - 1) / kWarps), grid_y);
+  return launch_maybe_pdl(q8_0_gemv_kernel<ACT, TOKENS, TRIP, PARTS>, grid, dim3(kThreads), 0, stream, pdl, a);
+}
+
+template <Q8Act ACT, int TOKENS>
+cudaError_t launch_config(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
+#define QWEN38_Q8_GEMV_DISPATCH(TRIP, PARTS) \
+  if (cfg.trip == TRIP && cfg.parts == PARTS) return launch<ACT, TOKENS, TRIP, PARTS>(a, pdl, stream);
   QWEN38_Q8_GEMV_CONFIGS(QWEN38_Q8_GEMV_DISPATCH)
 #undef QWEN38_Q8_GEMV_DISPATCH
   return cudaErrorInvalidValue;
 }
 
+// T >= 2 (a verify batch, a short prompt): 2 or 4 rows of x share each weight load, with the T = 1 config
+// (its PARTS, so every row gets the T = 1 bits).
+template <Q8Act ACT>
+cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
+  if (a.T == 1) return launch_config<ACT, 1>(a, cfg, pdl, stream);
+  if (a.T == 2) return launch_config<ACT, 2>(a, cfg, pdl, stream);
+  return launch_config<ACT, 4>(a, cfg, pdl, stream);
+}
+
 }  // namespace
 
-// Chosen from the config sweep of benchmarks/ops/bench_q8_gemv.py on the H200 (2026-11-29, PDL on, commit
-// 3a455de, after the int lanes moved to double accumulation):
-// N > 8192: 2 pieces x 4 rows per warp was the fastest in every lane (int8 72-98%, int8x2 63-94%, f32 60-78%
-// of the read probe, against 70-96 / 60-89 / 47-65% for the 4 x 2 chosen before the switch to double);
-// N <= 8192 (the 5120-row output projections): int lanes: 4 warps sharing a row's K range (int8 56% / 66% at
-// K = 6144 / 17408); f32: 4 pieces x 2 rows (bound by activation loads and float math).
-Q8GemvConfig q8_0_gemv_default_config(Q8Act act, int N, int K, int T) {
-  (void)K, (void)T;
-  if (N > 8192) return Q8GemvConfig{2, 1, 4};
-  if (act != Q8Act::F32) return Q8GemvConfig{4, 4, 1};
-  return Q8GemvConfig{4, 1, 2};
+// trip: 2 pieces for the int lanes (decode-gap.md: 2-piece trips measured best; 4 spilled at 48 registers
+// and lost 3-6 points); 1 for f32, whose 64-byte activation chunks would need 32 registers a trip.
+// parts: the order of the previous form of this kernel, so the int lanes keep their bits: it split the rows
+// of N <= 8192 over 4 warps by piece (p % 4) and added the 4 warp sums in order; above, one warp per row.
+Q8GemvConfig q8_0_gemv_default_config(Q8Act act, int N) {
+  Q8GemvConfig cfg;
+  cfg.trip = act == Q8Act::F32 ? 1 : 2;
+  cfg.parts = act != Q8Act::F32 && N <= 8192 ? 4 : 1;
+  return cfg;
 }
 
 bool q8_0_gemv_config_from_env(Q8GemvConfig* cfg) {
-  const char* v = std::getenv("QWEN38_Q8_GEMV_CONFIG");
-  if (v == nullptr || v[0] == '\0') return false;
-  Q8GemvConfig parsed;
-  if (std::sscanf(v, "%d,%d,%d", &parsed.pieces, &parsed.split, &parsed.rows) != 3) return false;
-  *cfg = parsed;
-  return true;
+  struct Override {
+    bool set;
+    Q8GemvConfig cfg;
+  };
+  static const Override env = [] {
+    Override o{false, Q8GemvConfig{}};
+    const char* v = std::getenv("QWEN38_Q8_GEMV_CONFIG");
+    if (v == nullptr || v[0] == '\0') return o;
+    o.set = true;
+    int end = 0;
+    if (std::sscanf(v, "%d,%d%n", &o.cfg.trip, &o.cfg.parts, &end) != 2 || v[end] != '\0') o.cfg = Q8GemvConfig{0, 0};
+    return o;
+  }();
+  if (env.set) *cfg = env.cfg;
+  return env.set;
 }
 
 cudaError_t q8_0_gemv(Q8Act act, const Q8GemvArgs& args, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
