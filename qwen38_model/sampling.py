@@ -1,4 +1,5 @@
-"""Choosing the next token on the device: HF's logits processors, then a counter-based sample.
+"""Choosing the next token on the device: HF's logits processors, then a counter-based sample; and the
+speculative form, which selects up to k+1 tokens from the verify pass's logits at once.
 
 Everything here is torch ops on device tensors with no host synchronisation, so it runs inside the
 captured decode graph. The order is transformers' (generation/utils.py, _get_logits_processor):
@@ -15,6 +16,9 @@ import torch
 
 ops = torch.ops.qwen38
 MASK32 = 0xFFFFFFFF
+# select_speculative's accept uniforms take the step counters with bit 31 set: a stream disjoint from the
+# token noise's (step counters stay below 2^31), so accepting and drawing at one step are independent.
+ACCEPT_STREAM = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,9 @@ class SamplerState:
 
 
 def process_logits(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig) -> torch.Tensor:
-    """logits float32 [V] -> the processed scores transformers would sample from (or take the argmax of)."""
+    """logits float32 [V] -> the processed scores transformers would sample from (or take the argmax of).
+    Also rows: logits [R, V] with a state whose seen/generated are [R, V] and num_generated [R, 1], each
+    row processed alone (what select_speculative uses)."""
     scores = logits
     if cfg.repetition_penalty != 1.0:
         penalized = torch.where(scores < 0, scores * cfg.repetition_penalty, scores / cfg.repetition_penalty)
@@ -97,19 +103,19 @@ def process_logits(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig) -
     if cfg.temperature != 1.0:
         scores = scores / cfg.temperature
     if cfg.top_k > 0:
-        kth = torch.topk(scores, min(cfg.top_k, scores.shape[-1])).values[-1]
+        kth = torch.topk(scores, min(cfg.top_k, scores.shape[-1])).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if cfg.top_p < 1.0:
         sorted_scores, order = torch.sort(scores)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop_sorted = cumulative <= 1 - cfg.top_p
-        drop_sorted[-1:].fill_(False)  # the most likely token always stays
-        scores = scores.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+        drop_sorted[..., -1:].fill_(False)  # the most likely token always stays
+        scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     if cfg.min_p > 0.0:
         # transformers sorts to keep at least one token; the most likely one can never fall under
         # min_p * its own probability, so the plain comparison is the same filter.
         probs = scores.softmax(-1)
-        scores = scores.masked_fill(probs < cfg.min_p * probs.max(), float("-inf"))
+        scores = scores.masked_fill(probs < cfg.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return scores
 
 
@@ -123,7 +129,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Tensor:
     """Counter-based uniforms in (0, 1): a hash of (seed, step, index). Reproducible for a seed,
-    different per step, the same on CPU and GPU, and free of host round trips."""
+    different per step, the same on CPU and GPU, and free of host round trips. counter [1] gives [n];
+    counter [R, 1] gives [R, n], one step per row."""
     key = _mix32((_mix32(counter.long() & MASK32) ^ seed) & MASK32)
     index = torch.arange(n, device=seed.device, dtype=torch.int64)
     bits = _mix32(_mix32((index ^ key) & MASK32) ^ key)
@@ -144,3 +151,75 @@ def select_next_token(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig
     s.seen.index_fill_(0, token.long(), True)
     s.generated.index_fill_(0, token.long(), True)
     s.num_generated.add_(1)
+
+
+def _with_drafts(mask: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """mask bool [V], drafts int64 [k] -> bool [k+1, V]: row i is mask with d_1..d_i (drafts[:i]) added."""
+    k = drafts.shape[0]
+    steps = torch.arange(k + 1, device=mask.device)
+    earlier = steps[:k][None, :] < steps[:, None]  # [i, j]: d_{j+1} comes before row i
+    same = drafts[:, None] == drafts[None, :]
+    # scatter_ keeps an arbitrary one of repeated indices, so every entry of a token writes the same value:
+    # set in mask, or the token of some draft before the row.
+    value = mask.index_select(0, drafts)[None, :] | (earlier[:, :, None] & same[None]).any(1)
+    return mask.expand(k + 1, -1).clone().scatter_(1, drafts.expand(k + 1, k), value)
+
+
+def _draft_rows(s: SamplerState, drafts: torch.Tensor) -> SamplerState:
+    """The state row i of the verify logits is processed with: as if d_1..d_i had been generated."""
+    steps = torch.arange(drafts.shape[0] + 1, device=drafts.device)
+    return SamplerState(_with_drafts(s.seen, drafts), _with_drafts(s.generated, drafts), s.eos,
+                        (s.num_generated + steps)[:, None], s.seed, s.nonfinite)
+
+
+def select_speculative(logits: torch.Tensor, drafts: torch.Tensor, s: SamplerState, cfg: SamplingConfig,
+                       tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """Accept a prefix of the drafts d_1..d_k and select the token after it, from the verify pass's logits
+    float32 [k+1, V] (row i: the distribution after d_i, d_0 the last token). tokens int32 [k+1] <- t_0..t_a
+    then -1; num_accepted int32 [1] <- a (0..k); s advanced by the a+1 emitted tokens.
+
+    Greedy: t_i = argmax of row i, a = the number of leading drafts equal to them: token for token what
+    select_next_token gives step by step. Sampling: d_{i+1} is accepted with probability p_i(d_{i+1})
+    (p_i = softmax of processed row i); at the first rejection t_a is drawn from p_a without d_{a+1}, after
+    k acceptances from p_k. That is speculative sampling for a point-mass draft (the residual max(p - q, 0)
+    is p without the draft): each token follows the target distribution exactly. The draw is
+    select_next_token's (Gumbel-max on the noise of the same step), so drafts of probability 0 or 1 change
+    no token of plain sampling.
+
+    Device tensors only, no host synchronisation: it runs inside a captured graph."""
+    k = drafts.shape[0]
+    if logits.dim() != 2 or logits.shape[0] != k + 1 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be float32 [{k + 1}, V] for {k} drafts, found {logits.dtype} "
+                         f"{list(logits.shape)}")
+    for name, tensor, size in (("drafts", drafts, k), ("tokens", tokens, k + 1),
+                               ("num_accepted", num_accepted, 1)):
+        if tensor.dtype != torch.int32 or tensor.shape != (size,):
+            raise ValueError(f"{name} must be int32 [{size}], found {tensor.dtype} {list(tensor.shape)}")
+    draft = drafts.long()
+    rows = _draft_rows(s, draft)
+    scores = process_logits(logits, rows, cfg)
+    steps = torch.arange(k + 1, device=logits.device)
+    if cfg.do_sample:
+        p_draft = torch.exp(scores[:k].gather(1, draft[:, None])[:, 0] - torch.logsumexp(scores[:k], -1))
+        u = uniform_noise(s.seed, rows.num_generated[:k] + ACCEPT_STREAM, 1)[:, 0]
+        accepted = (u < p_draft).int().cumprod(0).sum()
+        # The draft after row a, taken out of the draw unless all k were accepted (then index 0, kept).
+        padded = torch.cat([draft, draft.new_zeros(1)])
+        removed = padded.index_select(0, accepted.view(1)).view(1, 1)  # never a host read of the index
+        row = scores.index_select(0, accepted.view(1))
+        row = row.scatter(1, removed, torch.where(accepted < k, float("-inf"), row.gather(1, removed)))
+        noise = uniform_noise(s.seed, s.num_generated + accepted, row.shape[-1])
+        sampled = torch.argmax(row[0] - torch.log(-torch.log(noise)))
+        emitted = torch.where(steps < accepted, padded, torch.where(steps == accepted, sampled, -1))
+    else:
+        best = scores.argmax(-1)  # the first maximal index, as argmax_advance
+        accepted = (draft == best[:k]).int().cumprod(0).sum()
+        emitted = torch.where(steps <= accepted, best, -1)
+    tokens.copy_(emitted)
+    num_accepted.copy_(accepted)
+    # Only rows 0..a chose a token: a NaN in a row after a rejection is never seen by the output.
+    s.nonfinite.logical_or_((~torch.isfinite(logits.sum(-1)) & (steps <= accepted)).any())
+    kept = torch.where(steps <= accepted, emitted, emitted[0])  # t_0 stands in for the -1 entries
+    s.seen.index_fill_(0, kept, True)
+    s.generated.index_fill_(0, kept, True)
+    s.num_generated.add_(accepted + 1)
