@@ -348,7 +348,6 @@ def test_cuda_graph_replay_equals_eager(cfg):
     """Captured (so no host synchronisation inside), replayed on new logits and drafts: bit for bit what
     eager computes, tokens, count and the whole sampler state, step after step."""
     k, vocab = 7, VOCAB_27B
-    g = torch.Generator().manual_seed(0)
     logits = torch.zeros(k + 1, vocab, device="cuda")
     drafts = torch.zeros(k, dtype=torch.int32, device="cuda")
     tokens = torch.zeros(k + 1, dtype=torch.int32, device="cuda")
@@ -356,15 +355,17 @@ def test_cuda_graph_replay_equals_eager(cfg):
     graph_state = new_state(vocab, [12, 40, 13], 9, cfg, "cuda")
     start = copy_state(graph_state)
     graph = capture(lambda: select_speculative(logits, drafts, graph_state, cfg, tokens, accepted))
-    for name in ("seen", "generated", "num_generated", "nonfinite"):
-        getattr(graph_state, name).copy_(getattr(start, name))  # undo the warm-up and the capture
+    for f in dataclasses.fields(start):
+        getattr(graph_state, f.name).copy_(getattr(start, f.name))  # undo the warm-up's step
     eager_state = copy_state(start)
     counts = set()
     for step in range(6):
         rows = greedy_logits(k, vocab, step, "cuda")
-        # Drafts: the raw argmax of each row (the penalties make some wrong), one forced wrong.
-        guess = rows.argmax(-1)[:k].to(torch.int32)
-        guess[(step * 3) % k] += 1
+        # Drafts: the plain run's tokens from here, one made wrong (greedy then accepts exactly up to it).
+        wrong = (step * 3) % k
+        guess = torch.tensor(plain_tokens(rows[:k], copy_state(eager_state), cfg), dtype=torch.int32)
+        guess[wrong] = (guess[wrong] + 1) % vocab
+        guess = guess.cuda()
         logits.copy_(rows)
         drafts.copy_(guess)
         tokens.fill_(-7)
@@ -380,5 +381,7 @@ def test_cuda_graph_replay_equals_eager(cfg):
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(tokens, eager_tokens) and torch.equal(accepted, eager_accepted)
         assert_same_state(graph_state, eager_state)
+        if not cfg.do_sample:
+            assert int(accepted) == wrong
         counts.add(int(accepted))
     assert len(counts) > 1
