@@ -416,3 +416,35 @@ def test_mtp_on_gpu(files, ids, lane):
     print(f"GPU {lane}: MTPBlock.forward row by row vs teacher-forced: rel L2 {step_err:.2e}")
     # int8: GEMV and GEMM may round a later activation to the other q8_0 level (test_cuda_decode.py).
     assert step_err <= {"f32": 1e-5, "int8x2": 1e-3, "int8": max(2 * trunk_err, 1e-3)}[lane]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lane, bar", [("f32", 1e-5), ("int8x2", 1e-3)])
+def test_mtp_at_the_27b_shape_on_gpu(lane, bar):
+    """The block at the real shape (D 5120, 24/4 heads of 256, FFN 17408, the 248320-row shared head;
+    synthetic Q8_0 weights, one trunk layer): teacher-forced over 5 pairs (GEMV rows, prefill attention)
+    equals the block row by row (decode attention), the block's cache poisoned with NaN first."""
+    import dataclasses
+
+    from benchmarks.decode import QWEN38_27B, SyntheticQ8Checkpoint
+    from qwen38_model.config import ATTENTION
+
+    config = dataclasses.replace(QWEN38_27B, layer_types=(ATTENTION,), num_mtp_layers=1)
+    with torch.no_grad():
+        model = Qwen38ForCausalLM(config, SyntheticQ8Checkpoint(config), "cuda", torch.bfloat16, None, lane).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
+    out = model(ids, state=poisoned_state(model, 6), return_mtp_logits=True)
+    assert bool(torch.isfinite(out.mtp_logits).all())
+    scratch = Scratch("cuda")
+    state = poisoned_state(model, 6)
+    tokens = ids[0].to("cuda", torch.int32)
+    positions = state.reserve(6)
+    normed = model.final_norm(*model.trunk(tokens, positions, state, scratch), scratch).x.clone()
+    rows = []
+    for t in range(5):
+        act = model.mtp(normed[t : t + 1], tokens[t + 1 : t + 2], positions[t : t + 1], state.mtp_cache, scratch)
+        rows.append(model.lm_head(act, scratch).clone())
+    err = rel_l2(torch.cat(rows), out.mtp_logits[0])
+    print(f"GPU 27B shape, {lane}: MTP row by row vs teacher-forced: rel L2 {err:.2e}")
+    assert err <= bar
