@@ -32,7 +32,7 @@ import torch
 from benchmarks.decode import build_model
 from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
 from qwen38_model import Conversation, PrefixCache, Qwen38ForCausalLM, StateSnapshot
-from qwen38_model.state import KVCache
+from qwen38_model.state import GDNState
 from qwen38_model.synthetic import default_model_path
 
 TINY = dict(history=48, message=8, turns=3, reply=4, repeats=2)
@@ -102,13 +102,14 @@ def snapshot_costs(model, snapshot: StateSnapshot, capacity: int, kv_dtype, repe
     """Size and timings of a snapshot of `snapshot.position` tokens, restored into a state of its own."""
     state = model.new_state(capacity, kv_dtype)
     state.restore(snapshot)
-    kv = sum(a.numel() * a.element_size() + b.numel() * b.element_size()
-             for layer, (a, b) in zip(state.layers, snapshot.layers) if isinstance(layer, KVCache))
+    recurrent = sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                    for layer, (a, b) in zip(state.layers, snapshot.layers) if isinstance(layer, GDNState))
     host = snapshot.to_host()
     path = folder / "snapshot.safetensors"
     snapshot.save(path)  # the timed saves overwrite a file that exists, like a repeated /save
     disk_repeats = min(repeats, 3)
-    r = dict(position=snapshot.position, bytes=snapshot.nbytes, kv_bytes=kv, recurrent_bytes=snapshot.nbytes - kv,
+    r = dict(position=snapshot.position, bytes=snapshot.nbytes, kv_bytes=snapshot.nbytes - recurrent,
+             recurrent_bytes=recurrent,
              snapshot_s=median_seconds(state.snapshot, repeats, sync),
              restore_gpu_s=median_seconds(lambda: state.restore(snapshot), repeats, sync),
              to_host_s=median_seconds(snapshot.to_host, repeats, sync),
@@ -228,16 +229,16 @@ def main(argv=None) -> dict:
 
     print_table(rows, ["turn", "history", "prefilled", "conversation_ms", "prefix_cache_ms", "no_reuse_ms",
                        "no_history_ms", "ratio", "speedup"],
-                title=f"time to first token on {env.get('gpu', 'cpu')} (+{args.message} tokens a turn, KV {args.kv_dtype}, "
-                      f"{args.lane} lane{', tiny: figures mean nothing' if args.tiny else ''})")
+                title=f"time to first token on {env.get('gpu', 'cpu')} (+{args.message} tokens a turn, KV "
+                      f"{args.kv_dtype}, {args.lane} lane{', tiny: figures mean nothing' if args.tiny else ''})")
     print_table([dict(what=k, value=v) for k, v in snapshot.items()], ["what", "value"],
                 title=f"snapshot of {snapshot['position']} tokens")
     print(f"turn 1 ({args.history} tokens prefilled): {results['turn1']['ttft_s'] * 1e3:.1f} ms to the first token; "
           f"worst ratio to no history {worst:.3f} (target <= {TARGET_TTFT_RATIO}); restore from the GPU "
           f"{snapshot['restore_gpu_s'] * 1e3:.2f} ms (target <= {TARGET_RESTORE_S * 1e3:.0f} ms)")
     a = results["after_stop"]
-    print(f"after a reply of {a['reply']} tokens ended by a stop token: the next turn prefilled {a['prefilled']} tokens "
-          f"(+{args.message} of its own), {a['ttft_s'] * 1e3:.1f} ms to the first token")
+    print(f"after a reply of {a['reply']} tokens ended by a stop token: a {args.message}-token turn prefilled "
+          f"{a['prefilled']} tokens, {a['ttft_s'] * 1e3:.1f} ms to the first token")
     write_json(args.json or (None if args.tiny else default_result_path(env, "conversation")), results)
     return results
 

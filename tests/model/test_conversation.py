@@ -180,7 +180,8 @@ def test_conversation_benchmark_runs_tiny(tmp_path):
         assert turn["conversation"]["prefilled"] == turn["prefix_cache"]["prefilled"] == TINY["message"] + 1
         assert turn["no_reuse"]["prefilled"] == turn["history"] + TINY["message"]
     snapshot = results["snapshot"]
-    assert snapshot["position"] == TINY["history"] + (TINY["turns"] - 1) * TINY["message"] + TINY["turns"] * TINY["reply"] - 1
+    turns, message, reply = TINY["turns"], TINY["message"], TINY["reply"]
+    assert snapshot["position"] == TINY["history"] + (turns - 1) * message + turns * reply - 1
     assert 0 < snapshot["kv_bytes"] < snapshot["bytes"] <= snapshot["file_bytes"]
 
 
