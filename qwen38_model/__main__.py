@@ -142,6 +142,10 @@ def add_generation_options(g: argparse.ArgumentParser, max_new_tokens: int) -> N
     g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV cache dtype")
     g.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
+    g.add_argument("--speculative", choices=["mtp"], help="speculative decoding: the checkpoint's MTP block drafts, "
+                   "one pass verifies (same output as without it)")
+    g.add_argument("--num-draft-tokens", type=int, default=3, metavar="K", help="with --speculative: tokens drafted "
+                   "per step (the most; fewer while drafts are rejected)")
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -266,8 +270,8 @@ def memory_line(model) -> str:
     # The decode engine of the last generate() holds the state: fixed-size buffers, allocated once.
     state = model._engine.state
     kv = gdn = 0
-    for layer in state.layers:
-        size = sum(t.numel() * t.element_size() for t in vars(layer).values())
+    for layer in state.layers + ([state.mtp_cache] if state.mtp_cache is not None else []):
+        size = sum(t.numel() * t.element_size() for t in state.tensors(layer))
         if isinstance(layer, KVCache):
             kv += size
         else:
@@ -369,7 +373,8 @@ def generation_kwargs(args: argparse.Namespace, sampling: dict, tokenizer) -> di
     return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=temperature > 0,
                 temperature=temperature or 1.0, **sampling, presence_penalty=args.presence_penalty,
                 stop_strings=args.stop or None, tokenizer=tokenizer, max_seq_len=args.max_context,
-                kv_dtype=KV_DTYPES[args.kv_dtype], use_graph=False if args.eager else None)
+                kv_dtype=KV_DTYPES[args.kv_dtype], use_graph=False if args.eager else None,
+                speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
 
 
 def chat(args: argparse.Namespace) -> None:
@@ -536,7 +541,8 @@ def serve(args: argparse.Namespace) -> None:
     path, device, tokenizer = model_source(args)
     model = load_model(args, path, device)
     server = Server(model, tokenizer, path.name, args.max_context, args.max_queue, int(args.cache_gb * 1e9),
-                    kv_dtype=KV_DTYPES[args.kv_dtype], use_graph=False if args.eager else None)
+                    kv_dtype=KV_DTYPES[args.kv_dtype], use_graph=False if args.eager else None,
+                speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
     sys.stderr.write(f"serving {path.name} on http://{args.host}:{args.port}/v1\n")
     uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
 

@@ -86,6 +86,7 @@ class DecodeEngine:
             with torch.cuda.graph(graph):
                 self.step(cfg)
             self.graphs[cfg] = graph
+            self.scratch.freeze()
         return self.graphs[cfg]
 
     def reset(self, history: torch.Tensor, seed: int, cfg: SamplingConfig, start: StateSnapshot | None = None) -> None:

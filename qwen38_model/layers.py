@@ -117,19 +117,23 @@ class GatedDeltaNet(nn.Module):
     def input_lane(self) -> str | None:
         return input_lane(self.qkvz, self.ba)
 
-    def forward(self, act: Activation, state: GDNState, positions: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    def forward(self, act: Activation, state: GDNState, positions: torch.Tensor, scratch: Scratch,
+                keep_token_states: bool = False) -> torch.Tensor:
+        """keep_token_states: also write the state after each token into state.token_conv/token_recurrent."""
         c = self.config
         rows = act.x.shape[0]
+        token_conv = state.token_conv[:rows] if keep_token_states else None
+        token_recurrent = state.token_recurrent[:rows] if keep_token_states else None
         qkvz = self.qkvz(act, scratch)
         ba = self.ba(act, scratch)
         conv = scratch.empty(self, "conv", (rows, c.conv_dim))
         ops.gdn_conv(qkvz[:, : c.conv_dim], state.conv, self.conv_weight, c.linear_num_key_heads,
-                     c.linear_key_head_dim, conv)
+                     c.linear_key_head_dim, conv, token_conv)
         beta = scratch.empty(self, "beta", (rows, c.linear_num_value_heads))
         decay = scratch.empty(self, "decay", (rows, c.linear_num_value_heads))
         ops.gdn_gates(ba, self.a_neg, self.dt_bias, beta, decay)
         core = scratch.empty(self, "core", (rows, c.linear_num_value_heads, c.linear_value_head_dim))
-        ops.gdn_recurrent(conv, beta, decay, state.recurrent, core)
+        ops.gdn_recurrent(conv, beta, decay, state.recurrent, core, token_recurrent)
         out = scratch.activation(self, "normed", rows, c.linear_value_dim, input_lane(self.out_proj))
         ops.gated_rms_norm(core.view(rows, -1), qkvz[:, c.conv_dim:], self.norm_weight, c.rms_norm_eps, *out.outs())
         return self.out_proj(out, scratch)
@@ -147,7 +151,10 @@ class GatedAttention(nn.Module):
     def input_lane(self) -> str | None:
         return input_lane(self.qgkv)
 
-    def forward(self, act: Activation, cache: KVCache, positions: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    def forward(self, act: Activation, cache: KVCache, positions: torch.Tensor, scratch: Scratch,
+                keep_token_states: bool = False) -> torch.Tensor:
+        """keep_token_states needs nothing here: KV rows are indexed by position, rows past the sequence's
+        end are never read, so any prefix of a step is kept by the position alone."""
         c = self.config
         rows = act.x.shape[0]
         qgkv = self.qgkv(act, scratch)
@@ -190,14 +197,14 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, state, positions,
-                scratch: Scratch) -> torch.Tensor:
+                scratch: Scratch, keep_token_states: bool = False) -> torch.Tensor:
         rows, width = residual.shape
         act = scratch.activation(self, "mixer_in", rows, width, self.mixer.input_lane())
         if delta is None:
             ops.rms_norm(residual, self.input_norm, self.eps, *act.outs())
         else:
             ops.add_rms_norm(residual, delta, self.input_norm, self.eps, *act.outs())
-        delta = self.mixer(act, state, positions, scratch)
+        delta = self.mixer(act, state, positions, scratch, keep_token_states)
         act = scratch.activation(self, "mlp_in", rows, width, input_lane(self.mlp.gate_up))
         ops.add_rms_norm(residual, delta, self.post_norm, self.eps, *act.outs())
         return self.mlp(act, scratch)

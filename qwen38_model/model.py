@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, ch
 from .mtp import MTPBlock
 from .sampling import SamplingConfig
 from .scratch import Activation, Scratch
+from .speculative import SpeculativeEngine, run_speculative
 from .state import Qwen38State, StateSnapshot
 
 ops = torch.ops.qwen38
@@ -227,13 +229,15 @@ class Qwen38ForCausalLM(nn.Module):
         the token and position tensors held on the device and one Scratch kept across steps."""
         return self.head(*self.trunk(ids, positions, state, scratch), scratch, logits_to_keep)
 
-    def trunk(self, ids, positions, state: Qwen38State, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    def trunk(self, ids, positions, state: Qwen38State, scratch: Scratch,
+              keep_token_states: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding and every layer; returns the residual stream and the last layer's output, whose sum
-        the final norm takes."""
+        the final norm takes. keep_token_states: the GDN layers also write their state after each token
+        (state.keep_token_states() made the buffers; a speculative verify keeps any prefix with accept())."""
         residual = self.embed_tokens(ids, scratch)
         delta = None
         for layer, layer_state in zip(self.layers, state.layers):
-            delta = layer(residual, delta, layer_state, positions, scratch)
+            delta = layer(residual, delta, layer_state, positions, scratch, keep_token_states)
         return residual, delta
 
     def final_norm(self, residual, delta, scratch: Scratch, rows: int = 0) -> Activation:
@@ -258,7 +262,8 @@ class Qwen38ForCausalLM(nn.Module):
                  tokenizer=None, streamer=None, max_seq_len: int | None = None,
                  kv_dtype: torch.dtype = torch.float32, use_graph: bool | None = None,
                  prefill_progress=None, conversation: Conversation | None = None,
-                 prefix_cache: PrefixCache | None = None) -> torch.Tensor:
+                 prefix_cache: PrefixCache | None = None, speculative: str | None = None,
+                 num_draft_tokens: int = 3) -> torch.Tensor:
         """transformers' generate() for one sequence: returns prompt + new ids [1, T + n] (stop token
         included). Sampling is reproducible for a seed (or a torch.Generator to draw one from). eos_token_id
         defaults to the checkpoint's; stop_strings need the tokenizer. On CUDA each step is a graph replay
@@ -270,7 +275,9 @@ class Qwen38ForCausalLM(nn.Module):
         prefilled, and it is updated with the new tokens and state. prefix_cache: the longest cached prefix
         of the history is restored instead of prefilled, and the states at the end of the prompt and at the
         end are cached. Either way the output is that of the whole history from scratch (self.last_generation_stats.prompt_tokens counts
-        the tokens prefilled)."""
+        the tokens prefilled). speculative="mtp": the checkpoint's MTP block drafts up to num_draft_tokens
+        tokens per step and one pass verifies them (greedy: the same tokens as without; sampling: the same
+        distribution); the draft count adapts to the acceptance seen so far."""
         check_input_ids(input_ids, self.config.vocab_size)
         if input_ids.shape[0] != 1:
             raise ValueError(f"generate() takes input_ids of shape [1, T] (batched decode is not supported yet), "
@@ -287,14 +294,19 @@ class Qwen38ForCausalLM(nn.Module):
                              min_new_tokens, eos)
         history = (conversation.tokens if conversation is not None else []) + input_ids[0].tolist()
         start = self._start_snapshot(history, conversation, prefix_cache)
-        engine = self._decode_engine(len(history) + max_new_tokens, max_seq_len, kv_dtype, use_graph)
+        if speculative not in (None, "mtp"):
+            raise ValueError(f"speculative must be None or 'mtp', found {speculative!r}")
+        engine = self._decode_engine(len(history) + max_new_tokens, max_seq_len, kv_dtype, use_graph,
+                                     num_draft_tokens if speculative else 0)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         keep_state = conversation is not None or prefix_cache is not None
-        tokens, self.last_generation_stats, prompt_snapshot = run_generation(
+        run = partial(run_speculative, chunk_size=PREFILL_CHUNK) if speculative else run_generation
+        tokens, self.last_generation_stats, prompt_snapshot = run(
             engine, torch.tensor(history, dtype=torch.int32, device=self.device), cfg, max_new_tokens,
-            resolve_seed(seed, generator), StopCondition(frozenset(eos), stops, tokenizer), streamer,
-            prefill_progress, start, keep_state, snapshot_prompt=prefix_cache is not None)
+            resolve_seed(seed, generator), StopCondition(frozenset(eos), stops, tokenizer), streamer=streamer,
+            prefill_progress=prefill_progress, start=start, keep_state=keep_state,
+            snapshot_prompt=prefix_cache is not None)
         if keep_state:
             snapshot = engine.state.snapshot()
             if conversation is not None:
@@ -323,8 +335,10 @@ class Qwen38ForCausalLM(nn.Module):
             return cached
         return start
 
-    def _decode_engine(self, needed: int, max_seq_len: int | None, kv_dtype, use_graph) -> DecodeEngine:
-        """The engine (static buffers, captured graphs) is kept between calls while it fits."""
+    def _decode_engine(self, needed: int, max_seq_len: int | None, kv_dtype, use_graph,
+                       num_draft_tokens: int) -> DecodeEngine | SpeculativeEngine:
+        """The engine (static buffers, captured graphs) is kept between calls while it fits; num_draft_tokens
+        > 0: a speculative one."""
         limit = self.config.max_position_embeddings
         if needed > limit:
             raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the model's context of {limit}")
@@ -332,9 +346,14 @@ class Qwen38ForCausalLM(nn.Module):
         engine = getattr(self, "_engine", None)
         if (engine is None or engine.max_seq_len < needed or engine.kv_dtype != kv_dtype
                 or (max_seq_len and engine.max_seq_len != max_seq_len)
-                or (use_graph is not None and engine.use_graph != use_graph)):
+                or (use_graph is not None and engine.use_graph != use_graph)
+                or getattr(engine, "k_max", 0) != num_draft_tokens):
             self._engine = engine = None  # free the old buffers before allocating the new ones
-            self._engine = engine = DecodeEngine(self, size, kv_dtype, use_graph)
+            if num_draft_tokens:
+                engine = SpeculativeEngine(self, size, kv_dtype, use_graph, num_draft_tokens)
+            else:
+                engine = DecodeEngine(self, size, kv_dtype, use_graph)
+            self._engine = engine
         return engine
 
 

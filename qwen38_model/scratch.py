@@ -34,13 +34,23 @@ class Activation:
 class Scratch:
     def __init__(self, device):
         self.device = torch.device(device)
-        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """No allocation from now on: a captured CUDA graph replays on these buffers' addresses, and a new
+        buffer for the same key would free the old one under it (a silent dangling pointer)."""
+        self.frozen = True
 
     def empty(self, owner, name: str, shape, dtype=torch.float32) -> torch.Tensor:
         role = owner if isinstance(owner, str) else getattr(owner, "scratch_role", type(owner).__name__)
         key = (role, name)
         buf = self._buffers.get(key)
         if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype:
+            if self.frozen:
+                found = "none" if buf is None else f"{tuple(buf.shape)} {buf.dtype}"
+                raise RuntimeError(f"scratch buffer {key} requested as {tuple(shape)} {dtype} (held: {found}) after "
+                                   "a CUDA graph was captured on this Scratch: a graph's buffers cannot change")
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             self._buffers[key] = buf
         return buf

@@ -28,6 +28,10 @@ class KVCache:
 class GDNState:
     conv: torch.Tensor  # float32 [K-1, C]: the last K-1 conv inputs, oldest first (shifted, not a ring index)
     recurrent: torch.Tensor  # float32 [Hv, dv, dk], key index fastest: row a of head h is one warp's work
+    # The states after each token of the last multi-token step ([T, K-1, C] and [T, Hv, dv, dk]), when the
+    # sequence keeps them (speculative verify: any accepted prefix is one copy away, no recomputation).
+    token_conv: torch.Tensor | None = None
+    token_recurrent: torch.Tensor | None = None
 
 
 @dataclass
@@ -130,6 +134,27 @@ class Qwen38State:
         positions = torch.arange(self.position, self.position + num_tokens, dtype=torch.int32, device=self.device)
         self.position += num_tokens
         return positions
+
+    def tensors(self, layer) -> list[torch.Tensor]:
+        """The tensors a layer's state holds (per-token buffers included when kept)."""
+        return [t for t in vars(layer).values() if t is not None]
+
+    def keep_token_states(self, max_tokens: int) -> None:
+        """Buffers for the per-token GDN states of steps of up to max_tokens tokens (a speculative verify
+        writes them; accept() keeps one). At the 27B shape: max_tokens x 48 x 3.1 MB."""
+        for layer in self.layers:
+            if isinstance(layer, GDNState):
+                layer.token_conv = torch.empty((max_tokens, *layer.conv.shape), device=self.device)
+                layer.token_recurrent = torch.empty((max_tokens, *layer.recurrent.shape), device=self.device)
+
+    def accept(self, index: torch.Tensor) -> None:
+        """Make every GDN state the one after token `index` (int64 [1], on the device) of the last step that
+        kept token states; the KV caches need nothing (rows past the position are never read). No host
+        sync, fixed addresses: legal inside a captured graph."""
+        for layer in self.layers:
+            if isinstance(layer, GDNState):
+                torch.index_select(layer.token_conv, 0, index, out=layer.conv.unsqueeze(0))
+                torch.index_select(layer.token_recurrent, 0, index, out=layer.recurrent.unsqueeze(0))
 
     def snapshot(self) -> StateSnapshot:
         """Device-side clones (no host sync): the KV rows written so far and every GDN state."""

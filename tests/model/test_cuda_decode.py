@@ -148,7 +148,8 @@ def test_conversation_through_the_graph_continues_exactly(oracle_dir):
     first = model.generate(torch.tensor([turns[0]]), max_new_tokens=3, eos_token_id=[])[0, len(turns[0]):].tolist()
     stop = first[-1]
     stopped_after = first.index(stop) + 1
-    addresses = [t.data_ptr() for layer in model._engine.state.layers for t in vars(layer).values()]
+    addresses = [t.data_ptr() for layer in model._engine.state.layers
+                 for t in model._engine.state.tensors(layer)]
     conversation, history = Conversation(), []
     for k, turn in enumerate(turns):
         out = model.generate(torch.tensor([turn]), max_new_tokens=8, eos_token_id=[stop], conversation=conversation)
@@ -162,4 +163,5 @@ def test_conversation_through_the_graph_continues_exactly(oracle_dir):
         assert reply == scratch[0, len(history):].tolist()
         history += reply
         assert conversation.tokens == history
-    assert [t.data_ptr() for layer in model._engine.state.layers for t in vars(layer).values()] == addresses
+    assert [t.data_ptr() for layer in model._engine.state.layers
+                 for t in model._engine.state.tensors(layer)] == addresses

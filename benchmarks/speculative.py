@@ -1,0 +1,166 @@
+"""MTP speculative decoding at the 27B shape: what can be measured honestly with synthetic weights.
+
+    python -m benchmarks.speculative [--model PATH] [--json PATH] [--draft-tokens 3] [--new-tokens 256]
+
+Synthetic weights give the MTP block ~0 acceptance, so acceptance itself is not measured here. Measured in
+ONE run, all through CUDA graphs: plain greedy decode (the baseline, and the token sequence the forced
+drafts replay); the verify pass (trunk + final norm + LM head, GDN states kept per token) for T = 1..8
+rows against T = 1; one draft step (the MTP block on one row + the LM head + arg-max); the MTP pass over
+the verify's rows; whole speculative steps with drafts forced to be right (the mechanics at 100%
+acceptance: tok/s and equality with plain greedy), forced to be wrong (0%: fixed k and adaptive k); and
+tok/s as a function of mean tokens per step, 1 .. k+1, labelled a projection (the step time is fixed by
+the graph, only the tokens it emits vary).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.decode import build_model
+from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, time_graph, write_json
+from qwen38_model.generation import DecodeEngine, StopCondition, run_generation
+from qwen38_model.sampling import SamplingConfig
+from qwen38_model.scratch import Scratch
+from qwen38_model.speculative import MAX_DRAFT_TOKENS, SpeculativeEngine, run_speculative
+from qwen38_model.state import KVCache
+
+CONTEXT = 512  # the KV rows every timed pass attends over (a short chat's context)
+
+
+def fill_context(state, context: int) -> None:
+    """Caches as if `context` tokens had been processed (random, finite) and GDN states small."""
+    for layer in state.layers + [state.mtp_cache]:
+        if isinstance(layer, KVCache):
+            layer.k[:context].normal_()
+            layer.v[:context].normal_()
+        else:
+            layer.recurrent.normal_(0, 0.01)
+            layer.conv.normal_()
+
+
+def time_verify(model, state, rows: int) -> float:
+    """Seconds of one verify of `rows` tokens: trunk (GDN states per token when rows > 1), final norm, head."""
+    scratch = Scratch(model.device)
+    ids = torch.ones(rows, dtype=torch.int32, device=model.device)
+    positions = torch.arange(CONTEXT, CONTEXT + rows, dtype=torch.int32, device=model.device)
+
+    def verify(_):
+        residual, delta = model.trunk(ids, positions, state, scratch, keep_token_states=rows > 1)
+        model.lm_head(model.final_norm(residual, delta, scratch), scratch)
+
+    return time_graph(verify, calls=4, replays=5)["median_s"]
+
+
+def time_mtp(model, state, rows: int, head: bool) -> float:
+    """Seconds of the MTP block over `rows` rows (with head: + LM head + arg-max on one row: a draft step)."""
+    scratch = Scratch(model.device)
+    hidden = torch.randn(rows, model.config.hidden_size, device=model.device)
+    ids = torch.ones(rows, dtype=torch.int32, device=model.device)
+    positions = torch.arange(CONTEXT, CONTEXT + rows, dtype=torch.int32, device=model.device)
+    token = torch.zeros((), dtype=torch.int64, device=model.device)
+
+    def step(_):
+        act = model.mtp(hidden, ids, positions, state.mtp_cache, scratch)
+        if head:
+            torch.argmax(model.lm_head(act, scratch)[0], out=token)
+
+    return time_graph(step, calls=8, replays=5)["median_s"]
+
+
+def plain_greedy(model, prompt: torch.Tensor, new_tokens: int, kv_dtype) -> tuple[list[int], float]:
+    engine = DecodeEngine(model, prompt.shape[0] + new_tokens + 64, kv_dtype, use_graph=True)
+    tokens, stats, _ = run_generation(engine, prompt, SamplingConfig(), new_tokens, 0, StopCondition(frozenset()))
+    tok_s = stats.decode_tok_s
+    del engine
+    return tokens, tok_s
+
+
+def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor, adaptive: bool):
+    # Room for the 16 timing replays after the run (each consumes up to k + 1 positions).
+    engine = SpeculativeEngine(model, prompt.shape[0] + new_tokens + 16 * (k + 1), kv_dtype, True, k, forced_drafts=True)
+    engine.forced.zero_()
+    engine.forced[: forced.shape[0]].copy_(forced)
+    tokens, stats, _ = run_speculative(engine, prompt, SamplingConfig(), new_tokens, 0, StopCondition(frozenset()),
+                                       chunk_size=4096, adaptive=adaptive)
+    # The step graph's own time, replayed back to back (what a step costs whatever it emits).
+    graph = engine.graphs[(SamplingConfig(), k)]
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(16):
+        graph.replay()
+    stop.record()
+    stop.synchronize()
+    step_s = start.elapsed_time(stop) * 1e-3 / 16
+    result = dict(tokens=tokens, decode_tok_s=stats.decode_tok_s, tokens_per_step=stats.tokens_per_step,
+                  steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted, step_s=step_s,
+                  capture_s=stats.capture_s)
+    del engine, graph
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a real checkpoint with the MTP block instead of the synthetic 27B shape")
+    parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-speculative.json)")
+    parser.add_argument("--draft-tokens", type=int, default=3, help="k of the forced-draft runs")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--kv-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = parser.parse_args(argv)
+    k, kv_dtype = args.draft_tokens, getattr(torch, args.kv_dtype)
+    env = env_info()
+    results = dict(env=env, read_probe=read_probe_result(), draft_tokens=k, kv_dtype=args.kv_dtype)
+    model = build_model(args.model, "int8", mtp=True)
+    V = model.config.vocab_size
+
+    state = model.new_state(CONTEXT + 64, kv_dtype)
+    state.keep_token_states(8)
+    fill_context(state, CONTEXT)
+    verify_s = {rows: time_verify(model, state, rows) for rows in range(1, 9)}
+    results["verify_ms"] = {rows: s * 1e3 for rows, s in verify_s.items()}
+    results["verify_vs_t1"] = {rows: s / verify_s[1] for rows, s in verify_s.items()}
+    results["draft_step_ms"] = time_mtp(model, state, 1, head=True) * 1e3
+    results["mtp_pass_ms"] = {rows: time_mtp(model, state, rows, head=False) * 1e3
+                              for rows in sorted({1, k + 1, MAX_DRAFT_TOKENS + 1})}
+    del state
+    torch.cuda.empty_cache()
+
+    prompt = torch.randint(0, V, (64,), dtype=torch.int32, device=model.device,
+                           generator=torch.Generator(model.device).manual_seed(0))
+    plain_tokens, plain_tok_s = plain_greedy(model, prompt, args.new_tokens, kv_dtype)
+    results["plain_tok_s"] = plain_tok_s
+    right = torch.cat([prompt, torch.tensor(plain_tokens, dtype=torch.int32, device=model.device)])
+    wrong = (right + 1) % V
+    runs = {}
+    for name, forced, adaptive in (("perfect", right, False), ("zero_fixed_k", wrong, False),
+                                   ("zero_adaptive", wrong, True)):
+        clock = time.perf_counter()
+        r = speculative_run(model, prompt, args.new_tokens, kv_dtype, k, forced, adaptive)
+        r["identical_to_plain"] = r.pop("tokens") == plain_tokens
+        r["vs_plain"] = r["decode_tok_s"] / plain_tok_s
+        r["wall_s"] = time.perf_counter() - clock
+        runs[name] = r
+    results["runs"] = runs
+    step_s = runs["perfect"]["step_s"]
+    results["projection_tok_s"] = {f"{m:.1f}": m / step_s for m in [1 + 0.5 * i for i in range(2 * k + 1)]}
+    results["projection_note"] = ("projection: mean tokens per step / the measured k-draft step time; real "
+                                  "acceptance depends on the checkpoint and the text")
+
+    rows = [dict(test=f"verify T={t}", ms=v, vs_t1=results["verify_vs_t1"][t]) for t, v in results["verify_ms"].items()]
+    rows += [dict(test="draft step (MTP 1 row + head)", ms=results["draft_step_ms"], vs_t1=results["draft_step_ms"] / results["verify_ms"][1])]
+    rows += [dict(test=f"MTP pass {r} rows", ms=v, vs_t1=v / results["verify_ms"][1]) for r, v in results["mtp_pass_ms"].items()]
+    print_table(rows, ["test", "ms", "vs_t1"], title=f"speculative parts on {env.get('gpu')} (context {CONTEXT})")
+    print_table([dict(run=n, tok_s=r["decode_tok_s"], vs_plain=r["vs_plain"], tokens_per_step=r["tokens_per_step"],
+                      step_ms=r["step_s"] * 1e3, identical=r["identical_to_plain"]) for n, r in runs.items()],
+                ["run", "tok_s", "vs_plain", "tokens_per_step", "step_ms", "identical"],
+                title=f"k = {k}, plain greedy {plain_tok_s:.1f} tok/s")
+    print("projection (tok/s at mean tokens per step):",
+          ", ".join(f"{m}: {v:.0f}" for m, v in results["projection_tok_s"].items()))
+    write_json(args.json or default_result_path(env, "speculative"), results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""MTP speculative decoding: the model's MTP block drafts k tokens, one pass of the trunk over the k+1
+tokens [pending, d_1..d_k] verifies them, and the state keeps the longest accepted prefix. A whole step
+(draft, verify, accept, rollback, token and position advance) is one captured CUDA graph per draft count k;
+the host reads the accepted tokens a few steps behind, as in plain decode.
+
+One step, with p = tokens the trunk has consumed and x_p the pending token (chosen, not yet consumed):
+1. The MTP block over the previous verify's rows, teacher-forced: row i pairs the trunk's normed hidden at
+   position p0+i with the token that followed it, at position p0+i (vLLM's convention). This fills the
+   block's KV cache for every accepted position; the row of the last accepted token gives draft d_1.
+   Rows past the accepted ones write MTP KV rows past the sequence's end, overwritten before any read.
+2. k-1 single-row MTP steps on the block's own normed output give d_2..d_k.
+3. The trunk over [x_p, d_1..d_k] at positions p..p+k, keeping each GDN layer's state after every token.
+4. select_speculative: the target tokens t_0..t_a (greedy: exactly plain greedy's; sampling: rejection
+   sampling that keeps the target distribution), then the GDN states after token a, p += a + 1.
+
+Every row of the verify is computed in the decode step's float order (attention: the same splits; the
+GEMV: T < 8 rows share weight loads but not arithmetic; GDN: sequential per token), so greedy output is
+plain greedy output token for token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .generation import GenerationStats, StopCondition
+from .layers import INT_GEMM_MIN_ROWS
+from .sampling import SamplerState, SamplingConfig, select_next_token, select_speculative
+from .scratch import Activation, Scratch
+from .state import GDNState, StateSnapshot
+
+# The verify's k+1 rows must stay on the GEMV (the int8 GEMM from INT_GEMM_MIN_ROWS rows sums in another
+# order, which would break greedy equality with plain decode).
+MAX_DRAFT_TOKENS = INT_GEMM_MIN_ROWS - 2
+READ_BEHIND = 4  # steps in flight before the host waits for the oldest one's tokens
+
+# The adaptive draft length (host side, from the acceptance read back): expected tokens per step over the
+# step's cost relative to a plain decode step. Costs measured on the H200 at the 27B shape
+# (benchmarks/speculative.py): a verify of T rows costs VERIFY_COST[T - 1] decode steps, a draft step
+# DRAFT_COST of one (the 248320-row head dominates it).
+VERIFY_COST = (1.0, 1.16, 1.35, 1.54, 1.85, 2.15, 2.45)
+DRAFT_COST = 0.05
+MTP_PASS_COST = 0.03  # the block over the previous verify's rows, paid by every step (k = 0 too)
+PROBE_EVERY = 8  # at k = 0 nothing is drafted, so every PROBE_EVERY-th step drafts one token to keep measuring
+ACCEPTANCE_DECAY = 0.9  # weight of the past in the running acceptance estimate
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a step emits when each draft is accepted with probability alpha, independently, until the
+    first rejection: 1 + alpha + ... + alpha^k."""
+    return sum(alpha**i for i in range(k + 1))
+
+
+def best_draft_count(alpha: float, k_max: int) -> int:
+    def rate(k: int) -> float:
+        return expected_tokens(alpha, k) / (VERIFY_COST[k] + k * DRAFT_COST + MTP_PASS_COST)
+
+    return max(range(k_max + 1), key=rate)
+
+
+class AcceptanceTracker:
+    """Running per-draft acceptance from the accepted counts read back: a step that accepted a of k drafts
+    saw a acceptances and, if a < k, one rejection."""
+
+    def __init__(self, k_max: int, adaptive: bool):
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.accepted = 1.0  # optimistic prior: start by drafting k_max
+        self.trials = 1.0
+        self.steps = 0
+
+    def record(self, k: int, a: int) -> None:
+        if k == 0:
+            return
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + a
+        self.trials = ACCEPTANCE_DECAY * self.trials + a + (a < k)
+
+    def next_k(self) -> int:
+        self.steps += 1
+        if not self.adaptive:
+            return self.k_max
+        k = best_draft_count(self.accepted / self.trials, self.k_max)
+        return 1 if k == 0 and self.steps % PROBE_EVERY == 0 else k
+
+
+@dataclass
+class SpeculativeStats(GenerationStats):
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return (self.new_tokens - 1) / self.steps if self.steps else 0.0
+
+    def __str__(self) -> str:
+        rate = f"{self.accepted / self.drafted:.1%}" if self.drafted else "n/a"
+        return (f"{super().__str__()} | speculative (MTP): {self.steps} steps, {self.tokens_per_step:.2f} "
+                f"tokens/step, {self.accepted}/{self.drafted} drafts accepted ({rate})")
+
+
+class SpeculativeEngine:
+    """Static buffers and captured step graphs (one per draft count k in 0..k_max and sampling config) for
+    one sequence of up to max_seq_len tokens. forced_drafts: drafts are read from self.forced (a token
+    sequence indexed by position) instead of the MTP block's argmax, which still runs: the test harness for
+    0%, partial and 100% acceptance, and the benchmark's perfect draft."""
+
+    def __init__(self, model, max_seq_len: int, kv_dtype, use_graph: bool | None, num_draft_tokens: int,
+                 forced_drafts: bool = False):
+        if model.mtp is None:
+            raise ValueError(f"speculative='mtp' needs a checkpoint with the MTP block ({model.config.source} has "
+                             "none: a GGUF converted with --no-mtp, or an HF folder without mtp.* tensors)")
+        if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], found {num_draft_tokens}")
+        self.model = model
+        self.device = model.device
+        self.k_max = num_draft_tokens
+        rows = num_draft_tokens + 1
+        self.max_seq_len = max_seq_len
+        self.kv_dtype = kv_dtype
+        self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
+        if self.use_graph and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        # Steps in flight may run past the last token read: room for them, and for the MTP pass's rows.
+        capacity = max_seq_len + (READ_BEHIND + 3) * rows
+        self.state = model.new_state(capacity, kv_dtype)
+        self.state.keep_token_states(rows)
+        dev, D = self.device, model.config.hidden_size
+
+        def ints(n, fill=0):
+            return torch.full((n,), fill, dtype=torch.int32, device=dev)
+
+        self.base = ints(1)  # p: tokens the trunk has consumed = the pending token's position
+        self.num_accepted = ints(1)  # a of the last verify
+        self.tokens = ints(rows, -1)  # the last verify's t_0..t_a, -1 past a
+        self.hidden = torch.zeros(rows, D, device=dev)  # the last verify's normed trunk hidden rows
+        self.drafts = ints(num_draft_tokens)
+        self.verify_ids = ints(rows)
+        self.row_index = torch.arange(rows, dtype=torch.int32, device=dev)
+        self.dummy_position = ints(1)  # select_next_token advances a position; the engine keeps its own
+        self.forced = ints(capacity + rows) if forced_drafts else None
+        self.sampler = SamplerState.empty(model.config.vocab_size, dev)
+        # A Scratch per row count: the MTP pass (rows), the drafts (1), each verify (k + 1). Buffers are
+        # allocated by the warm-up before any capture and never again (frozen).
+        self.scratch = {name: Scratch(dev) for name in ("mtp_pass", "draft")}
+        self.scratch.update({k: Scratch(dev) for k in range(rows)})
+        self.graphs: dict[tuple[SamplingConfig, int], torch.cuda.CUDAGraph] = {}
+        self.read_ahead = READ_BEHIND if self.use_graph else 0
+
+    # --- the step ------------------------------------------------------------------------------------
+    def step(self, k: int, cfg: SamplingConfig) -> None:
+        m, state = self.model, self.state
+        first = self.base - self.num_accepted - 1  # the previous verify's first position
+        act = m.mtp(self.hidden, self.tokens.clamp(min=0), first + self.row_index, state.mtp_cache,
+                    self.scratch["mtp_pass"])
+        if k > 0:
+            self._draft(act, k)
+        torch.index_select(self.tokens, 0, self.num_accepted, out=self.verify_ids[:1])  # x_p = t_a
+        self.verify_ids[1 : k + 1].copy_(self.drafts[:k])
+        scratch = self.scratch[k]
+        positions = self.base + self.row_index[: k + 1]
+        residual, delta = m.trunk(self.verify_ids[: k + 1], positions, state, scratch, keep_token_states=k > 0)
+        normed = m.final_norm(residual, delta, scratch)
+        self.hidden[: k + 1].copy_(normed.x)
+        logits = m.lm_head(normed, scratch)
+        self.tokens.fill_(-1)
+        if k > 0:
+            select_speculative(logits, self.drafts[:k], self.sampler, cfg, self.tokens[: k + 1], self.num_accepted)
+            state.accept(self.num_accepted.long())
+        else:
+            select_next_token(logits[0], self.sampler, cfg, self.tokens[:1], self.dummy_position)
+            self.num_accepted.zero_()
+        self.base.add_(self.num_accepted + 1)
+
+    def _draft(self, act: Activation, k: int) -> None:
+        """d_1 from the MTP pass's row a (the last accepted token), then d_2..d_k from single-row steps."""
+        m, scratch = self.model, self.scratch["draft"]
+        row = Activation(*(None if t is None else scratch.empty("mtp_row", name, (1, *t.shape[1:]), t.dtype)
+                           for name, t in zip(("x", "q", "q_lo", "d"), act.outs())))
+        for src, dst in zip(act.outs(), row.outs()):
+            if src is not None:
+                torch.index_select(src, 0, self.num_accepted, out=dst)
+        for j in range(k):
+            logits = m.lm_head(row, scratch)
+            torch.argmax(logits[0], out=scratch.empty("mtp_row", "argmax", (), torch.int64))
+            self.drafts[j : j + 1].copy_(scratch.empty("mtp_row", "argmax", (), torch.int64))
+            if j + 1 < k:
+                row = m.mtp(row.x, self.drafts[j : j + 1], self.base + j, self.state.mtp_cache, scratch)
+        if self.forced is not None:
+            positions = (self.base + self.row_index[1 : k + 1]).long()
+            torch.index_select(self.forced, 0, positions, out=self.drafts[:k])
+
+    # --- graphs --------------------------------------------------------------------------------------
+    def capture(self, cfg: SamplingConfig, draft_counts) -> None:
+        """Capture the step for cfg and each k (once each). Must run before reset(): the warm-up steps
+        write the state. The warm-up allocates every scratch buffer, then the scratches are frozen."""
+        todo = [k for k in draft_counts if (cfg, k) not in self.graphs]
+        if not todo:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            for k in todo:
+                self.step(k, cfg)
+        stream.wait_stream(side)
+        for k in todo:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.step(k, cfg)
+            self.graphs[(cfg, k)] = graph
+        for scratch in self.scratch.values():
+            scratch.freeze()
+
+    # --- a generation ----------------------------------------------------------------------------------
+    def reset(self, history: torch.Tensor, seed: int, cfg: SamplingConfig, start: StateSnapshot | None) -> None:
+        if start is None:
+            for layer in self.state.layers:
+                if isinstance(layer, GDNState):
+                    layer.conv.zero_()
+                    layer.recurrent.zero_()
+            self.state.position = 0
+        else:
+            self.state.restore(start)
+        self.sampler.reset(history, seed, cfg.eos_token_ids)
+
+    def prefill(self, history: torch.Tensor, cfg: SamplingConfig, chunk_size: int, progress=None) -> None:
+        """The prompt (history past the state's position) through the trunk in chunks, the MTP block over
+        every prompt row but the last (pairs (h_t, x_{t+1})), and t_0 from the last row's logits. The last
+        row's pair (h_{n-1}, t_0) is left to the first step's MTP pass, as if a verify had accepted 0."""
+        m, state = self.model, self.state
+        start = state.position
+        total = history.shape[0]
+        positions = state.reserve(total - start)
+        scratch = Scratch(self.device)
+        for begin in range(start, total, chunk_size):
+            end = min(begin + chunk_size, total)
+            pos = positions[begin - start : end - start]
+            residual, delta = m.trunk(history[begin:end], pos, state, scratch)
+            normed = m.final_norm(residual, delta, scratch)
+            rows = end - begin - (end == total)  # rows whose next token is in the prompt
+            if rows > 0:
+                m.mtp(normed.x[:rows], history[begin + 1 : begin + 1 + rows], pos[:rows], state.mtp_cache, scratch)
+            if end == total:
+                last = Activation(*(None if t is None else t[-1:] for t in normed.outs()))
+                logits = m.lm_head(last, scratch)
+                self.tokens.fill_(-1)
+                select_next_token(logits[0], self.sampler, cfg, self.tokens[:1], self.dummy_position)
+                self.hidden[0].copy_(normed.x[-1])
+            if progress is not None:
+                progress(end - start, total - start)
+        self.num_accepted.zero_()
+        self.base.fill_(total)
+
+
+def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: SamplingConfig, max_new_tokens: int,
+                    seed: int, stop: StopCondition, chunk_size: int, streamer=None, prefill_progress=None,
+                    start: StateSnapshot | None = None, keep_state: bool = False, snapshot_prompt: bool = False,
+                    adaptive: bool = True) -> tuple[list[int], SpeculativeStats, StateSnapshot | None]:
+    """run_generation's contract (generation.py) with speculative steps: each replay emits 1..k+1 tokens."""
+    if history.shape[0] + max_new_tokens > engine.max_seq_len:
+        raise ValueError(f"context overflow: {history.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
+                         f"max_seq_len {engine.max_seq_len}")
+    if start is not None and start.position >= history.shape[0]:
+        raise ValueError(f"the start snapshot holds {start.position} tokens: the history ({history.shape[0]}) must "
+                         "extend it by at least one token to prefill")
+    tracker = AcceptanceTracker(engine.k_max, adaptive)
+    draft_counts = range(engine.k_max + 1) if adaptive else (engine.k_max,)
+    stats = SpeculativeStats(prompt_tokens=history.shape[0] - (start.position if start else 0), graph=engine.use_graph)
+    if engine.use_graph:
+        clock = time.perf_counter()
+        engine.capture(cfg, draft_counts)
+        stats.capture_s = time.perf_counter() - clock
+
+        def replay(k: int) -> None:
+            engine.graphs[(cfg, k)].replay()
+    else:
+        def replay(k: int) -> None:
+            engine.step(k, cfg)
+    engine.reset(history, seed, cfg, start)
+    on_gpu = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    rows = engine.k_max + 1
+    slots = engine.read_ahead + 1
+    host = torch.empty(slots, rows + 1, dtype=torch.int32, pin_memory=on_gpu)  # tokens, then a
+    events: list[torch.cuda.Event | None] = [None] * slots
+
+    def launch_copy(i: int) -> None:
+        host[i % slots, :rows].copy_(engine.tokens, non_blocking=True)
+        host[i % slots, rows:].copy_(engine.num_accepted, non_blocking=True)
+        if on_gpu:
+            events[i % slots] = torch.cuda.Event()
+            events[i % slots].record()
+
+    sync()
+    clock = time.perf_counter()
+    engine.prefill(history, cfg, chunk_size, prefill_progress)
+    after_prefill = engine.state.snapshot() if keep_state or snapshot_prompt else None
+    launch_copy(0)
+    sync()
+    stats.prefill_s = time.perf_counter() - clock
+    clock = time.perf_counter()
+    drafts_of = [0]  # k of each launch (launch 0 is the prefill)
+    launched, read, done = 1, 0, False
+    while not done:
+        # The host must not overwrite a slot before reading it: at most `slots` launches outstanding.
+        while launched <= read + engine.read_ahead and len(stop.tokens) + (launched - read) <= max_new_tokens:
+            k = tracker.next_k()
+            replay(k)
+            drafts_of.append(k)
+            launch_copy(launched)
+            launched += 1
+        if read == launched:
+            break
+        if on_gpu:
+            events[read % slots].synchronize()
+        a = int(host[read % slots, rows])
+        k = drafts_of[read]
+        if read > 0:
+            tracker.record(k, a)
+            stats.steps += 1
+            stats.drafted += k
+            stats.accepted += a
+        for token in host[read % slots, : a + 1].tolist():
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            if stop.done(token) or len(stop.tokens) == max_new_tokens:
+                done = True
+                break
+        read += 1
+    sync()
+    stats.decode_s = time.perf_counter() - clock
+    stats.new_tokens = len(stop.tokens)
+    # The host position follows the device one (steps past a stop included), read once at the end.
+    engine.state.position = int(engine.base)
+    if keep_state and (launched > read or engine.state.position != history.shape[0] + len(stop.tokens) - 1):
+        # Tokens past the stop went into the recurrent states: back to the end of the prompt (the reply is
+        # prefilled with the next turn), as plain decode does.
+        engine.state.restore(after_prefill)
+    return stop.tokens, stats, after_prefill if snapshot_prompt else None

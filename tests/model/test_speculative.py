@@ -1,0 +1,136 @@
+"""MTP speculative decoding on the CPU (eager steps, the reference ops): greedy output equals plain greedy
+token for token at 0%, partial and 100% acceptance (drafts forced from the plain run's own tokens), with
+the MTP block's own drafts, and with logits processors; sampling is reproducible for a seed (its
+distribution is tested in test_speculative_sampling.py); bad arguments are errors."""
+import pytest
+import torch
+
+from qwen38_model import Qwen38ForCausalLM, synthetic
+from qwen38_model.generation import StopCondition
+from qwen38_model.sampling import SamplingConfig
+from qwen38_model.scratch import Scratch
+from qwen38_model.speculative import (MAX_DRAFT_TOKENS, SpeculativeEngine, best_draft_count, expected_tokens,
+                                      run_speculative)
+
+SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "head_dim": 32,
+         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "full_attention_interval": 2}
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = synthetic.write_hf_checkpoint(tmp_path_factory.mktemp("spec") / "hf", SMALL, seed=5, form="vlm")
+    path = synthetic.hf_to_gguf(folder, folder.parent / "q8.gguf", "q8_0", model_name="spec", mtp=True)
+    return Qwen38ForCausalLM.from_pretrained(path, device="cpu", lane="int8")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, 500, (1, 11), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def plain_long(model, prompt):
+    """Plain greedy past NEW_TOKENS, so forced drafts of the last step are known too."""
+    out = model.generate(prompt, max_new_tokens=NEW_TOKENS + MAX_DRAFT_TOKENS + 1, eos_token_id=[])
+    return out[0, prompt.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def plain(plain_long):
+    return plain_long[:NEW_TOKENS]
+
+
+def forced_run(model, prompt, drafts: list[int], k: int, cfg=SamplingConfig(), adaptive=False):
+    engine = SpeculativeEngine(model, 64, torch.float32, False, k, forced_drafts=True)
+    engine.forced.zero_()
+    engine.forced[: len(drafts)] = torch.tensor(drafts, dtype=torch.int32)
+    tokens, stats, _ = run_speculative(engine, prompt[0].to(torch.int32), cfg, NEW_TOKENS, 0,
+                                       StopCondition(frozenset()), chunk_size=4096, adaptive=adaptive)
+    return tokens, stats
+
+
+@pytest.mark.parametrize("k", [1, 3, MAX_DRAFT_TOKENS])
+def test_forced_perfect_drafts_accept_everything_and_equal_plain(model, prompt, plain, plain_long, k):
+    tokens, stats = forced_run(model, prompt, prompt[0].tolist() + plain_long, k)
+    assert tokens == plain
+    assert stats.accepted == stats.drafted > 0
+    assert stats.tokens_per_step > k  # every step but possibly the last emits k + 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_forced_wrong_drafts_accept_nothing_and_equal_plain(model, prompt, plain, k):
+    wrong = [(t + 1) % 500 for t in prompt[0].tolist() + plain]
+    tokens, stats = forced_run(model, prompt, wrong, k)
+    assert tokens == plain
+    assert stats.accepted == 0 and stats.steps == NEW_TOKENS - 1
+
+
+def test_forced_partial_drafts_equal_plain(model, prompt, plain):
+    """Every third draft wrong: steps accept 0, 1 or 2 of 3."""
+    sequence = prompt[0].tolist() + plain
+    partial = [t if i % 3 else (t + 1) % 500 for i, t in enumerate(sequence)]
+    tokens, stats = forced_run(model, prompt, partial, 3)
+    assert tokens == plain
+    assert 0 < stats.accepted < stats.drafted
+
+
+def test_mtp_drafts_greedy_equal_plain(model, prompt, plain):
+    """The block's own drafts (whatever their acceptance on random weights), adaptive and fixed k."""
+    for k in (1, 2, 4):
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=[], speculative="mtp",
+                             num_draft_tokens=k)
+        assert out[0, prompt.shape[1]:].tolist() == plain, k
+        assert model.last_generation_stats.steps > 0
+
+
+def test_processors_greedy_equal_plain(model, prompt):
+    kwargs = dict(max_new_tokens=NEW_TOKENS, eos_token_id=[], repetition_penalty=1.3, presence_penalty=0.5)
+    plain = model.generate(prompt, **kwargs)
+    sequence = plain[0].tolist()
+    cfg = SamplingConfig(repetition_penalty=1.3, presence_penalty=0.5)
+    tokens, _ = forced_run(model, prompt, sequence, 3, cfg)
+    assert tokens == sequence[prompt.shape[1]:]
+    assert model.generate(prompt, speculative="mtp", **kwargs).tolist() == plain.tolist()
+
+
+def test_sampling_is_reproducible_for_a_seed(model, prompt):
+    kwargs = dict(max_new_tokens=NEW_TOKENS, eos_token_id=[], do_sample=True, temperature=1.5, top_k=0,
+                  speculative="mtp", num_draft_tokens=2)
+    a = model.generate(prompt, seed=7, **kwargs)
+    assert torch.equal(a, model.generate(prompt, seed=7, **kwargs))
+    assert not torch.equal(a, model.generate(prompt, seed=8, **kwargs))
+
+
+def test_stop_token_ends_the_output_mid_step(model, prompt, plain):
+    """A stop token inside an accepted run: nothing after it is returned."""
+    stop = plain[5]
+    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=[stop], speculative="mtp")
+    assert out[0, prompt.shape[1]:].tolist() == plain[: plain.index(stop) + 1]
+
+
+def test_bad_arguments(model, prompt, tmp_path):
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        model.generate(prompt, speculative="mtp", num_draft_tokens=MAX_DRAFT_TOKENS + 1)
+    with pytest.raises(ValueError, match="speculative"):
+        model.generate(prompt, speculative="medusa")
+    folder = synthetic.write_hf_checkpoint(tmp_path / "hf", SMALL, seed=5, form="text")
+    plain_model = Qwen38ForCausalLM.from_pretrained(folder, device="cpu")
+    with pytest.raises(ValueError, match="MTP block"):
+        plain_model.generate(prompt, speculative="mtp")
+
+
+def test_draft_count_policy():
+    assert expected_tokens(0.0, 3) == 1 and expected_tokens(1.0, 3) == 4
+    assert best_draft_count(0.0, 4) == 0  # nothing accepted: plain steps (+ the cheap MTP pass)
+    assert best_draft_count(1.0, 4) == 4
+    assert 0 < best_draft_count(0.5, 4) < 4
+
+
+def test_scratch_refuses_new_buffers_once_frozen():
+    scratch = Scratch("cpu")
+    buf = scratch.empty("role", "x", (2, 3))
+    scratch.freeze()
+    assert scratch.empty("role", "x", (2, 3)) is buf
+    with pytest.raises(RuntimeError, match="after a CUDA graph was captured"):
+        scratch.empty("role", "x", (4, 3))
