@@ -229,13 +229,9 @@ def test_cuda_strided_rows():
     check_quantized("int8x2", out, q)
 
 
-@cuda
-@needs_gpu
-@pytest.mark.parametrize("pdl", ["1", "0"])
-def test_cuda_deterministic_and_graph_replay_bitwise(pdl, monkeypatch):
+def check_deterministic_and_graph_replay_bitwise():
     """One decode-like chain (add_rms_norm -> gemv -> silu_mul -> gated_rms_norm -> quantize_act), twice
-    eagerly and once from a captured graph: the same bits every time, with PDL on and off."""
-    monkeypatch.setenv("QWEN38_PDL", pdl)
+    eagerly and once from a captured graph: the same bits every time (run in a child by the test below)."""
     D, F_, H, dv = 5120, 17408, 48, 128
     res0, x = randn(1, D, seed=1).cuda(), randn(1, D, seed=2).cuda()
     w = randn(D, seed=3).cuda()
@@ -279,6 +275,16 @@ def test_cuda_deterministic_and_graph_replay_bitwise(pdl, monkeypatch):
     torch.cuda.synchronize()
     for k in first:
         assert torch.equal(b[k], first[k]), f"{k}: graph replay differs from eager"
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_cuda_deterministic_and_graph_replay_bitwise(pdl):
+    """check_deterministic_and_graph_replay_bitwise with PDL on and off: QWEN38_PDL is read once per process
+    (csrc/kernels/pdl.cuh), so each setting runs in its own child."""
+    run_in_child(__file__, "check_deterministic_and_graph_replay_bitwise",
+                 f"import os\nos.environ['QWEN38_PDL'] = {pdl!r}\n")
 
 
 def check_bad_arguments():

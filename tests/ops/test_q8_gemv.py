@@ -1,14 +1,19 @@
 """q8_gemv family: q8_0_gemv (f32 activations), q8_0_gemv_int8, q8_0_gemv_int8x2.
 
 CPU (CI): opcheck of every op; the reference against an independent formula (gguf's own Q8_0 dequantizer,
-then a float64 matmul of the dequantized activation). CUDA (-m cuda): the kernel against the reference in
-float64 on the CPU, on random inputs, outputs poisoned with NaN first, at odd sizes (K % 512 != 0, K = 32,
-N not a multiple of anything) and at the six 27B shapes, for every compiled decode config; two runs give
-the same bits; a captured graph replays bit for bit like eager (with and without PDL); bad arguments raise.
+then a float64 matmul of the dequantized activation); the int8 kernel-order emulation below against the
+reference, and that the order-sensitive data tells summation orders apart. CUDA (-m cuda): the kernel
+against the reference in float64 on the CPU, on random inputs, outputs poisoned with NaN first, at odd sizes
+(K % 512 != 0, K = 32, N not a multiple of anything) and at the six 27B shapes, for every compiled config
+(each in its own process: the config is read once per process); the int8 lane bit for bit equal to its
+emulation (the summation order the previous kernel fixed, so the same bits as before the rebuild); each row
+of a T-row call (T = 2..7) bit for bit a T = 1 call on that row, every lane; two runs give the same bits; a
+captured graph replays bit for bit like eager, with PDL on and with PDL off (each in its own process), and
+both settings give the same bits; bad arguments raise.
 
 Error bound (all lanes): |y - y_ref| <= 1e-5 * sum_k |w_k x_k| (+1e-30). The kernel's float32 sum has at most
 ~60 roundings on any path (16 in a lane's 16-weight dot or exact int32 block sums, one per 512-weight piece
-it accumulates -- K/512 <= 34 -- a 5-level shuffle tree and the <= 4-way split-K combine), i.e.
+it accumulates -- K/512 <= 34 -- a 5-level shuffle tree and the <= 4 parts added at the end), i.e.
 <= 60 * 2^-24 = 3.6e-6 of the absolute sum.
 """
 import numpy as np
@@ -24,8 +29,8 @@ ops = torch.ops.qwen38
 
 SHAPES_27B = [(16384, 5120), (34816, 5120), (14336, 5120), (5120, 6144), (5120, 17408), (248320, 5120)]
 ODD_SHAPES = [(1, 32), (7, 96), (33, 160), (130, 544), (257, 1056), (64, 5120), (5, 17408), (100, 6176)]
-# The decode configs compiled in csrc/kernels/q8_gemv.h (QWEN38_Q8_GEMV_CONFIGS): pieces, split, rows.
-CONFIGS = ["4,1,2", "4,4,1", "8,1,1", "16,1,1", "8,2,1", "4,2,2", "2,1,4"]
+# The configs compiled in csrc/kernels/q8_gemv.h (QWEN38_Q8_GEMV_CONFIGS): trip, parts.
+CONFIGS = ["2,1", "2,4", "1,1", "1,4"]
 LANES = ["f32", "int8", "int8x2"]
 REL_BOUND = 1e-5
 
@@ -88,6 +93,60 @@ def abs_dot(lane, act, weight_q, weight_d):
     return dequantized_activation(lane, act).abs() @ w.T
 
 
+def default_parts(lane, N):
+    """The summation order the binding picks for a shape (q8_0_gemv_default_config in q8_gemv.cu): the int
+    lanes keep the previous kernel's (4 interleaved K parts for N <= 8192, one above)."""
+    return 4 if lane != "f32" and N <= 8192 else 1
+
+
+def order_sensitive(lane, weights, act):
+    """The same inputs where every row's first and last blocks hold the same quants with weight scales
+    +4096 and -4096 (activation scale 4096 on both, int lanes): terms of ~1e12 that cancel exactly, so the
+    result rounded to float depends on the order the kernel adds blocks in (the sum's low bits are lost to
+    the huge partial sums, differently in each order). Needs K >= 64. Not for the error-bound checks: the
+    bound scales with sum |w x|, which these blocks make huge."""
+    weight_q, weight_d = (w.clone() for w in weights)
+    act = tuple(a.clone() for a in act)
+    last = weight_d.shape[1] - 1
+    weight_q[:, 32 * last :] = weight_q[:, :32]
+    weight_d[:, 0], weight_d[:, last] = 4096.0, -4096.0
+    for a in act:
+        if a.shape[1] == weight_q.shape[1]:  # x, x_q, x_q_lo
+            a[:, 32 * last :] = a[:, :32]
+    if lane != "f32":
+        act[-1][:, 0] = act[-1][:, last] = 4096.0
+    return (weight_q, weight_d), act
+
+
+def int8_kernel_sum(x_q, x_d, weight_q, weight_d, parts):
+    """The int8 lane exactly as the kernel forms it (csrc/kernels/q8_gemv.cu), in float64 on the CPU.
+
+    Each 32-block's term sumi * (d_w * d_x) is exact in double. Lane pair m of a warp holds blocks 16p + m of
+    the 512-weight pieces p; piece p goes to partial sum p % parts, and each partial sum adds its terms in
+    piece order, starting from 0. Each part's 16 pair sums are added by a butterfly (xor 8, 4, 2, 1 over the
+    pairs: the lane shuffles xor 16, 8, 4, 2), then the parts in order, then one rounding to float. Every
+    float64 operation here is one IEEE operation in a fixed order, as on the GPU."""
+    T, K = x_q.shape
+    N, blocks, pieces = weight_q.shape[0], K // 32, -(-K // 512)
+    sumi = torch.einsum("tbi,nbi->tnb", x_q.double().reshape(T, blocks, 32),
+                        weight_q.double().reshape(N, blocks, 32))  # integers < 2^20: exact in any order
+    terms = sumi * (x_d.double()[:, None, :] * weight_d.double()[None, :, :])
+    terms = torch.nn.functional.pad(terms, (0, 16 * pieces - blocks)).reshape(T, N, pieces, 16)
+    acc = [torch.zeros(T, N, 16, dtype=torch.float64) for _ in range(parts)]
+    for p in range(pieces):
+        acc[p % parts] = acc[p % parts] + terms[:, :, p]
+    pair = torch.arange(16)
+    part_sums = []
+    for v in acc:
+        for o in (8, 4, 2, 1):
+            v = v + v[..., pair ^ o]
+        part_sums.append(v[..., 0])
+    total = part_sums[0]
+    for v in part_sums[1:]:
+        total = total + v
+    return total.float()
+
+
 # ---- CPU ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("lane", LANES)
@@ -107,6 +166,24 @@ def test_reference_vs_gguf_dequantize_matmul(lane, T, N, K):
     ref_for(lane)(*act, weight_q, weight_d, out)
     expected = dequantized_activation(lane, act) @ gguf_dequantize(weight_q, weight_d).T
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_int8_kernel_sum_emulation_cpu():
+    """The emulation is the int8 lane's value (within a float rounding of the float64 reference), and the
+    order-sensitive data makes the orders differ: so the CUDA tests that compare bits against it can fail."""
+    N, K = 48, 5120
+    weights = make_weights(N, K, seed=3)
+    act = make_activation("int8", 2, K, seed=4)
+    expected = torch.empty(2, N, dtype=torch.float64)
+    ref.q8_0_gemv_int8(*act, *weights, expected)
+    for parts in (1, 4):
+        got = int8_kernel_sum(*act, *weights, parts)
+        assert ((got.double() - expected).abs() <= expected.abs() * 2.0**-24 + 1e-30).all()
+    weights, act = order_sensitive("int8", weights, act)
+    one, four = int8_kernel_sum(*act, *weights, 1), int8_kernel_sum(*act, *weights, 4)
+    ref.q8_0_gemv_int8(*act, *weights, expected)
+    assert (one != four).float().mean() > 0.5, "orders 1 and 4 agree: the data does not test the order"
+    assert (one != expected.float()).float().mean() > 0.5
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------------
@@ -167,17 +244,87 @@ def test_cuda_odd_shapes(lane, N, K, T):
     check_against_reference(lane, act, weight_q, weight_d, run_cuda(lane, act, weight_q, weight_d))
 
 
+def child_env(**values):
+    """A run_in_child preamble setting environment variables before the extension reads them (it reads
+    QWEN38_Q8_GEMV_CONFIG and QWEN38_PDL once per process)."""
+    return "import os\n" + "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in values.items())
+
+
+def first_rows(act, T):
+    return tuple(a[:T] for a in act)
+
+
+def rows_and_singles(lane, weights, act):
+    """Makes the inputs order-sensitive (when K allows) and returns them with the T = 1 output of each row of
+    x, after asserting that every row of a T-row call (T = 2..rows) is bit for bit that T = 1 output."""
+    if weights[0].shape[1] >= 64:
+        weights, act = order_sensitive(lane, weights, act)
+    rows = act[0].shape[0]
+    singles = torch.cat([run_cuda(lane, tuple(a[t : t + 1] for a in act), *weights) for t in range(rows)])
+    for T in range(2, rows + 1):
+        out = run_cuda(lane, first_rows(act, T), *weights)
+        differ = (out != singles[:T]).any(1).nonzero().flatten().tolist()
+        assert not differ, f"{lane}: T = {T}, rows {differ} differ from their T = 1 calls"
+    return weights, act, singles
+
+
+def assert_int8_emulated(act, weights, out, parts, rows=None):
+    """out (CUDA [T, N], int8 lane) is bit for bit int8_kernel_sum with `parts`, on all rows or on `rows`."""
+    if rows is not None:
+        weights, out = tuple(w[rows] for w in weights), out[:, rows]
+    expected = int8_kernel_sum(*(a.cpu() for a in act), *(w.cpu() for w in weights), parts)
+    differ = (out.cpu() != expected).sum().item()
+    assert differ == 0, f"int8: {differ} of {expected.numel()} outputs differ from the kernel-order emulation"
+
+
+def check_every_lane_with_env_config():
+    """Run in a child with QWEN38_Q8_GEMV_CONFIG="trip,parts": every lane at tails and narrow N, for T = 1,
+    2 and 5, against the reference; each row of T-row calls bitwise a T = 1 call, and the int8 lane bitwise
+    its emulation with the config's parts. Then the variable changes to a config that is not compiled and a
+    call still runs: the config was read once."""
+    import os
+
+    parts = int(os.environ["QWEN38_Q8_GEMV_CONFIG"].split(",")[1])
+    for lane in LANES:
+        for N, K in [(1, 32), (37, 160), (130, 1056), (11, 5120), (3, 17408), (9, 6176)]:
+            weights = make_weights(N, K, device="cuda", seed=N)
+            act = make_activation(lane, 5, K, device="cuda", seed=K)
+            for T in (1, 2, 5):
+                check_against_reference(lane, first_rows(act, T), *weights,
+                                        run_cuda(lane, first_rows(act, T), *weights))
+            weights, act, singles = rows_and_singles(lane, weights, act)
+            if lane == "int8":
+                assert_int8_emulated(act, weights, singles, parts)
+    os.environ["QWEN38_Q8_GEMV_CONFIG"] = "3,3"
+    weights = make_weights(9, 160, device="cuda")
+    act = make_activation("int8", 1, 160, device="cuda")
+    check_against_reference("int8", act, *weights, run_cuda("int8", act, *weights))
+
+
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("lane", LANES)
-def test_cuda_every_config(lane, config, monkeypatch):
-    """Every compiled decode config (the binding's default is one of them), at tails and a narrow N."""
-    monkeypatch.setenv("QWEN38_Q8_GEMV_CONFIG", config)
-    for N, K in [(1, 32), (37, 160), (130, 1056), (11, 5120), (3, 17408)]:
-        weight_q, weight_d = make_weights(N, K, device="cuda", seed=N)
-        act = make_activation(lane, 1, K, device="cuda", seed=K)
-        check_against_reference(lane, act, weight_q, weight_d, run_cuda(lane, act, weight_q, weight_d))
+def test_cuda_every_config(config):
+    """Every compiled config (the binding's defaults are among them), each in its own process."""
+    assert_cuda_kernels()
+    run_in_child(__file__, "check_every_lane_with_env_config", child_env(QWEN38_Q8_GEMV_CONFIG=config))
+
+
+def check_config_not_compiled_raises():
+    """Run in a child with QWEN38_Q8_GEMV_CONFIG set to what no build compiles."""
+    weights = make_weights(9, 160, device="cuda")
+    for lane in LANES:
+        act = make_activation(lane, 1, 160, device="cuda")
+        with pytest.raises(RuntimeError, match="QWEN38_Q8_GEMV_CONFIG must name a compiled"):
+            op_for(lane)(*act, *weights, torch.empty(1, 9, device="cuda"))
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("config", ["2,1,4", "4,4", "two"])
+def test_cuda_config_not_compiled_raises(config):
+    """The previous kernel's three-number configs, an uncompiled pair and junk are errors, not defaults."""
+    run_in_child(__file__, "check_config_not_compiled_raises", child_env(QWEN38_Q8_GEMV_CONFIG=config))
 
 
 @cuda
@@ -195,6 +342,36 @@ def test_cuda_27b_shapes(lane, N, K):
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("N,K", SHAPES_27B + ODD_SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES_27B + ODD_SHAPES])
+def test_cuda_rows_bitwise_as_one_row_calls(lane, N, K):
+    """Speculative decoding's verify relies on it: row t of a T-row call (T = 2..7, the paths that share each
+    weight load among 2 or 4 rows) is bit for bit a T = 1 call on row t alone, every lane, every output, on
+    data whose last bits depend on the summation order. The int8 lane's bits are its emulation
+    (int8_kernel_sum: the previous kernel's order, so the bits from before the rebuild; on 4096 sampled
+    rows of the wide shapes)."""
+    weights = make_weights(N, K, device="cuda", seed=N + K)
+    act = make_activation(lane, 7, K, device="cuda", seed=K)
+    weights, act, singles = rows_and_singles(lane, weights, act)
+    if lane == "int8":
+        assert_int8_emulated(act, weights, singles, default_parts(lane, N), sample_rows(N))
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
+def test_cuda_int8_bits_on_random_data(N, K):
+    """The int8 lane on the random data of the other tests (no huge blocks), T = 1 and 3: bit for bit its
+    emulation, so bit for bit what the previous kernel gave."""
+    weights = make_weights(N, K, device="cuda", seed=11)
+    act = make_activation("int8", 3, K, device="cuda", seed=12)
+    for T in (1, 3):
+        out = run_cuda("int8", first_rows(act, T), *weights)
+        assert_int8_emulated(first_rows(act, T), weights, out, default_parts("int8", N), sample_rows(N))
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("lane", LANES)
 def test_cuda_strided_activation_rows(lane):
     """Activations may be row slices of a wider buffer (a fused projection's output)."""
     N, K, T = 70, 544, 3
@@ -207,39 +384,60 @@ def test_cuda_strided_activation_rows(lane):
     check_against_reference(lane, sliced, weight_q, weight_d, out)
 
 
-@cuda
-@needs_gpu
-@pytest.mark.parametrize("pdl", ["1", "0"])
-@pytest.mark.parametrize("lane", LANES)
-def test_cuda_graph_replay_bitwise(lane, pdl, monkeypatch):
-    """A captured graph of dependent launches (GEMV -> GEMV, with PDL on and off) equals eager bit for bit."""
-    monkeypatch.setenv("QWEN38_PDL", pdl)
+def check_graph_replay_bitwise():
+    """Run in a child with QWEN38_PDL set: per lane, T = 1 and T = 3, a GEMV whose output the next GEMV
+    reads (with PDL the second must wait for it), twice eagerly and once from a captured graph, outputs
+    poisoned between runs: the same bits every time, within the bound of the reference. The outputs go to
+    the safetensors file $QWEN38_TEST_OUT for the parent to compare across PDL settings."""
+    import os
+
+    from safetensors.torch import save_file
+
     N, K = 5120, 6144
     w1 = make_weights(K, K, device="cuda", seed=1)
     w2 = make_weights(N, K, device="cuda", seed=2)
-    act = make_activation(lane, 1, K, device="cuda", seed=3)
-    mid = torch.empty(1, K, device="cuda")
-    out = torch.empty(1, N, device="cuda")
+    results = {}
+    for lane in LANES:
+        for T in (1, 3):
+            act = make_activation(lane, T, K, device="cuda", seed=3)
+            mid = torch.empty(T, K, device="cuda")
+            out = torch.empty(T, N, device="cuda")
 
-    def step():
-        op_for(lane)(*act, *w1, mid)  # the second GEMV reads what the first wrote: PDL must wait for it
-        ops.q8_0_gemv(mid, *w2, out)
+            def step(act=act, mid=mid, out=out):
+                op_for(lane)(*act, *w1, mid)
+                ops.q8_0_gemv(mid, *w2, out)
 
-    step()
-    torch.cuda.synchronize()
-    eager_mid, eager_out = mid.clone(), out.clone()
-    mid.fill_(float("nan"))
-    out.fill_(float("nan"))
-    step()
-    torch.cuda.synchronize()
-    assert torch.equal(mid, eager_mid) and torch.equal(out, eager_out), "two eager runs differ"
-    graph = capture_graph(step)
-    mid.fill_(float("nan"))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(mid, eager_mid) and torch.equal(out, eager_out), "graph replay differs from eager"
-    check_against_reference("f32", (eager_mid,), *w2, out)
+            def poisoned_run(run):
+                mid.fill_(float("nan"))
+                out.fill_(float("nan"))
+                run()
+                torch.cuda.synchronize()
+                return mid.clone(), out.clone()
+
+            eager = poisoned_run(step)
+            again = poisoned_run(step)
+            assert all(map(torch.equal, again, eager)), f"{lane} T={T}: two eager runs differ"
+            replayed = poisoned_run(capture_graph(step).replay)
+            assert all(map(torch.equal, replayed, eager)), f"{lane} T={T}: graph replay differs from eager"
+            check_against_reference("f32", (eager[0],), *w2, eager[1])
+            results[f"{lane}_T{T}_mid"], results[f"{lane}_T{T}_out"] = (t.cpu() for t in eager)
+    save_file(results, os.environ["QWEN38_TEST_OUT"])
+
+
+@cuda
+@needs_gpu
+def test_cuda_graph_replay_bitwise_pdl_on_and_off(tmp_path):
+    """check_graph_replay_bitwise with PDL on and with PDL off (QWEN38_PDL is read once per process, so each
+    runs in its own child), and both give the same bits."""
+    from safetensors.torch import load_file
+
+    for pdl in ("1", "0"):
+        run_in_child(__file__, "check_graph_replay_bitwise",
+                     child_env(QWEN38_PDL=pdl, QWEN38_TEST_OUT=str(tmp_path / f"pdl{pdl}.safetensors")))
+    on, off = load_file(tmp_path / "pdl1.safetensors"), load_file(tmp_path / "pdl0.safetensors")
+    assert on.keys() == off.keys()
+    for name in on:
+        assert torch.equal(on[name], off[name]), f"{name}: PDL on and off differ"
 
 
 def check_bad_arguments():
