@@ -4,8 +4,8 @@ Greedy: token for token what select_next_token gives step by step (0, partial an
 repetition and presence penalties and min_new_tokens, whose state must include the drafts row by row), and
 the sampler state after it equals the plain run's. Sampling: the first token and the first two tokens follow
 the plain target (chi-square over many seeds, drafts likely, unlikely and of probability 0 under top-k) on a
-toy model whose next-token logits depend on the last token; drafts of probability 0 change no token of plain
-sampling; reproducible for a seed. `-m cuda`: the same on the GPU at the 27B vocabulary, and a captured
+toy model whose next-token logits depend on the last token; drafts of probability 0 or 1 reproduce plain
+sampling token for token (the draw uses the same step's noise); reproducible for a seed. `-m cuda`: the same on the GPU at the 27B vocabulary, and a captured
 graph replays what eager computes.
 """
 import dataclasses
@@ -66,7 +66,7 @@ def speculative(rows, drafts, s, cfg) -> tuple[list[int], int]:
 
 
 def greedy_logits(k, vocab, seed, device="cpu"):
-    """Random rows where a few tokens (EOS, two prompt tokens, two others) stand out in every row, so the
+    """Random rows where a few tokens (EOS, two prompt tokens, three others) stand out in every row, so the
     penalties and min_new_tokens decide the argmax, and a draft repeated from an earlier row matters."""
     g = torch.Generator().manual_seed(seed)
     rows = 0.5 * torch.randn(k + 1, vocab, generator=g)
@@ -235,7 +235,8 @@ def chi_square_p(counts, probs) -> float:
         observed = torch.cat([observed[~small], observed[small].sum().view(1)])
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     dof = len(expected) - 1
-    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(chi2 / 2)))
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                      torch.tensor(chi2 / 2, dtype=torch.float64)))  # the chi2 tail
     print(f"chi2 = {chi2:.1f}, {dof} dof, p = {p:.3g}")
     return p
 
