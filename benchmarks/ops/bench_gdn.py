@@ -1,6 +1,8 @@
 """Gated DeltaNet ops at the 27B shape (Hk=16, Hv=48, dk=dv=128, C=10240), rotating over 48 layers'
 states so nothing measured is L2-resident (48 x 6.3 MB of recurrent state = 302 MB read+written, against
-the H200's 60 MB L2). pdl=1|0: with and without programmatic dependent launch (see csrc/kernels/gdn.cu).
+the H200's 60 MB L2). pdl=1|0: with and without programmatic dependent launch (csrc/kernels/pdl.cuh).
+QWEN38_PDL is read once per process, so a run measures the setting it started with (every row says which):
+run again with QWEN38_PDL=0 for the figures without PDL.
 
 Three sections. Decode (T = 1, 4, 16): the figures below. Prefill (T = 8, 32, 512, 4096): each op of the
 GDN core (conv, gates, recurrent, and the three in model order) as one layer would run it on a prompt
@@ -22,7 +24,6 @@ Run: python3 -m benchmarks.ops.bench_gdn --json PATH
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -40,6 +41,7 @@ LAYERS = 48
 PREFILL_TOKENS = (8, 32, 512, 4096)
 PREFILL_REPLAYS = 3  # a T = 4096 replay of the per-token recurrence: ~0.25 s (252 ms GDN core, b6f1a55)
 VERIFY_TOKENS = range(1, 9)  # a verify checks k + 1 <= 8 tokens
+PDL = "0" if os.environ.get("QWEN38_PDL", "").startswith("0") else "1"  # pdl.cuh's reading of it
 
 
 def make_layers(num_tokens: int):
@@ -59,21 +61,6 @@ def make_layers(num_tokens: int):
     out = torch.empty(num_tokens, HV, DV, device="cuda")
     return dict(states=states, conv_states=conv_states, conv_weights=conv_weights, qkv=qkv, conv_out=conv_out,
                 ba=ba, a_neg=a_neg, dt_bias=dt_bias, beta=beta, decay=decay, out=out)
-
-
-@contextlib.contextmanager
-def pdl_setting(value: str):
-    """QWEN38_PDL=1|0: the GDN launchers read it at every launch (so at graph capture), which lets one
-    process compare launches with and without programmatic dependent launch."""
-    before = os.environ.get("QWEN38_PDL")
-    os.environ["QWEN38_PDL"] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["QWEN38_PDL"]
-        else:
-            os.environ["QWEN38_PDL"] = before
 
 
 def bench_prefill() -> list[dict]:
@@ -99,7 +86,7 @@ def bench_prefill() -> list[dict]:
         for name, fn in (("gdn_conv", conv), ("gdn_gates", gates), ("gdn_recurrent", recurrent),
                          ("conv+gates+recurrent", layer)):
             t = time_graph(fn, LAYERS, replays=PREFILL_REPLAYS, warmup=1)["median_s"]
-            rows.append(dict(op=name, T=num_tokens, mode="graph", pdl="1", us_per_layer=t * 1e6,
+            rows.append(dict(op=name, T=num_tokens, mode="graph", pdl=PDL, us_per_layer=t * 1e6,
                              us_per_token=t * 1e6 / num_tokens))
         del L
         torch.cuda.empty_cache()
@@ -115,12 +102,11 @@ def bench(probe_gbps: float) -> list[dict]:
         def recurrent(i):
             ops.gdn_recurrent(L["conv_out"], L["beta"], L["decay"], L["states"][i % LAYERS], L["out"])
 
-        modes = [("graph", time_graph, "1"), ("graph", time_graph, "0"), ("eager", time_eager, "1")]
-        for mode, timer, pdl in modes if num_tokens == 1 else modes[:1]:
-            with pdl_setting(pdl):
-                t = timer(recurrent, LAYERS)["median_s"]
+        modes = [("graph", time_graph), ("eager", time_eager)]
+        for mode, timer in modes if num_tokens == 1 else modes[:1]:
+            t = timer(recurrent, LAYERS)["median_s"]
             gbps = state_bytes / t / 1e9
-            rows.append(dict(op="gdn_recurrent", T=num_tokens, mode=mode, pdl=pdl, us_per_layer=t * 1e6,
+            rows.append(dict(op="gdn_recurrent", T=num_tokens, mode=mode, pdl=PDL, us_per_layer=t * 1e6,
                              bytes_per_layer=state_bytes, gbps=gbps, ratio_vs_read_probe=gbps / probe_gbps))
 
         if num_tokens == 1:
@@ -139,14 +125,12 @@ def bench(probe_gbps: float) -> list[dict]:
             conv_bytes = (2 * num_tokens * C + 2 * (TAPS - 1) * C + C * TAPS) * 4
             for name, fn, nbytes in (("gdn_conv", conv, conv_bytes), ("gdn_gates", gates, None),
                                      ("conv+gates+recurrent", layer, None)):
-                for pdl in ("1", "0"):
-                    with pdl_setting(pdl):
-                        t = time_graph(fn, LAYERS)["median_s"]
-                    row = dict(op=name, T=num_tokens, mode="graph", pdl=pdl, us_per_layer=t * 1e6)
-                    if nbytes:
-                        row.update(bytes_per_layer=nbytes, gbps=nbytes / t / 1e9,
-                                   ratio_vs_read_probe=nbytes / t / 1e9 / probe_gbps)
-                    rows.append(row)
+                t = time_graph(fn, LAYERS)["median_s"]
+                row = dict(op=name, T=num_tokens, mode="graph", pdl=PDL, us_per_layer=t * 1e6)
+                if nbytes:
+                    row.update(bytes_per_layer=nbytes, gbps=nbytes / t / 1e9,
+                               ratio_vs_read_probe=nbytes / t / 1e9 / probe_gbps)
+                rows.append(row)
 
             # torch baseline: the reference itself on the GPU (a handful of torch ops per token).
             def reference(i):
@@ -187,7 +171,7 @@ def bench_verify(probe_gbps: float) -> list[dict]:
             nbytes = (2 + (num_tokens if with_states else 0)) * state_bytes
             kernel = "chunked" if "gdn_prefill_kernel" in kernels_run_by(lambda: recurrent(0)) else "per-token"
             rows.append(dict(op="gdn_recurrent", T=num_tokens, token_states=with_states, kernel=kernel, mode="graph",
-                             pdl="1", us_per_layer=t * 1e6, bytes_per_layer=nbytes, gbps=nbytes / t / 1e9,
+                             pdl=PDL, us_per_layer=t * 1e6, bytes_per_layer=nbytes, gbps=nbytes / t / 1e9,
                              ratio_vs_read_probe=nbytes / t / 1e9 / probe_gbps))
         del L, token_states
         torch.cuda.empty_cache()

@@ -653,14 +653,24 @@ def test_verify_27b_equals_decode_steps(T, gates, view):
     assert torch.isfinite(out).all() and torch.isfinite(tokens).all()
 
 
+def pdl_preamble(pdl: str) -> str:
+    """A run_in_child preamble: QWEN38_PDL is read once per process (csrc/kernels/pdl.cuh), so each setting
+    runs in its own child."""
+    return f"import os\nos.environ['QWEN38_PDL'] = {pdl!r}\n"
+
+
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
-def test_back_to_back_recurrent_on_one_state(pdl, monkeypatch):
+def test_back_to_back_recurrent_on_one_state(pdl):
+    """check_back_to_back_recurrent_on_one_state with programmatic dependent launch on and off (children)."""
+    run_in_child(__file__, "check_back_to_back_recurrent_on_one_state", preamble=pdl_preamble(pdl))
+
+
+def check_back_to_back_recurrent_on_one_state():
     """T calls of one token launched back to back on the SAME state, nothing in between, eagerly and in a
     captured graph: with programmatic dependent launch each call must still see the previous call's
     state (the kernels load nothing before griddepcontrol.wait). Equals one call of T tokens."""
-    monkeypatch.setenv("QWEN38_PDL", pdl)
     hk, hv, dk, dv = SHAPE_27B
     T = 8
     qkv, beta, decay, state = [x.cuda() for x in make_recurrent_inputs(T, hk, hv, dk, dv, seed=6)]
@@ -694,12 +704,20 @@ def test_back_to_back_recurrent_on_one_state(pdl, monkeypatch):
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
-@pytest.mark.parametrize("T,verify", [(1, False), (100, False), (8, True)])
-def test_deterministic_and_graph_replay_bitwise(T, verify, pdl, monkeypatch):
-    """Two eager runs give the same bits, and a captured CUDA graph replays exactly like eager (with and
-    without programmatic dependent launch), for a decode step, a 100-token prompt (the chunked kernel) and
-    an 8-token verify with per-token states."""
-    monkeypatch.setenv("QWEN38_PDL", pdl)
+def test_deterministic_and_graph_replay_bitwise(pdl):
+    """check_deterministic_and_graph_replay_bitwise with programmatic dependent launch on and off (children):
+    a decode step, a 100-token prompt (the chunked kernel) and an 8-token verify with per-token states."""
+    run_in_child(__file__, "check_deterministic_and_graph_replay_bitwise", preamble=pdl_preamble(pdl))
+
+
+def check_deterministic_and_graph_replay_bitwise():
+    for T, verify in ((1, False), (100, False), (8, True)):
+        print("checking T =", T, "verify =", verify, flush=True)
+        deterministic_and_graph_replay_bitwise(T, verify)
+
+
+def deterministic_and_graph_replay_bitwise(T, verify):
+    """Two eager runs give the same bits, and a captured CUDA graph replays exactly like eager."""
     hk, hv, dk, dv = SHAPE_27B
     qkv, conv_state, weight = [x.cuda() for x in make_conv_inputs(T, hk, hv, dk, dv, seed=8)]
     ba, a_neg, dt_bias = [x.cuda() for x in make_gate_inputs(T, hv, seed=8)]
@@ -729,7 +747,7 @@ def test_deterministic_and_graph_replay_bitwise(T, verify, pdl, monkeypatch):
         step()
         results.append({k: v.clone() for k, v in bufs.items()})
     for k in bufs:
-        assert torch.equal(results[0][k], results[1][k]), k
+        assert torch.equal(results[0][k], results[1][k]), (T, k)
 
     reset()
     graph = capture_graph(step)
@@ -737,7 +755,7 @@ def test_deterministic_and_graph_replay_bitwise(T, verify, pdl, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     for k in bufs:
-        assert torch.equal(bufs[k], results[0][k]), k
+        assert torch.equal(bufs[k], results[0][k]), (T, k)
 
 
 @cuda
