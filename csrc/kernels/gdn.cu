@@ -6,10 +6,12 @@
 // the state is still read once and written once; the conv runs its tokens in parallel runs.
 //
 // Token t of a T-token call computes exactly what a T = 1 call computes from the state token t-1 left:
-// every float operation of a token is written out (fmaf, __fmul_rn: fixed roundings no contraction or
-// unrolling can change), the reductions run in a fixed order, and a state kept in registers between tokens
-// holds the same bits as one stored and reloaded. So the optional per-token states (speculative decoding's
-// verify keeps the state after any prefix of its tokens) are bitwise those of plain decode steps.
+// every float operation of a token is written out (fmaf, __fmul_rn, __fadd_rn: fixed roundings that no
+// contraction, unrolling or loop versioning can change; nvcc -O3 emits the recurrent token loop twice, with
+// and without the token_states stores), the reductions run in a fixed order, and a state kept in registers
+// between tokens holds the same bits as one stored and reloaded. So the optional per-token states
+// (speculative decoding's verify keeps the state after any prefix of its tokens) are bitwise those of plain
+// decode steps.
 #include "gdn.h"
 
 #include <cuda_runtime.h>
