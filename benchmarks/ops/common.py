@@ -25,12 +25,15 @@ _REPO = pathlib.Path(__file__).resolve().parents[2]
 def env_info() -> dict:
     """GPU, torch, CUDA, git commit and date of this run (goes into every benchmark JSON). The device
     machine gets a copy of the tree without .git, so the commit comes from QWEN38_COMMIT there."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    commit = commit or os.environ.get("QWEN38_COMMIT", "unknown")
+    # QWEN38_COMMIT first: a device run of an archived commit may sit inside some other checkout's tree.
+    commit = os.environ.get("QWEN38_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True,
+                                    text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    commit = commit or "unknown"
     info = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

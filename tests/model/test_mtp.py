@@ -22,7 +22,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen  # noqa: E40
 # head_dim 32 (the GPU attention kernels take 32, 64, 128, 256); attention at layers 1 and 3, so the MTP
 # block is blk.4.
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "head_dim": 32,
-         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "full_attention_interval": 2}
+         "linear_key_head_dim": 32, "linear_value_head_dim": 32, "full_attention_interval": 2}
 PROMPT_LENGTH = 13
 
 

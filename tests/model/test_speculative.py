@@ -13,7 +13,7 @@ from qwen38_model.speculative import (MAX_DRAFT_TOKENS, SpeculativeEngine, best_
                                       run_speculative)
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "head_dim": 32,
-         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "full_attention_interval": 2}
+         "linear_key_head_dim": 32, "linear_value_head_dim": 32, "full_attention_interval": 2}
 NEW_TOKENS = 20
 
 
@@ -134,3 +134,37 @@ def test_scratch_refuses_new_buffers_once_frozen():
     assert scratch.empty("role", "x", (2, 3)) is buf
     with pytest.raises(RuntimeError, match="after a CUDA graph was captured"):
         scratch.empty("role", "x", (4, 3))
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU (device machine, -m cuda): the captured step graphs
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_model(model):
+    path = model.config.source
+    return Qwen38ForCausalLM.from_pretrained(path, device="cuda", lane="int8")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k", [1, 3, MAX_DRAFT_TOKENS])
+def test_cuda_graph_steps_equal_plain_greedy(gpu_model, prompt, k):
+    """Plain greedy through its graph vs speculative steps through theirs: forced 100%, 0% and partial
+    acceptance and the block's own drafts (adaptive), token for token, on the int8 lane."""
+    long = gpu_model.generate(prompt, max_new_tokens=NEW_TOKENS + MAX_DRAFT_TOKENS + 1, eos_token_id=[])[0].tolist()
+    plain = long[prompt.shape[1]:][:NEW_TOKENS]
+    gpu_prompt = prompt.to("cuda")
+    for name, drafts in (("perfect", long), ("wrong", [(t + 1) % 500 for t in long]),
+                         ("partial", [t if i % 3 else (t + 1) % 500 for i, t in enumerate(long)])):
+        engine = SpeculativeEngine(gpu_model, 64, torch.float32, True, k, forced_drafts=True)
+        engine.forced.zero_()
+        engine.forced[: len(drafts)] = torch.tensor(drafts, dtype=torch.int32)
+        tokens, stats, _ = run_speculative(engine, gpu_prompt[0].to(torch.int32), SamplingConfig(), NEW_TOKENS, 0,
+                                           StopCondition(frozenset()), chunk_size=4096, adaptive=False)
+        assert tokens == plain, name
+        assert (stats.accepted == stats.drafted) == (name == "perfect"), name
+    out = gpu_model.generate(gpu_prompt, max_new_tokens=NEW_TOKENS, eos_token_id=[], speculative="mtp",
+                             num_draft_tokens=k)
+    assert out[0, prompt.shape[1]:].tolist() == plain
+    assert gpu_model.last_generation_stats.graph
