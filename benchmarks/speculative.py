@@ -23,7 +23,7 @@ from benchmarks.ops.common import default_result_path, env_info, print_table, re
 from qwen38_model.generation import DecodeEngine, StopCondition, run_generation
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.scratch import Scratch
-from qwen38_model.speculative import MAX_DRAFT_TOKENS, SpeculativeEngine, run_speculative
+from qwen38_model.speculative import MAX_DRAFT_TOKENS, SpeculativeEngine, head_rows, run_speculative
 from qwen38_model.state import KVCache
 
 CONTEXT = 512  # the KV rows every timed pass attends over (a short chat's context)
@@ -53,18 +53,20 @@ def time_verify(model, state, rows: int) -> float:
     return time_graph(verify, calls=4, replays=5)["median_s"]
 
 
-def time_mtp(model, state, rows: int, head: bool) -> float:
-    """Seconds of the MTP block over `rows` rows (with head: + LM head + arg-max on one row: a draft step)."""
+def time_mtp(model, state, rows: int, head: bool, draft_vocab: int | None = None) -> float:
+    """Seconds of the MTP block over `rows` rows (with head: + LM head + arg-max on one row: a draft step;
+    draft_vocab: over the head's first rows only)."""
     scratch = Scratch(model.device)
     hidden = torch.randn(rows, model.config.hidden_size, device=model.device)
     ids = torch.ones(rows, dtype=torch.int32, device=model.device)
     positions = torch.arange(CONTEXT, CONTEXT + rows, dtype=torch.int32, device=model.device)
     token = torch.zeros((), dtype=torch.int64, device=model.device)
+    lm_head = head_rows(model.lm_head, draft_vocab) if draft_vocab else model.lm_head
 
     def step(_):
         act = model.mtp(hidden, ids, positions, state.mtp_cache, scratch)
         if head:
-            torch.argmax(model.lm_head(act, scratch)[0], out=token)
+            torch.argmax(lm_head(act, scratch)[0], out=token)
 
     return time_graph(step, calls=8, replays=5)["median_s"]
 
@@ -77,9 +79,11 @@ def plain_greedy(model, prompt: torch.Tensor, new_tokens: int, kv_dtype) -> tupl
     return tokens, tok_s
 
 
-def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor, adaptive: bool):
+def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor, adaptive: bool,
+                    draft_vocab: int | None = None):
     # Room for the 16 timing replays after the run (each consumes up to k + 1 positions).
-    engine = SpeculativeEngine(model, prompt.shape[0] + new_tokens + 16 * (k + 1), kv_dtype, True, k, forced_drafts=True)
+    engine = SpeculativeEngine(model, prompt.shape[0] + new_tokens + 16 * (k + 1), kv_dtype, True, k, forced_drafts=True,
+                               draft_vocab_size=draft_vocab)
     engine.forced.zero_()
     engine.forced[: forced.shape[0]].copy_(forced)
     tokens, stats, _ = run_speculative(engine, prompt, SamplingConfig(), new_tokens, 0, StopCondition(frozenset()),
@@ -107,6 +111,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-speculative.json)")
     parser.add_argument("--draft-tokens", type=int, default=3, help="k of the forced-draft runs")
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--draft-vocab", type=int, default=32768, help="the reduced draft vocabulary measured beside the full one")
     parser.add_argument("--kv-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args(argv)
     k, kv_dtype = args.draft_tokens, getattr(torch, args.kv_dtype)
@@ -122,6 +127,8 @@ def main(argv=None) -> dict:
     results["verify_ms"] = {rows: s * 1e3 for rows, s in verify_s.items()}
     results["verify_vs_t1"] = {rows: s / verify_s[1] for rows, s in verify_s.items()}
     results["draft_step_ms"] = time_mtp(model, state, 1, head=True) * 1e3
+    results["draft_vocab"] = args.draft_vocab
+    results["draft_step_reduced_vocab_ms"] = time_mtp(model, state, 1, head=True, draft_vocab=args.draft_vocab) * 1e3
     results["mtp_pass_ms"] = {rows: time_mtp(model, state, rows, head=False) * 1e3
                               for rows in sorted({1, k + 1, MAX_DRAFT_TOKENS + 1})}
     del state
@@ -134,10 +141,11 @@ def main(argv=None) -> dict:
     right = torch.cat([prompt, torch.tensor(plain_tokens, dtype=torch.int32, device=model.device)])
     wrong = (right + 1) % V
     runs = {}
-    for name, forced, adaptive in (("perfect", right, False), ("zero_fixed_k", wrong, False),
-                                   ("zero_adaptive", wrong, True)):
+    for name, forced, adaptive, vocab in (("perfect", right, False, None), ("zero_fixed_k", wrong, False, None),
+                                          ("zero_adaptive", wrong, True, None),
+                                          (f"perfect_draft_vocab_{args.draft_vocab}", right, False, args.draft_vocab)):
         clock = time.perf_counter()
-        r = speculative_run(model, prompt, args.new_tokens, kv_dtype, k, forced, adaptive)
+        r = speculative_run(model, prompt, args.new_tokens, kv_dtype, k, forced, adaptive, vocab)
         r["identical_to_plain"] = r.pop("tokens") == plain_tokens
         r["vs_plain"] = r["decode_tok_s"] / plain_tok_s
         r["wall_s"] = time.perf_counter() - clock
@@ -150,6 +158,8 @@ def main(argv=None) -> dict:
 
     rows = [dict(test=f"verify T={t}", ms=v, vs_t1=results["verify_vs_t1"][t]) for t, v in results["verify_ms"].items()]
     rows += [dict(test="draft step (MTP 1 row + head)", ms=results["draft_step_ms"], vs_t1=results["draft_step_ms"] / results["verify_ms"][1])]
+    rows += [dict(test=f"draft step, head over {args.draft_vocab} ids", ms=results["draft_step_reduced_vocab_ms"],
+                  vs_t1=results["draft_step_reduced_vocab_ms"] / results["verify_ms"][1])]
     rows += [dict(test=f"MTP pass {r} rows", ms=v, vs_t1=v / results["verify_ms"][1]) for r, v in results["mtp_pass_ms"].items()]
     print_table(rows, ["test", "ms", "vs_t1"], title=f"speculative parts on {env.get('gpu')} (context {CONTEXT})")
     print_table([dict(run=n, tok_s=r["decode_tok_s"], vs_plain=r["vs_plain"], tokens_per_step=r["tokens_per_step"],

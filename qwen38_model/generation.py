@@ -16,7 +16,7 @@ import torch
 
 from .sampling import SamplerState, SamplingConfig, select_next_token
 from .scratch import Scratch
-from .state import GDNState, StateSnapshot
+from .state import StateSnapshot
 
 READ_BEHIND = 4  # replays in flight before the host waits for the oldest token
 
@@ -61,7 +61,7 @@ class DecodeEngine:
         self.state = model.new_state(max_seq_len, kv_dtype)
         self.scratch = Scratch(self.device)
         self.token = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.position = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.position = self.state.device_position  # the state's own: a step advances it on the device
         self.sampler = SamplerState.empty(model.config.vocab_size, self.device)
         self.graphs: dict[SamplingConfig, torch.cuda.CUDAGraph] = {}
         # Replays launched before the host reads a token: the steps past a stop feed discarded tokens
@@ -93,12 +93,7 @@ class DecodeEngine:
         """Empty state, or `start` copied into the state's own tensors (the graphs keep their addresses);
         the sampler sees the whole history either way, so the output is the same as from scratch."""
         if start is None:
-            for layer in self.state.layers:
-                if isinstance(layer, GDNState):
-                    layer.conv.zero_()
-                    layer.recurrent.zero_()
-            # KV rows need no clearing: attention reads rows 0..position, each written before it is read.
-            self.state.position = 0
+            self.state.clear()
         else:
             self.state.restore(start)
         self.sampler.reset(history, seed, cfg.eos_token_ids)
@@ -224,7 +219,7 @@ def run_generation(engine: DecodeEngine, history: torch.Tensor, cfg: SamplingCon
     sync()
     stats.decode_s = time.perf_counter() - clock
     stats.new_tokens = len(stop.tokens)
-    engine.state.position += launched - 1  # steps run, including replays past a stop (then discarded)
+    engine.state.sync_position()  # steps run, including replays past a stop (then discarded)
     if keep_state and after_prefill is not None and launched > len(stop.tokens):
         # The steps past the stop fed discarded tokens into the recurrent states, which cannot be undone:
         # back to the end of the prompt (the reply is prefilled with the next turn).

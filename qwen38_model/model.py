@@ -263,7 +263,7 @@ class Qwen38ForCausalLM(nn.Module):
                  kv_dtype: torch.dtype = torch.float32, use_graph: bool | None = None,
                  prefill_progress=None, conversation: Conversation | None = None,
                  prefix_cache: PrefixCache | None = None, speculative: str | None = None,
-                 num_draft_tokens: int = 3) -> torch.Tensor:
+                 num_draft_tokens: int = 3, draft_vocab_size: int | None = None) -> torch.Tensor:
         """transformers' generate() for one sequence: returns prompt + new ids [1, T + n] (stop token
         included). Sampling is reproducible for a seed (or a torch.Generator to draw one from). eos_token_id
         defaults to the checkpoint's; stop_strings need the tokenizer. On CUDA each step is a graph replay
@@ -277,7 +277,8 @@ class Qwen38ForCausalLM(nn.Module):
         end are cached. Either way the output is that of the whole history from scratch (self.last_generation_stats.prompt_tokens counts
         the tokens prefilled). speculative="mtp": the checkpoint's MTP block drafts up to num_draft_tokens
         tokens per step and one pass verifies them (greedy: the same tokens as without; sampling: the same
-        distribution); the draft count adapts to the acceptance seen so far."""
+        distribution); the draft count adapts to the acceptance seen so far. draft_vocab_size=n: drafts only
+        from token ids below n (a cheaper draft head; the verify still scores every token)."""
         check_input_ids(input_ids, self.config.vocab_size)
         if input_ids.shape[0] != 1:
             raise ValueError(f"generate() takes input_ids of shape [1, T] (batched decode is not supported yet), "
@@ -297,7 +298,7 @@ class Qwen38ForCausalLM(nn.Module):
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', found {speculative!r}")
         engine = self._decode_engine(len(history) + max_new_tokens, max_seq_len, kv_dtype, use_graph,
-                                     num_draft_tokens if speculative else 0)
+                                     num_draft_tokens if speculative else 0, draft_vocab_size)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         keep_state = conversation is not None or prefix_cache is not None
@@ -335,8 +336,8 @@ class Qwen38ForCausalLM(nn.Module):
             return cached
         return start
 
-    def _decode_engine(self, needed: int, max_seq_len: int | None, kv_dtype, use_graph,
-                       num_draft_tokens: int) -> DecodeEngine | SpeculativeEngine:
+    def _decode_engine(self, needed: int, max_seq_len: int | None, kv_dtype, use_graph, num_draft_tokens: int,
+                       draft_vocab_size: int | None) -> DecodeEngine | SpeculativeEngine:
         """The engine (static buffers, captured graphs) is kept between calls while it fits; num_draft_tokens
         > 0: a speculative one."""
         limit = self.config.max_position_embeddings
@@ -347,10 +348,12 @@ class Qwen38ForCausalLM(nn.Module):
         if (engine is None or engine.max_seq_len < needed or engine.kv_dtype != kv_dtype
                 or (max_seq_len and engine.max_seq_len != max_seq_len)
                 or (use_graph is not None and engine.use_graph != use_graph)
-                or getattr(engine, "k_max", 0) != num_draft_tokens):
+                or getattr(engine, "k_max", 0) != num_draft_tokens
+                or getattr(engine, "draft_vocab_size", None) != draft_vocab_size):
             self._engine = engine = None  # free the old buffers before allocating the new ones
             if num_draft_tokens:
-                engine = SpeculativeEngine(self, size, kv_dtype, use_graph, num_draft_tokens)
+                engine = SpeculativeEngine(self, size, kv_dtype, use_graph, num_draft_tokens,
+                                           draft_vocab_size=draft_vocab_size)
             else:
                 engine = DecodeEngine(self, size, kv_dtype, use_graph)
             self._engine = engine

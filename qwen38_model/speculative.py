@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from .generation import GenerationStats, StopCondition
-from .layers import INT_GEMM_MIN_ROWS
+from .checkpoint import Q8Tensor
+from .layers import INT_GEMM_MIN_ROWS, Linear
 from .sampling import SamplerState, SamplingConfig, select_next_token, select_speculative
 from .scratch import Activation, Scratch
-from .state import GDNState, StateSnapshot
+from .state import StateSnapshot
 
 # The verify's k+1 rows must stay on the GEMV (the int8 GEMM from INT_GEMM_MIN_ROWS rows sums in another
 # order, which would break greedy equality with plain decode).
@@ -100,6 +101,17 @@ class SpeculativeStats(GenerationStats):
                 f"tokens/step, {self.accepted}/{self.drafted} drafts accepted ({rate})")
 
 
+def head_rows(lm_head: Linear, rows: int) -> Linear:
+    """The LM head's first `rows` rows as a Linear over views of its weights (no copy): a draft head over a
+    reduced vocabulary. Token ids of byte-level BPE vocabularies are in merge order, so low ids are the
+    frequent tokens; drafts are never outside it, while the verify still scores the whole vocabulary."""
+    if lm_head.lane is None:
+        weight = lm_head.weight[:rows]
+    else:
+        weight = Q8Tensor(lm_head.weight_q[:rows], lm_head.weight_d[:rows])
+    return Linear(weight, lm_head.lane, "mtp.draft_head")
+
+
 class SpeculativeEngine:
     """Static buffers and captured step graphs (one per draft count k in 0..k_max and sampling config) for
     one sequence of up to max_seq_len tokens. forced_drafts: drafts are read from self.forced (a token
@@ -107,15 +119,20 @@ class SpeculativeEngine:
     0%, partial and 100% acceptance, and the benchmark's perfect draft."""
 
     def __init__(self, model, max_seq_len: int, kv_dtype, use_graph: bool | None, num_draft_tokens: int,
-                 forced_drafts: bool = False):
+                 forced_drafts: bool = False, draft_vocab_size: int | None = None):
         if model.mtp is None:
             raise ValueError(f"speculative='mtp' needs a checkpoint with the MTP block ({model.config.source} has "
                              "none: a GGUF converted with --no-mtp, or an HF folder without mtp.* tensors)")
         if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], found {num_draft_tokens}")
+        vocab = model.config.vocab_size
+        if draft_vocab_size is not None and not 1 <= draft_vocab_size <= vocab:
+            raise ValueError(f"draft_vocab_size must be in [1, {vocab}], found {draft_vocab_size}")
         self.model = model
         self.device = model.device
         self.k_max = num_draft_tokens
+        self.draft_vocab_size = draft_vocab_size
+        self.draft_head = model.lm_head if draft_vocab_size in (None, vocab) else head_rows(model.lm_head, draft_vocab_size)
         rows = num_draft_tokens + 1
         self.max_seq_len = max_seq_len
         self.kv_dtype = kv_dtype
@@ -131,7 +148,7 @@ class SpeculativeEngine:
         def ints(n, fill=0):
             return torch.full((n,), fill, dtype=torch.int32, device=dev)
 
-        self.base = ints(1)  # p: tokens the trunk has consumed = the pending token's position
+        self.base = self.state.device_position  # p: tokens consumed = the pending token's position
         self.num_accepted = ints(1)  # a of the last verify
         self.tokens = ints(rows, -1)  # the last verify's t_0..t_a, -1 past a
         self.hidden = torch.zeros(rows, D, device=dev)  # the last verify's normed trunk hidden rows
@@ -182,7 +199,7 @@ class SpeculativeEngine:
             if src is not None:
                 torch.index_select(src, 0, self.num_accepted, out=dst)
         for j in range(k):
-            logits = m.lm_head(row, scratch)
+            logits = self.draft_head(row, scratch)
             torch.argmax(logits[0], out=scratch.empty("mtp_row", "argmax", (), torch.int64))
             self.drafts[j : j + 1].copy_(scratch.empty("mtp_row", "argmax", (), torch.int64))
             if j + 1 < k:
@@ -203,6 +220,10 @@ class SpeculativeEngine:
         side.wait_stream(stream)
         with torch.cuda.stream(side):
             for k in todo:
+                # A position where the step's every row is in the cache: the MTP pass starts one row
+                # before the verify (position 0 would make that row -1).
+                self.base.fill_(1)
+                self.num_accepted.zero_()
                 self.step(k, cfg)
         stream.wait_stream(side)
         for k in todo:
@@ -216,11 +237,7 @@ class SpeculativeEngine:
     # --- a generation ----------------------------------------------------------------------------------
     def reset(self, history: torch.Tensor, seed: int, cfg: SamplingConfig, start: StateSnapshot | None) -> None:
         if start is None:
-            for layer in self.state.layers:
-                if isinstance(layer, GDNState):
-                    layer.conv.zero_()
-                    layer.recurrent.zero_()
-            self.state.position = 0
+            self.state.clear()
         else:
             self.state.restore(start)
         self.sampler.reset(history, seed, cfg.eos_token_ids)
@@ -251,7 +268,6 @@ class SpeculativeEngine:
             if progress is not None:
                 progress(end - start, total - start)
         self.num_accepted.zero_()
-        self.base.fill_(total)
 
 
 def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: SamplingConfig, max_new_tokens: int,
@@ -332,8 +348,7 @@ def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: Sampl
     sync()
     stats.decode_s = time.perf_counter() - clock
     stats.new_tokens = len(stop.tokens)
-    # The host position follows the device one (steps past a stop included), read once at the end.
-    engine.state.position = int(engine.base)
+    engine.state.sync_position()  # steps past a stop included
     if keep_state and (launched > read or engine.state.position != history.shape[0] + len(stop.tokens) - 1):
         # Tokens past the stop went into the recurrent states: back to the end of the prompt (the reply is
         # prefilled with the next turn), as plain decode does.

@@ -105,19 +105,28 @@ class Qwen38State:
         self.config = config
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)
-        self.position = 0  # tokens already in the state
+        # Tokens already in the state. The device copy is the truth while graphs replay (a decode step
+        # advances it on the GPU); the host int mirrors it for capacity checks and snapshots, written by
+        # reserve() and restore() and read back by sync_position() once a generation ends.
+        self.position = 0
+        self.device_position = torch.zeros(1, dtype=torch.int32, device=device)
         self.layers: list[KVCache | GDNState] = []
         c = config
+        # Every GDN layer's conv and recurrent state are slices of one tensor each, so that a speculative
+        # accept() is two copies, not two per layer.
+        num_gdn = sum(kind != ATTENTION for kind in c.layer_types)
+        self.gdn_conv = torch.zeros(num_gdn, c.conv_kernel - 1, c.conv_dim, device=device)
+        self.gdn_recurrent = torch.zeros(num_gdn, c.linear_num_value_heads, c.linear_value_head_dim,
+                                         c.linear_key_head_dim, device=device)
+        self.token_conv = self.token_recurrent = None
         for kind in c.layer_types:
             if kind == ATTENTION:
                 shape = (max_seq_len, c.num_key_value_heads, c.head_dim)
                 self.layers.append(KVCache(torch.zeros(shape, dtype=kv_dtype, device=device),
                                            torch.zeros(shape, dtype=kv_dtype, device=device)))
             else:
-                self.layers.append(GDNState(
-                    torch.zeros(c.conv_kernel - 1, c.conv_dim, device=device),
-                    torch.zeros(c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim,
-                                device=device)))
+                i = sum(isinstance(layer, GDNState) for layer in self.layers)
+                self.layers.append(GDNState(self.gdn_conv[i], self.gdn_recurrent[i]))
         shape = (max_seq_len, c.num_key_value_heads, c.head_dim)
         self.mtp_cache = KVCache(torch.zeros(shape, dtype=kv_dtype, device=device),
                                  torch.zeros(shape, dtype=kv_dtype, device=device)) if mtp else None
@@ -133,7 +142,20 @@ class Qwen38State:
                              f"max_seq_len {self.max_seq_len}")
         positions = torch.arange(self.position, self.position + num_tokens, dtype=torch.int32, device=self.device)
         self.position += num_tokens
+        self.device_position.fill_(self.position)
         return positions
+
+    def sync_position(self) -> int:
+        """The host mirror read back from the device position (one host sync)."""
+        self.position = int(self.device_position)
+        return self.position
+
+    def clear(self) -> None:
+        """Empty: GDN states zeroed, position 0 (KV rows need no clearing: none is read before written)."""
+        self.gdn_conv.zero_()
+        self.gdn_recurrent.zero_()
+        self.position = 0
+        self.device_position.zero_()
 
     def tensors(self, layer) -> list[torch.Tensor]:
         """The tensors a layer's state holds (per-token buffers included when kept)."""
@@ -142,19 +164,20 @@ class Qwen38State:
     def keep_token_states(self, max_tokens: int) -> None:
         """Buffers for the per-token GDN states of steps of up to max_tokens tokens (a speculative verify
         writes them; accept() keeps one). At the 27B shape: max_tokens x 48 x 3.1 MB."""
-        for layer in self.layers:
-            if isinstance(layer, GDNState):
-                layer.token_conv = torch.empty((max_tokens, *layer.conv.shape), device=self.device)
-                layer.token_recurrent = torch.empty((max_tokens, *layer.recurrent.shape), device=self.device)
+        # [layer, token, ...]: each layer's [T, ...] rows contiguous, as the GDN ops write them.
+        self.token_conv = torch.empty((self.gdn_conv.shape[0], max_tokens, *self.gdn_conv.shape[1:]), device=self.device)
+        self.token_recurrent = torch.empty((self.gdn_recurrent.shape[0], max_tokens, *self.gdn_recurrent.shape[1:]),
+                                           device=self.device)
+        gdn_layers = [layer for layer in self.layers if isinstance(layer, GDNState)]
+        for i, layer in enumerate(gdn_layers):
+            layer.token_conv, layer.token_recurrent = self.token_conv[i], self.token_recurrent[i]
 
     def accept(self, index: torch.Tensor) -> None:
         """Make every GDN state the one after token `index` (int64 [1], on the device) of the last step that
         kept token states; the KV caches need nothing (rows past the position are never read). No host
         sync, fixed addresses: legal inside a captured graph."""
-        for layer in self.layers:
-            if isinstance(layer, GDNState):
-                torch.index_select(layer.token_conv, 0, index, out=layer.conv.unsqueeze(0))
-                torch.index_select(layer.token_recurrent, 0, index, out=layer.recurrent.unsqueeze(0))
+        torch.index_select(self.token_conv, 1, index, out=self.gdn_conv.unsqueeze(1))
+        torch.index_select(self.token_recurrent, 1, index, out=self.gdn_recurrent.unsqueeze(1))
 
     def snapshot(self) -> StateSnapshot:
         """Device-side clones (no host sync): the KV rows written so far and every GDN state."""
@@ -190,3 +213,4 @@ class Qwen38State:
                 layer.conv.copy_(a, non_blocking=True)
                 layer.recurrent.copy_(b, non_blocking=True)
         self.position = snap.position
+        self.device_position.fill_(snap.position)

@@ -84,6 +84,13 @@ def test_mtp_drafts_greedy_equal_plain(model, prompt, plain):
         assert model.last_generation_stats.steps > 0
 
 
+def test_reduced_draft_vocabulary_equals_plain(model, prompt, plain):
+    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=[], speculative="mtp", draft_vocab_size=100)
+    assert out[0, prompt.shape[1]:].tolist() == plain
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        model.generate(prompt, speculative="mtp", draft_vocab_size=0)
+
+
 def test_processors_greedy_equal_plain(model, prompt):
     kwargs = dict(max_new_tokens=NEW_TOKENS, eos_token_id=[], repetition_penalty=1.3, presence_penalty=0.5)
     plain = model.generate(prompt, **kwargs)
