@@ -76,9 +76,11 @@ TORCH_LIBRARY(qwen38, m) {
   // qgkv [T, Hq*2*hd + 2*Hkv*hd]: per query head [query hd | gate hd] interleaved, then k, then v.
   // Per token t at position positions[t] (int32, on the device): RMSNorm each q and k head (weights
   // [hd], stored as 1+w), NEOX RoPE on the first rotary_dim dims with frequencies theta^(-2i/rotary_dim);
-  // q -> q_out [T, Hq, hd]; k and v stored at row positions[t] of the caches.
+  // q -> q_out [T, Hq, hd]; k and v stored at row positions[t] of the caches. A position outside the cache
+  // stores nothing and sets bad_position (int32 [1], when given) to 1: the caller reads it at its next sync.
   m.def("attn_qk_norm_rope_store(Tensor qgkv, Tensor q_norm, Tensor k_norm, Tensor positions, float eps, "
-        "float rope_theta, int rotary_dim, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
+        "float rope_theta, int rotary_dim, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor(d!)? bad_position=None) -> ()");
   // Causal attention of q [T, Hq, hd] over cache rows 0..positions[t] (GQA: query head h reads kv head
   // h / (Hq/Hkv)), softmax in float32 with scale. out [T, Hq, hd]. workspace: float32 scratch for the
   // split-K combine (size from qwen38_ops.attention.workspace_numel); contents undefined afterwards.

@@ -160,7 +160,7 @@ class GatedAttention(nn.Module):
         qgkv = self.qgkv(act, scratch)
         q = scratch.empty(self, "q", (rows, c.num_attention_heads, c.head_dim))
         ops.attn_qk_norm_rope_store(qgkv, self.q_norm, self.k_norm, positions, c.rms_norm_eps, c.rope_theta,
-                                    c.rotary_dim, q, cache.k, cache.v)
+                                    c.rotary_dim, q, cache.k, cache.v, cache.bad_position)
         attn = scratch.empty(self, "attn", q.shape)
         if rows > SAME_SPLIT_TOKENS:  # a prompt chunk: flash attention on tensor cores
             ops.attention_prefill(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn)

@@ -22,6 +22,9 @@ MTP_KEYS = ("mtp.k", "mtp.v", "mtp.hidden")  # the MTP part of a saved snapshot 
 class KVCache:
     k: torch.Tensor  # [max_seq_len, Hkv, hd], float32 or bfloat16; keys stored post-norm, post-RoPE
     v: torch.Tensor
+    # int32 [1], shared by a state's caches: set on the device when a position fell outside the cache
+    # (nothing is stored then); sync_position() raises on it.
+    bad_position: torch.Tensor | None = None
 
 
 @dataclass
@@ -110,6 +113,7 @@ class Qwen38State:
         # reserve() and restore() and read back by sync_position() once a generation ends.
         self.position = 0
         self.device_position = torch.zeros(1, dtype=torch.int32, device=device)
+        self.bad_position = torch.zeros(1, dtype=torch.int32, device=device)
         self.layers: list[KVCache | GDNState] = []
         c = config
         # Every GDN layer's conv and recurrent state are slices of one tensor each, so that a speculative
@@ -123,13 +127,13 @@ class Qwen38State:
             if kind == ATTENTION:
                 shape = (max_seq_len, c.num_key_value_heads, c.head_dim)
                 self.layers.append(KVCache(torch.zeros(shape, dtype=kv_dtype, device=device),
-                                           torch.zeros(shape, dtype=kv_dtype, device=device)))
+                                           torch.zeros(shape, dtype=kv_dtype, device=device), self.bad_position))
             else:
                 i = sum(isinstance(layer, GDNState) for layer in self.layers)
                 self.layers.append(GDNState(self.gdn_conv[i], self.gdn_recurrent[i]))
         shape = (max_seq_len, c.num_key_value_heads, c.head_dim)
         self.mtp_cache = KVCache(torch.zeros(shape, dtype=kv_dtype, device=device),
-                                 torch.zeros(shape, dtype=kv_dtype, device=device)) if mtp else None
+                                 torch.zeros(shape, dtype=kv_dtype, device=device), self.bad_position) if mtp else None
         # The trunk's normed hidden at position - 1, float32 [1, D]: model.forward pairs it with the next
         # call's first token (the pair that straddles two calls).
         self.mtp_hidden = torch.zeros(1, c.hidden_size, device=device) if mtp else None
@@ -146,8 +150,13 @@ class Qwen38State:
         return positions
 
     def sync_position(self) -> int:
-        """The host mirror read back from the device position (one host sync)."""
+        """The host mirror read back from the device position (one host sync); a RuntimeError if some step
+        since the last call had a position outside the KV caches (its keys and values were not stored)."""
         self.position = int(self.device_position)
+        if int(self.bad_position):
+            self.bad_position.zero_()
+            raise RuntimeError(f"a step ran at a position outside the KV cache (0..{self.max_seq_len - 1}): its "
+                               "attention output is wrong; the state must be cleared or restored")
         return self.position
 
     def clear(self) -> None:

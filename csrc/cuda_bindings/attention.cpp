@@ -41,7 +41,8 @@ void check_positions(const char* op, const at::Tensor& like, const at::Tensor& p
 
 void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                              const at::Tensor& positions, double eps, double rope_theta, int64_t rotary_dim,
-                             at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache) {
+                             at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache,
+                             const std::optional<at::Tensor>& bad_position) {
   constexpr const char* op = "attn_qk_norm_rope_store";
   QWEN38_CHECK_CUDA("attn_qk_norm_rope_store", qgkv);
   QWEN38_CHECK_DTYPE("attn_qk_norm_rope_store", qgkv, at::kFloat);
@@ -67,6 +68,14 @@ void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, c
   check_positions(op, qgkv, positions, num_tokens);
   QWEN38_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, op,
               ": rotary_dim must be even and in [0, hd = ", head_dim, "], found ", rotary_dim);
+  int32_t* bad = nullptr;
+  if (bad_position.has_value()) {
+    const at::Tensor& b = *bad_position;
+    QWEN38_CHECK(b.device() == qgkv.device() && b.scalar_type() == at::kInt && b.numel() == 1, op,
+                ": bad_position must be int32 [1] on ", qgkv.device(), ", found ", b.scalar_type(), " ", b.sizes(),
+                " on ", b.device());
+    bad = b.data_ptr<int32_t>();
+  }
 
   const c10::cuda::CUDAGuard guard(qgkv.device());
   cudaError_t err;
@@ -74,14 +83,14 @@ void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, c
     err = attn_qk_norm_rope_store_launch<float>(
         qgkv.data_ptr<float>(), qgkv.stride(0), q_norm.data_ptr<float>(), k_norm.data_ptr<float>(),
         positions.data_ptr<int32_t>(), (float)eps, (float)rope_theta, (int)rotary_dim, q_out.data_ptr<float>(),
-        k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads,
+        k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bad, (int)num_tokens, (int)num_heads, (int)num_kv_heads,
         (int)head_dim, (int)max_seq, current_stream());
   } else {
     err = attn_qk_norm_rope_store_launch<__nv_bfloat16>(
         qgkv.data_ptr<float>(), qgkv.stride(0), q_norm.data_ptr<float>(), k_norm.data_ptr<float>(),
         positions.data_ptr<int32_t>(), (float)eps, (float)rope_theta, (int)rotary_dim, q_out.data_ptr<float>(),
         reinterpret_cast<__nv_bfloat16*>(k_cache.data_ptr()), reinterpret_cast<__nv_bfloat16*>(v_cache.data_ptr()),
-        (int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim, (int)max_seq, current_stream());
+        bad, (int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim, (int)max_seq, current_stream());
   }
   QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }

@@ -44,8 +44,8 @@ __global__ void qk_norm_rope_store_kernel(const float* __restrict__ qgkv, int64_
                                           const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                                           const int32_t* __restrict__ positions, float eps, float rope_theta,
                                           int rotary_dim, float* __restrict__ q_out, CacheT* __restrict__ k_cache,
-                                          CacheT* __restrict__ v_cache, int num_heads, int num_kv_heads,
-                                          int head_dim, int max_seq) {
+                                          CacheT* __restrict__ v_cache, int32_t* __restrict__ bad_position,
+                                          int num_heads, int num_kv_heads, int head_dim, int max_seq) {
   const int head = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
   const bool is_query = head < num_heads;
   const int kv_head = head - num_heads;
@@ -86,10 +86,14 @@ __global__ void qk_norm_rope_store_kernel(const float* __restrict__ qgkv, int64_
   if (!active) return;
   if (is_query) {
     q_out[((int64_t)t * num_heads + head) * head_dim + d] = y;
-  } else if (pos >= 0 && pos < max_seq) {  // an out-of-range position must not write outside the cache
+  } else if (pos >= 0 && pos < max_seq) {
     const int64_t dst = ((int64_t)pos * num_kv_heads + kv_head) * head_dim + d;
     k_cache[dst] = from_float<CacheT>(y);
     v_cache[dst] = from_float<CacheT>(row[v_offset + kv_head * head_dim + d]);
+  } else if (d == 0 && bad_position != nullptr) {
+    // Nothing is written outside the cache; the position comes from the device (a graph replay), so the
+    // error is raised on the host at its next sync, from this flag.
+    *bad_position = 1;
   }
 }
 
@@ -555,15 +559,15 @@ template <typename CacheT>
 cudaError_t attn_qk_norm_rope_store_launch(const float* qgkv, int64_t qgkv_row_stride, const float* q_norm,
                                            const float* k_norm, const int32_t* positions, float eps,
                                            float rope_theta, int rotary_dim, float* q_out, CacheT* k_cache,
-                                           CacheT* v_cache, int num_tokens, int num_heads, int num_kv_heads,
-                                           int head_dim, int max_seq, cudaStream_t stream) {
+                                           CacheT* v_cache, int32_t* bad_position, int num_tokens, int num_heads,
+                                           int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
   if (head_dim <= 0 || head_dim > 1024 || rotary_dim < 0 || rotary_dim > head_dim || rotary_dim % 2 != 0)
     return cudaErrorInvalidValue;
   const int threads = (head_dim + 31) / 32 * 32;
   qk_norm_rope_store_kernel<CacheT><<<dim3(num_heads + num_kv_heads, num_tokens), threads, 0, stream>>>(
       qgkv, qgkv_row_stride, q_norm, k_norm, positions, eps, rope_theta, rotary_dim, q_out, k_cache, v_cache,
-      num_heads, num_kv_heads, head_dim, max_seq);
+      bad_position, num_heads, num_kv_heads, head_dim, max_seq);
   return cudaGetLastError();
 }
 
@@ -610,11 +614,11 @@ cudaError_t attn_output_gate_launch(const float* attn, const float* qgkv, int64_
 
 template cudaError_t attn_qk_norm_rope_store_launch<float>(const float*, int64_t, const float*, const float*,
                                                            const int32_t*, float, float, int, float*, float*,
-                                                           float*, int, int, int, int, int, cudaStream_t);
+                                                           float*, int32_t*, int, int, int, int, int, cudaStream_t);
 template cudaError_t attn_qk_norm_rope_store_launch<__nv_bfloat16>(const float*, int64_t, const float*,
                                                                    const float*, const int32_t*, float, float, int,
-                                                                   float*, __nv_bfloat16*, __nv_bfloat16*, int,
-                                                                   int, int, int, int, cudaStream_t);
+                                                                   float*, __nv_bfloat16*, __nv_bfloat16*, int32_t*,
+                                                                   int, int, int, int, int, cudaStream_t);
 template cudaError_t attention_launch<float>(const float*, const float*, const float*, const int32_t*, float, float*,
                                              float*, int, int, int, int, int, cudaStream_t);
 template cudaError_t attention_launch<__nv_bfloat16>(const float*, const __nv_bfloat16*, const __nv_bfloat16*,

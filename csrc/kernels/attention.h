@@ -39,8 +39,8 @@ template <typename CacheT>
 cudaError_t attn_qk_norm_rope_store_launch(const float* qgkv, int64_t qgkv_row_stride, const float* q_norm,
                                            const float* k_norm, const int32_t* positions, float eps,
                                            float rope_theta, int rotary_dim, float* q_out, CacheT* k_cache,
-                                           CacheT* v_cache, int num_tokens, int num_heads, int num_kv_heads,
-                                           int head_dim, int max_seq, cudaStream_t stream);
+                                           CacheT* v_cache, int32_t* bad_position, int num_tokens, int num_heads,
+                                           int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream);
 
 // q [T, Hq, hd], caches [max_seq, Hkv, hd] (16-byte aligned), positions int32 [T], out [T, Hq, hd],
 // workspace float32 with attention_workspace_numel(T, Hq, hd) elements. Token t attends rows

@@ -35,14 +35,18 @@ def _rope(x, cos, sin, rotary_dim):
 
 
 def attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, eps, rope_theta, rotary_dim, q_out, k_cache,
-                            v_cache) -> None:
+                            v_cache, bad_position=None) -> None:
+    """Rows at positions outside the cache are not stored; they set bad_position to 1 (as the kernel does)."""
     dtype = q_out.dtype
     q, _, k, v = split_qgkv(qgkv.to(dtype), k_cache.shape[1], q_norm.shape[0])
     cos, sin = rope_cos_sin(positions, rope_theta, rotary_dim, dtype)
     q_out.copy_(_rope(_rms(q, q_norm, eps), cos, sin, rotary_dim))
     rows = positions.long()
-    k_cache.index_copy_(0, rows, _rope(_rms(k, k_norm, eps), cos, sin, rotary_dim).to(k_cache.dtype))
-    v_cache.index_copy_(0, rows, v.to(v_cache.dtype))
+    inside = (rows >= 0) & (rows < k_cache.shape[0])
+    if bad_position is not None and not bool(inside.all()):
+        bad_position.fill_(1)
+    k_cache.index_copy_(0, rows[inside], _rope(_rms(k, k_norm, eps), cos, sin, rotary_dim)[inside].to(k_cache.dtype))
+    v_cache.index_copy_(0, rows[inside], v[inside].to(v_cache.dtype))
 
 
 # Query rows per block: a block's float64 scores [rows, Hq, L] stay near 2^24 elements (128 MB) whatever the

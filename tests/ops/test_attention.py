@@ -484,3 +484,36 @@ def test_attention_rows_equal_single_token_calls_bitwise(T):
     for t in range(T):
         alone = run_attention_cuda(q[t : t + 1].contiguous(), k_cache, v_cache, positions[t : t + 1], hd**-0.5)
         assert torch.equal(together[t : t + 1], alone), t
+
+
+def test_position_outside_the_cache_sets_the_flag_and_stores_nothing():
+    """The reference (and the kernel, below) store nothing for an out-of-range position and set the flag."""
+    hq, hkv, hd, rd = 4, 2, 32, 8
+    qgkv, q_norm, k_norm = make_qgkv(3, hq, hkv, hd, seed=1)
+    k_cache, v_cache = torch.zeros(8, hkv, hd), torch.zeros(8, hkv, hd)
+    flag = torch.zeros(1, dtype=torch.int32)
+    q_out = torch.empty(3, hq, hd)
+    positions = torch.tensor([2, 8, -1], dtype=torch.int32)
+    ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache, flag)
+    assert int(flag) == 1
+    assert k_cache[2].abs().sum() > 0 and k_cache[[0, 1, 3, 4, 5, 6, 7]].abs().sum() == 0
+    flag.zero_()
+    ops.attn_qk_norm_rope_store(qgkv[:1], q_norm, k_norm, positions[:1], EPS, THETA, rd, q_out[:1], k_cache, v_cache,
+                                flag)
+    assert int(flag) == 0
+
+
+@cuda
+@needs_gpu
+def test_cuda_position_outside_the_cache_sets_the_flag():
+    hq, hkv, hd, rd = M27B
+    qgkv, q_norm, k_norm = make_qgkv(3, hq, hkv, hd, seed=1)
+    k_cache = torch.full((8, hkv, hd), float("nan"), device="cuda")
+    v_cache = torch.full((8, hkv, hd), float("nan"), device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    q_out = torch.empty(3, hq, hd, device="cuda")
+    positions = torch.tensor([2, 8, -1], dtype=torch.int32, device="cuda")
+    ops.attn_qk_norm_rope_store(qgkv.cuda(), q_norm.cuda(), k_norm.cuda(), positions, EPS, THETA, rd, q_out, k_cache,
+                                v_cache, flag)
+    assert int(flag) == 1
+    assert torch.isfinite(k_cache[2]).all() and torch.isnan(k_cache[[0, 1, 3, 4, 5, 6, 7]]).all()
