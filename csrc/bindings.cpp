@@ -86,9 +86,11 @@ TORCH_LIBRARY(qwen38, m) {
   // split-K combine (size from qwen38_ops.attention.workspace_numel); contents undefined afterwards.
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, Tensor(a!) out, "
         "Tensor(b!) workspace) -> ()");
-  // attention's out without its workspace, for prompts (tensor cores; a bf16 cache rounds q and p to bf16).
+  // attention's out for prompts (tensor cores; a bf16 cache rounds q and p to bf16). workspace: float32 scratch
+  // for the split-K of few query rows (size from qwen38_ops.attention_prefill.workspace_numel, 0 when unsplit);
+  // contents undefined afterwards.
   m.def("attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, "
-        "Tensor(a!) out) -> ()");
+        "Tensor(a!) out, Tensor(b!) workspace) -> ()");
   // out [T, Hq*hd] = attn [T, Hq, hd] * sigmoid(gate) with gate read from qgkv's interleaved q|gate rows.
   m.def("attn_output_gate(Tensor attn, Tensor qgkv, Tensor(a!) out, Tensor(b!)? out_q, Tensor(c!)? out_q_lo, "
         "Tensor(d!)? out_d) -> ()");

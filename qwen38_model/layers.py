@@ -8,6 +8,7 @@ from torch import nn
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention import SAME_SPLIT_TOKENS, workspace_numel
+from qwen38_ops.attention_prefill import workspace_numel as prefill_workspace_numel
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
@@ -163,7 +164,9 @@ class GatedAttention(nn.Module):
                                     c.rotary_dim, q, cache.k, cache.v, cache.bad_position)
         attn = scratch.empty(self, "attn", q.shape)
         if rows > SAME_SPLIT_TOKENS:  # a prompt chunk: flash attention on tensor cores
-            ops.attention_prefill(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn)
+            workspace = scratch.empty(self, "prefill_workspace", (prefill_workspace_numel(
+                rows, c.num_attention_heads, c.num_key_value_heads, c.head_dim),))
+            ops.attention_prefill(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)
         else:  # a decode step or a verify: split-K, each row in the decode step's float order
             workspace = scratch.empty(self, "workspace", (workspace_numel(rows, c.num_attention_heads, c.head_dim),))
             ops.attention(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)

@@ -11,7 +11,7 @@ namespace {
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& positions, double scale, at::Tensor& out) {
+                       const at::Tensor& positions, double scale, at::Tensor& out, at::Tensor& workspace) {
   constexpr const char* op = "attention_prefill";
   QWEN38_CHECK_CUDA("attention_prefill", q);
   QWEN38_CHECK_DTYPE("attention_prefill", q, at::kFloat);
@@ -54,20 +54,29 @@ void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   QWEN38_CHECK(out.sizes() == q.sizes(), op, ": out must be shaped like q ", q.sizes(), ", found ", out.sizes());
   QWEN38_CHECK(aligned16(q) && aligned16(k_cache) && aligned16(v_cache) && aligned16(out), op,
               ": q, k_cache, v_cache and out must be 16-byte aligned (the kernel moves them in 16-byte pieces)");
+  QWEN38_CHECK_SAME_DEVICE("attention_prefill", q, workspace);
+  QWEN38_CHECK_DTYPE("attention_prefill", workspace, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS("attention_prefill", workspace);
+  const int64_t needed =
+      attention_prefill_workspace_numel((int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim);
+  QWEN38_CHECK(workspace.numel() >= needed, op, ": workspace must hold splits * T * Hq * (hd + 2) = ", needed,
+              " floats (qwen38_ops.attention_prefill.workspace_numel), found ", workspace.numel());
+  QWEN38_CHECK(needed == 0 || aligned16(workspace), op,
+              ": workspace must be 16-byte aligned (the split-K combine reads it in 16-byte pieces)");
 
   const c10::cuda::CUDAGuard guard(q.device());
   cudaError_t err;
   if (k_cache.scalar_type() == at::kFloat) {
     err = attention_prefill_launch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                                           positions.data_ptr<int32_t>(), (float)scale, out.data_ptr<float>(),
-                                          (int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim,
-                                          (int)max_seq, current_stream());
+                                          workspace.data_ptr<float>(), (int)num_tokens, (int)num_heads,
+                                          (int)num_kv_heads, (int)head_dim, (int)max_seq, current_stream());
   } else {
     err = attention_prefill_launch<__nv_bfloat16>(
         q.data_ptr<float>(), reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), positions.data_ptr<int32_t>(), (float)scale,
-        out.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim, (int)max_seq,
-        current_stream());
+        out.data_ptr<float>(), workspace.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads,
+        (int)head_dim, (int)max_seq, current_stream());
   }
   QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }

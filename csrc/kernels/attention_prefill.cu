@@ -28,6 +28,14 @@
 //
 // Shared memory rows are padded by 16 bytes (hd + 8 bf16): the 8 row addresses of an ldmatrix then fall
 // on 8 distinct groups of 4 banks for every supported hd.
+//
+// Split-K (gridDim.z = splits > 1, chosen by attention_prefill_num_splits from the shapes): the block of
+// split s walks only tiles [n s / splits, n (s + 1) / splits) of the n tiles its rows need (n is known on
+// the device only, from the positions; a split may get none) and stores each row's unnormalized O with its
+// running max m and sum l in the workspace. The combine kernel then forms, for each row, in split order,
+//   M = max_s m_s,  out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s
+// skipping splits that saw no visible cache row of the row (m_s = -inf, O_s not stored). Without a split
+// the block walks all n tiles and stores O / l itself, in the float order it always had.
 #include "attention_prefill.h"
 
 #include <cuda_bf16.h>
@@ -181,8 +189,8 @@ __device__ __forceinline__ void split_tile(__nv_bfloat16* planes, const float* r
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The kernel. Grid (Hkv, ceil(T * G / 64)); the row blocks run last-first: with increasing positions the
-// last tokens have the longest contexts, and starting them first shortens the tail of the launch.
+// The kernel. Grid (Hkv, ceil(T * G / 64), splits); the row blocks run last-first: with increasing positions
+// the last tokens have the longest contexts, and starting them first shortens the tail of the launch.
 template <typename CacheT, int kHeadDim>
 __global__ void __launch_bounds__(kThreads)
 attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
@@ -190,7 +198,9 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
                          const CacheT* __restrict__ v_cache,     // [max_seq, Hkv, hd]
                          const int32_t* __restrict__ positions,  // [T]
                          float scale_log2,                       // scale * log2(e)
-                         float* __restrict__ out,                // [T, Hq, hd]
+                         float* __restrict__ out,                // [T, Hq, hd] (no split)
+                         float* __restrict__ partial_o,          // [splits, T * Hq, hd] (split-K)
+                         float* __restrict__ partial_ml,         // [splits, T * Hq, 2]: (m, l) (split-K)
                          int num_tokens, int num_heads, int num_kv_heads, int max_seq) {
   using Tile = PrefillTile<CacheT, kHeadDim>;
   constexpr bool kSplit = Tile::kSplit;
@@ -213,6 +223,14 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
     row_head[threadIdx.x] = valid ? token * num_heads + kv_head * group + i % group : -1;
   }
   __syncthreads();
+  int block_ctx = 0;
+  for (int r = 0; r < kBlockM; ++r) block_ctx = max(block_ctx, row_ctx[r]);
+  // This block's tiles: all of them, or the split's even share (dealt by a formula of the shapes and the
+  // positions only, so the same call splits the same way every time).
+  const int num_tiles = (block_ctx + kBlockN - 1) / kBlockN, split = blockIdx.z, num_splits = gridDim.z;
+  const int tile_begin = (int)((int64_t)num_tiles * split / num_splits);
+  const int tile_end = (int)((int64_t)num_tiles * (split + 1) / num_splits);
+
   // q * scale * log2(e) into the Q planes (rows past T * G are zeros).
   constexpr int kQuads = kHeadDim / 4;
   static_assert(kBlockM * kQuads % kThreads == 0, "every thread loads the same number of quads");
@@ -228,9 +246,6 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
     store_planes<kPlanes>(q_planes + r * kStride + col, Tile::kQPlane, x);
   }
   __syncthreads();
-  int block_ctx = 0;
-  for (int r = 0; r < kBlockM; ++r) block_ctx = max(block_ctx, row_ctx[r]);
-  const int num_tiles = (block_ctx + kBlockN - 1) / kBlockN;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;  // the MMA fragment's row group and column pair (see mma_bf16)
@@ -256,10 +271,11 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
   constexpr int kLandStride = kSplit ? kHeadDim : kStride;
   CacheT* k_land = kSplit ? reinterpret_cast<CacheT*>(raw) : reinterpret_cast<CacheT*>(k_planes);
   CacheT* v_land = kSplit ? reinterpret_cast<CacheT*>(raw) : reinterpret_cast<CacheT*>(v_planes);
-  load_tile_async<kBlockN, kHeadDim, kLandStride>(k_land, k_cache, 0, block_ctx, num_kv_heads, kv_head);
+  load_tile_async<kBlockN, kHeadDim, kLandStride>(k_land, k_cache, tile_begin * kBlockN, block_ctx, num_kv_heads,
+                                                  kv_head);
   cp_async_commit();
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
     const int kv_first = tile * kBlockN;
     cp_async_wait_all();
     __syncthreads();  // K(tile) landed; every warp is done with V(tile - 1)
@@ -332,7 +348,7 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
       split_tile<Tile, kBlockN, kHeadDim>(v_planes, raw);
       __syncthreads();  // V planes visible, the staging buffer free
     }
-    if (tile + 1 < num_tiles)
+    if (tile + 1 < tile_end)
       load_tile_async<kBlockN, kHeadDim, kLandStride>(k_land, k_cache, kv_first + kBlockN, block_ctx, num_kv_heads,
                                                       kv_head);
     cp_async_commit();
@@ -377,12 +393,24 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
   cp_async_wait_all();
 
   // out = O / l, l summed over the quad. l = 0 only for rows that see no cache row (past T * G: not stored).
+  // Split-K: O, m and l as they are, for the combine (O only where the row saw a cache row: m > -inf; m is
+  // the same in the 4 threads of the quad).
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
     l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
     const int head = row_head[warp * 16 + g + 8 * h];
     if (head < 0) continue;
+    if (num_splits > 1) {
+      const int64_t slot = (int64_t)split * num_tokens * num_heads + head;
+      if (c == 0) *reinterpret_cast<float2*>(partial_ml + 2 * slot) = make_float2(m[h], l[h]);
+      if (m[h] == -INFINITY) continue;
+      float* dst = partial_o + slot * kHeadDim + 2 * c;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j)
+        *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+      continue;
+    }
     const float inv_l = 1.0f / l[h];
     float* dst = out + (int64_t)head * kHeadDim + 2 * c;
 #pragma unroll
@@ -391,10 +419,43 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
   }
 }
 
+// Split-K combine: one row (token, query head) per kHeadDim / 4 threads, a float4 of out each; the splits
+// in order 0, 1, ..., so the sums are formed the same way every call.
+constexpr int kCombineThreads = 128;
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(kCombineThreads)
+attention_prefill_combine_kernel(const float* __restrict__ partial_o,   // [splits, T * Hq, hd]
+                                 const float* __restrict__ partial_ml,  // [splits, T * Hq, 2]
+                                 float* __restrict__ out,               // [T * Hq, hd]
+                                 int num_rows, int num_splits) {
+  constexpr int kRowThreads = kHeadDim / 4;
+  const int row = blockIdx.x * (kCombineThreads / kRowThreads) + threadIdx.x / kRowThreads;
+  if (row >= num_rows) return;
+  const int col = (threadIdx.x % kRowThreads) * 4;
+  const float2* ml = reinterpret_cast<const float2*>(partial_ml) + row;
+  float m_max = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) m_max = fmaxf(m_max, ml[(int64_t)s * num_rows].x);
+  float l = 0.0f;
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int s = 0; s < num_splits; ++s) {
+    const float2 part = ml[(int64_t)s * num_rows];
+    if (part.x == -INFINITY) continue;  // no visible cache row in this split: O_s was not stored
+    const float w = exp2f(part.x - m_max);
+    const float4 o = *reinterpret_cast<const float4*>(partial_o + ((int64_t)s * num_rows + row) * kHeadDim + col);
+    l += w * part.y;
+    acc = make_float4(acc.x + w * o.x, acc.y + w * o.y, acc.z + w * o.z, acc.w + w * o.w);
+  }
+  // l = 0 only for a row that sees no cache row at all (a negative position): NaN, as without a split.
+  const float inv_l = 1.0f / l;
+  *reinterpret_cast<float4*>(out + (int64_t)row * kHeadDim + col) =
+      make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
+}
+
 template <typename CacheT, int kHeadDim>
 cudaError_t launch_prefill(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                           float scale, float* out, int num_tokens, int num_heads, int num_kv_heads, int max_seq,
-                           cudaStream_t stream) {
+                           float scale, float* out, float* workspace, int num_tokens, int num_heads, int num_kv_heads,
+                           int max_seq, cudaStream_t stream) {
   using Tile = PrefillTile<CacheT, kHeadDim>;
   auto kernel = attention_prefill_kernel<CacheT, kHeadDim>;
   // Not a stream operation, so legal while a graph is being captured; idempotent, so cheap to repeat.
@@ -403,9 +464,20 @@ cudaError_t launch_prefill(const float* q, const CacheT* k_cache, const CacheT* 
   const int64_t rows = (int64_t)num_tokens * (num_heads / num_kv_heads);
   const int64_t row_blocks = (rows + kBlockM - 1) / kBlockM;
   if (row_blocks > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(num_kv_heads, (unsigned)row_blocks);
+  const int splits = attention_prefill_num_splits(num_tokens, num_heads, num_kv_heads);
+  const int64_t num_rows = (int64_t)num_tokens * num_heads;  // (token, query head) rows of out
+  float* partial_o = splits > 1 ? workspace : nullptr;
+  float* partial_ml = splits > 1 ? workspace + splits * num_rows * kHeadDim : nullptr;
+  const dim3 grid(num_kv_heads, (unsigned)row_blocks, splits);
   kernel<<<grid, kThreads, Tile::kSmemBytes, stream>>>(q, k_cache, v_cache, positions, scale * kLog2e, out,
-                                                       num_tokens, num_heads, num_kv_heads, max_seq);
+                                                       partial_o, partial_ml, num_tokens, num_heads, num_kv_heads,
+                                                       max_seq);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || splits == 1) return err;
+  constexpr int kRowsPerBlock = kCombineThreads / (kHeadDim / 4);
+  const int64_t combine_blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  attention_prefill_combine_kernel<kHeadDim><<<(unsigned)combine_blocks, kCombineThreads, 0, stream>>>(
+      partial_o, partial_ml, out, (int)num_rows, splits);
   return cudaGetLastError();
 }
 
@@ -413,14 +485,15 @@ cudaError_t launch_prefill(const float* q, const CacheT* k_cache, const CacheT* 
 
 template <typename CacheT>
 cudaError_t attention_prefill_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache,
-                                     const int32_t* positions, float scale, float* out, int num_tokens,
-                                     int num_heads, int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream) {
+                                     const int32_t* positions, float scale, float* out, float* workspace,
+                                     int num_tokens, int num_heads, int num_kv_heads, int head_dim, int max_seq,
+                                     cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return cudaErrorInvalidValue;
 #define QWEN38_PREFILL_HEAD_DIM(D)                                                                         \
   case D:                                                                                                   \
-    return launch_prefill<CacheT, D>(q, k_cache, v_cache, positions, scale, out, num_tokens, num_heads,    \
-                                     num_kv_heads, max_seq, stream);
+    return launch_prefill<CacheT, D>(q, k_cache, v_cache, positions, scale, out, workspace, num_tokens,    \
+                                     num_heads, num_kv_heads, max_seq, stream);
   switch (head_dim) {
     QWEN38_PREFILL_HEAD_DIM(32)
     QWEN38_PREFILL_HEAD_DIM(64)
@@ -432,9 +505,9 @@ cudaError_t attention_prefill_launch(const float* q, const CacheT* k_cache, cons
 }
 
 template cudaError_t attention_prefill_launch<float>(const float*, const float*, const float*, const int32_t*, float,
-                                                     float*, int, int, int, int, int, cudaStream_t);
+                                                     float*, float*, int, int, int, int, int, cudaStream_t);
 template cudaError_t attention_prefill_launch<__nv_bfloat16>(const float*, const __nv_bfloat16*,
-                                                             const __nv_bfloat16*, const int32_t*, float, float*, int,
-                                                             int, int, int, int, cudaStream_t);
+                                                             const __nv_bfloat16*, const int32_t*, float, float*,
+                                                             float*, int, int, int, int, int, cudaStream_t);
 
 }  // namespace qwen38
