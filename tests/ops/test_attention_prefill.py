@@ -271,8 +271,9 @@ def test_opcheck_cuda():
     for cache_dtype in CACHE_DTYPES:
         for T, shape in ((3, ORACLE), (353, M27B)):
             q, k_cache, v_cache, positions = make_inputs(T, shape, list(range(5, 5 + T)), cache_dtype, device="cuda")
-            args = (q, k_cache, v_cache, positions, shape[2]**-0.5, torch.empty_like(q), new_workspace(T, shape, "cuda"))
-            torch.library.opcheck(ops.attention_prefill.default, args)
+            out, workspace = torch.empty_like(q), new_workspace(T, shape, "cuda")
+            torch.library.opcheck(ops.attention_prefill.default,
+                                  (q, k_cache, v_cache, positions, shape[2]**-0.5, out, workspace))
 
 
 def check_bad_inputs():
