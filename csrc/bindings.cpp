@@ -71,6 +71,14 @@ TORCH_LIBRARY(qwen38, m) {
   // final state); with it, every out and state is bitwise what T calls of one token give (speculative verify).
   m.def("gdn_recurrent(Tensor qkv, Tensor beta, Tensor decay, Tensor(a!) state, Tensor(b!) out, "
         "Tensor(c!)? token_states=None) -> ()");
+  // A layer's decode step (T <= 8 tokens) in one op: x [T, C + Hv*dv + 2*Hv] = [q | k | v | z | b | a] (the
+  // fused projection) -> gdn_conv(x[:, :C]) -> gdn_gates(x[:, C+Hv*dv:]) -> gdn_recurrent token by token ->
+  // gated_rms_norm(core, z = x[:, C:C+Hv*dv], norm_weight, eps) into out [T, Hv*dv] and its optional quantized
+  // lane. Sizes from conv_weight [C, K] and state [Hv, dv, dk]; states and token states as those ops'.
+  // Token t's every output is bitwise what that sequence gives as a decode step.
+  m.def("gdn_step(Tensor x, Tensor conv_weight, Tensor a_neg, Tensor dt_bias, Tensor norm_weight, float eps, "
+        "Tensor(a!) conv_state, Tensor(b!) state, Tensor(c!) out, Tensor(d!)? out_q, Tensor(e!)? out_q_lo, "
+        "Tensor(f!)? out_d, Tensor(g!)? token_conv_states=None, Tensor(h!)? token_states=None) -> ()");
 
   // ---- attention: gated full attention with a KV cache [max_seq, Hkv, hd] (float32 or bfloat16).
   // qgkv [T, Hq*2*hd + 2*Hkv*hd]: per query head [query hd | gate hd] interleaved, then k, then v.

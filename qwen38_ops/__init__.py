@@ -23,7 +23,7 @@ if _build_info.TORCH_VERSION != torch.__version__:
                       f"{torch.__version__} is installed: rebuild with {REBUILD}")
 
 from . import _C  # noqa: E402,F401  (loads the schemas and, in a CUDA build, the kernels)
-from . import attention, attention_prefill, embedding, gdn, norm_quant, q8_gemv, sampling  # noqa: E402,F401
+from . import attention, attention_prefill, embedding, gdn, gdn_step, norm_quant, q8_gemv, sampling  # noqa: E402,F401
 
 BUILD_SUMMARY = _build_info.SUMMARY  # which build this is: CUDA kernels, or CPU-only and why
 

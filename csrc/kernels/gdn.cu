@@ -18,21 +18,11 @@
 
 #include <utility>
 
+#include "gdn_math.cuh"
 #include "pdl.cuh"
 
 namespace qwen38 {
 namespace {
-
-constexpr float kL2NormEps = 1e-6f;  // inside the sqrt of the sum of squares (HF / FLA l2norm)
-constexpr unsigned kFullMask = 0xffffffffu;
-
-__device__ __forceinline__ float warp_sum(float v) {
-  // xor butterfly: every lane ends with the same total, summed in the same order on every run.
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
-
-__device__ __forceinline__ float silu(float x) { return x / __fadd_rn(1.0f, expf(-x)); }
 
 // ---------------------------------------------------------------------------------------------------
 // Programmatic dependent launch (pdl.cuh). In a captured decode graph consecutive kernels are separated by
@@ -47,15 +37,6 @@ __device__ __forceinline__ float silu(float x) { return x / __fadd_rn(1.0f, expf
 // prefetch of its state rows into L2 (L2 is the GPU's point of coherence, so a prefetched line is simply
 // updated by a write the predecessor still makes, and the real load after the wait sees that write). Each
 // kernel releases its own dependents right after its wait.
-__device__ __forceinline__ void wait_for_predecessor_then_release_dependents() {
-  pdl_wait_for_predecessor();
-  pdl_allow_successor();
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(__cvta_generic_to_global(p)));
-}
-
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
   return launch_maybe_pdl(kernel, grid, block, 0, stream, pdl_enabled(), std::forward<Args>(args)...);
@@ -79,7 +60,7 @@ __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_s
                                 const float* __restrict__ conv_weight, float* __restrict__ out,
                                 int64_t out_row_stride, float* __restrict__ token_conv_states, int num_tokens,
                                 int channels, int num_qk_heads, int head_k_dim) {
-  wait_for_predecessor_then_release_dependents();
+  gdn_wait_then_release();
   const bool normalize = blockIdx.x < num_qk_heads;
   int channel;
   bool active;
@@ -108,27 +89,21 @@ __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_s
 
   for (int t = first; t < last; ++t) {
     const float x = active ? qkv[t * qkv_row_stride + channel] : 0.0f;
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kTaps - 1; ++i) acc = fmaf(weight[i], window[i], acc);
-    acc = fmaf(weight[kTaps - 1], x, acc);
-#pragma unroll
-    for (int i = 0; i < kTaps - 2; ++i) window[i] = window[i + 1];
-    window[kTaps - 2] = x;
+    const float acc = gdn_conv_token<kTaps>(weight, window, x, kTaps);
     if (token_conv_states != nullptr && active) {
 #pragma unroll
       for (int i = 0; i < kTaps - 1; ++i)
         token_conv_states[((int64_t)t * (kTaps - 1) + i) * channels + channel] = window[i];
     }
 
-    float y = silu(acc);
+    float y = gdn_silu(acc);
     if (normalize) {
-      const float sum = warp_sum(__fmul_rn(y, y));
+      const float sum = gdn_warp_sum(__fmul_rn(y, y));
       if (lane == 0) warp_sums[t & 1][warp] = sum;
       __syncthreads();
       float total = 0.0f;
       for (int w = 0; w < num_warps; ++w) total += warp_sums[t & 1][w];
-      y *= 1.0f / sqrtf(total + kL2NormEps);
+      y = gdn_l2_normalize(y, total);
     }
     if (active) out[t * out_row_stride + channel] = y;
   }
@@ -142,12 +117,11 @@ __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_s
 }
 
 // ---------------------------------------------------------------------------------------------------
-// gdn_gates. softplus with torch's threshold (x > 20 returns x), so decay matches F.softplus bit for bit
-// in the branch and to rounding elsewhere; a_neg already holds -exp(A_log) (never exponentiate it again).
+// gdn_gates: gdn_beta and gdn_decay (gdn_math.cuh), one thread per token and value head.
 __global__ void gdn_gates_kernel(const float* __restrict__ ba, int64_t ba_row_stride, const float* __restrict__ a_neg,
                                  const float* __restrict__ dt_bias, float* __restrict__ beta,
                                  float* __restrict__ decay, int num_tokens, int num_v_heads) {
-  wait_for_predecessor_then_release_dependents();
+  gdn_wait_then_release();
   // 64-bit: T and Hv are ints, their product reaches 2^31 at T = 44.7M tokens for Hv = 48.
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (int64_t)num_tokens * num_v_heads) return;
@@ -155,10 +129,8 @@ __global__ void gdn_gates_kernel(const float* __restrict__ ba, int64_t ba_row_st
   const int h = (int)(i - t * num_v_heads);
   const float b = ba[t * ba_row_stride + h];
   const float a = ba[t * ba_row_stride + num_v_heads + h];
-  beta[i] = 1.0f / (1.0f + expf(-b));
-  const float x = a + dt_bias[h];
-  const float softplus = x > 20.0f ? x : log1pf(expf(x));
-  decay[i] = expf(a_neg[h] * softplus);
+  beta[i] = gdn_beta(b);
+  decay[i] = gdn_decay(a, a_neg[h], dt_bias[h]);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -168,11 +140,9 @@ __global__ void gdn_gates_kernel(const float* __restrict__ ba, int64_t ba_row_st
 // Lane l owns keys (i*32 + l)*kVec + e: with kVec = 4 a warp reads a 128-key row as one coalesced
 // 512-byte run of 16-byte loads.
 //
-// Per token, with the decayed state never materialized before the reductions:
-//   S·k' = decay (S·k),  delta = beta (v - decay S·k),  S' = decay S + delta k^T,
-//   out = S'·q = decay (S·q) + delta (k·q)        (out reads the UPDATED state, as the reference does)
-// so all three dot products come from the same pass over the old row and reduce together (3 independent
-// shuffle chains instead of two dependent ones).
+// Per token: gdn_row_dots, gdn_delta, gdn_row_out, gdn_row_update (gdn_math.cuh has the math): all three
+// dot products come from the same pass over the old row and reduce together (3 independent shuffle chains
+// instead of two dependent ones).
 // token_states (optional, [T, Hv, dv, dk]): the row after each token, stored from the registers that hold
 // it with the same coalesced 16-byte stores as the final write-back (T x 3.1 MB a layer at the 27B shape).
 //
@@ -180,27 +150,6 @@ __global__ void gdn_gates_kernel(const float* __restrict__ ba, int64_t ba_row_st
 // <= 40 registers a thread, 12 such blocks (48 warps) fit on an SM, so all of them are resident in one
 // wave on 132 SMs and every state load is issued up front: the step is one memory round trip, not several.
 constexpr int kRecurrentRowsPerBlock = 4;
-
-template <int kVec>
-__device__ __forceinline__ void load_vec(const float* p, float (&v)[kVec]) {
-  if constexpr (kVec == 4) {
-    const float4 x = *reinterpret_cast<const float4*>(p);
-    v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
-  } else {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) v[e] = p[e];
-  }
-}
-
-template <int kVec>
-__device__ __forceinline__ void store_vec(float* p, const float (&v)[kVec]) {
-  if constexpr (kVec == 4) {
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) p[e] = v[e];
-  }
-}
 
 template <int kVec, int kChunks>
 __global__ void __launch_bounds__(kRecurrentRowsPerBlock * 32, kChunks * kVec <= 4 ? 12 : 1)
@@ -217,9 +166,9 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
   for (int i = 0; i < kChunks; ++i) {
     owns[i] = (i * 32 + lane) * kVec < dk;  // dk % kVec == 0 (the launcher picks kVec so)
     // The state is what this kernel's time is: start pulling it into L2 while the previous kernel ends.
-    if (owns[i] && row < dv) prefetch_l2(state_row + (i * 32 + lane) * kVec);
+    if (owns[i] && row < dv) gdn_prefetch_l2(state_row + (i * 32 + lane) * kVec);
   }
-  wait_for_predecessor_then_release_dependents();
+  gdn_wait_then_release();
   if (row >= dv) return;  // no barriers below: whole warps leave together
   // ggml's tiled broadcast of key heads (index modulo), the internal value-head order.
   const int key_head = head % num_k_heads;
@@ -229,7 +178,7 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
   for (int i = 0; i < kChunks; ++i) {
     const int key = (i * 32 + lane) * kVec;
     if (owns[i]) {
-      load_vec<kVec>(state_row + key, s[i]);
+      gdn_load_vec<kVec>(state_row + key, s[i]);
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) s[i][e] = 0.0f;
@@ -249,8 +198,8 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
     for (int i = 0; i < kChunks; ++i) {
       const int key = (i * 32 + lane) * kVec;
       if (owns[i]) {
-        load_vec<kVec>(x + k_offset + key, k_out[i]);
-        load_vec<kVec>(x + q_offset + key, q_out[i]);
+        gdn_load_vec<kVec>(x + k_offset + key, k_out[i]);
+        gdn_load_vec<kVec>(x + q_offset + key, q_out[i]);
       } else {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) k_out[i][e] = q_out[i][e] = 0.0f;
@@ -265,30 +214,15 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
     float k_next[kChunks][kVec], q_next[kChunks][kVec], v_next = 0.0f, beta_next = 0.0f, decay_next = 0.0f;
     if (t + 1 < num_tokens) load_token(t + 1, k_next, q_next, v_next, beta_next, decay_next);
 
-    float sk = 0.0f, sq = 0.0f, kq = 0.0f;
+    float sk, sq, kq;
+    gdn_row_dots<kVec, kChunks>(s, k, q, sk, sq, kq);
+    const float delta = gdn_delta(beta_t, decay_t, sk, v);
+    if (lane == 0) out[((int64_t)t * num_v_heads + head) * dv + row] = gdn_row_out(decay_t, sq, delta, kq, q_scale);
+    gdn_row_update<kVec, kChunks>(s, k, decay_t, delta);
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        sk = fmaf(s[i][e], k[i][e], sk);
-        sq = fmaf(s[i][e], q[i][e], sq);
-        kq = fmaf(k[i][e], q[i][e], kq);
-      }
-    }
-    sk = warp_sum(sk);
-    sq = warp_sum(sq);
-    kq = warp_sum(kq);
-
-    const float delta = __fmul_rn(beta_t, fmaf(-decay_t, sk, v));
-    if (lane == 0) {
-      out[((int64_t)t * num_v_heads + head) * dv + row] =
-          __fmul_rn(fmaf(decay_t, sq, __fmul_rn(delta, kq)), q_scale);
-    }
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        s[i][e] = fmaf(decay_t, s[i][e], __fmul_rn(delta, k[i][e]));
         k[i][e] = k_next[i][e];
         q[i][e] = q_next[i][e];
       }
@@ -297,7 +231,7 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
       float* token_row = token_states + (int64_t)t * num_v_heads * dv * dk + (state_row - state);
 #pragma unroll
       for (int i = 0; i < kChunks; ++i) {
-        if (owns[i]) store_vec<kVec>(token_row + (i * 32 + lane) * kVec, s[i]);
+        if (owns[i]) gdn_store_vec<kVec>(token_row + (i * 32 + lane) * kVec, s[i]);
       }
     }
     v = v_next;
@@ -307,7 +241,7 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
 
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
-    if (owns[i]) store_vec<kVec>(state_row + (i * 32 + lane) * kVec, s[i]);
+    if (owns[i]) gdn_store_vec<kVec>(state_row + (i * 32 + lane) * kVec, s[i]);
   }
 }
 

@@ -1,0 +1,338 @@
+// gdn_step: a GDN layer's whole decode step between its two GEMVs in one launch (was four: gdn_conv,
+// gdn_gates, gdn_recurrent, gated_rms_norm; each costs a launch gap plus dependent DRAM round trips, ~5.8 us
+// a layer for the three GDN kernels and 1.4 us for the norm, measured on the H200, against ~1.4 us of
+// memory time). Same bits as those ops: the per-token float math is gdn_math.cuh's (shared with gdn.cu),
+// the gated norm and its quantization follow norm_quant.cu's GatedRmsNorm producer operation for operation
+// (quantize.cuh shared), and every reduction runs over the same lanes in the same order.
+//
+// ONE BLOCK PER VALUE HEAD, in phases separated by __syncthreads:
+//  1. gates of the head's T tokens; z of the head into shared memory; the head's state rows into registers
+//     (issued before the conv so both round trips overlap).
+//  2. conv of the head's channels: its key head's q and k (dk each, computed by each of the Hv/Hk value
+//     heads that share them: 2*dk*T fmas, cheaper than exchanging them) and its own v (dv), with SiLU; q and
+//     k heads laid out on whole warps exactly as gdn_conv's blocks, so the L2 norm's partial sums are the
+//     same warp butterflies added in the same order. Results in shared memory.
+//  3. the recurrence, token by token, one warp per kRows state rows (gdn_recurrent's lane layout, so its
+//     three dot products reduce in its order); outputs into shared memory, per-token states to memory.
+//  4. the gated RMSNorm: one warp per token, lane g holding the head's float4s g, g + 32 (GatedRmsNorm's
+//     layout), then the int8 / two-word quantization of the out projection's input.
+//
+// The conv state of a key head's q and k channels is read by all Hv/Hk blocks of its value heads and must
+// be rewritten by one of them after every one has read it. Those blocks form one thread-block cluster
+// (block index = key_head * group + j, value head key_head + j * Hk): each arrives on the cluster barrier
+// once its conv reads are done and waits on it only at its very end, where rank 0 writes the q/k state.
+#include "gdn_step.h"
+
+#include <cuda_runtime.h>
+
+#include "gdn_math.cuh"
+#include "pdl.cuh"
+#include "quantize.cuh"
+
+namespace qwen38 {
+namespace {
+
+constexpr int kThreads = 512;  // 2*dk + dv = 384 conv channels at the 27B shape: one pass
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxT = kGdnStepMaxTokens;
+constexpr int kMaxDim = kGdnStepMaxHeadDim;
+constexpr int kMaxTaps = kGdnMaxConvTaps;
+constexpr int kNormItems = kMaxDim / (4 * 32);  // float4s of a head a lane holds in the gated norm
+
+// norm_quant.cu's silu, the same expression: nvcc contracts `1 + expf(-v)` into one FMA with expf's last
+// product there and here alike (gdn_silu pins that add, so it is NOT this function).
+__device__ __forceinline__ float gated_norm_silu(float v) { return v / (1.0f + expf(-v)); }
+
+// Split cluster barrier: arrive releases this thread's earlier memory operations, wait acquires every
+// other block's. No thread may exit between the two (every thread of the cluster must arrive).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+
+__device__ __forceinline__ uint32_t pack_i8x4(const int8_t (&q)[4]) {
+  uint32_t word = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) word |= static_cast<uint32_t>(static_cast<uint8_t>(q[k])) << (8 * k);
+  return word;
+}
+
+__device__ __forceinline__ float comp(const float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+template <int kVec, int kChunks>
+__global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs a) {
+  // State rows a warp holds at once: <= 32 floats a lane, so a pass of 16 warps covers dv = 128 at dk = 128.
+  constexpr int kRows = kVec * kChunks <= 4 ? 8 : 4;
+  __shared__ __align__(16) float s_q[kMaxT][kMaxDim];  // conv outputs of the key head's q, k and the head's v
+  __shared__ __align__(16) float s_k[kMaxT][kMaxDim];
+  __shared__ __align__(16) float s_v[kMaxT][kMaxDim];
+  __shared__ __align__(16) float s_z[kMaxT][kMaxDim];  // the gate of the norm
+  __shared__ __align__(16) float s_o[kMaxT][kMaxDim];  // the recurrence's outputs (gdn_recurrent's out)
+  __shared__ float s_sumsq[kMaxT][2 * kMaxDim / 32];   // per token: q's warp partials of y^2, then k's
+  __shared__ float s_beta[kMaxT], s_decay[kMaxT];
+  __shared__ __align__(16) float s_norm_weight[kMaxDim];
+
+  const int T = a.T, dk = a.dk, dv = a.dv, taps = a.taps, Hk = a.Hk, Hv = a.Hv;
+  const int group = Hv / Hk;
+  const int key_head = blockIdx.x / group, rank = blockIdx.x % group;  // rank in the cluster
+  const int head = key_head + rank * Hk;  // ggml's tiled order: value head h reads key head h % Hk
+  const int C = 2 * Hk * dk + Hv * dv;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* const head_state = a.state + (int64_t)head * dv * dk;
+
+  bool owns[kChunks];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) owns[i] = (i * 32 + lane) * kVec < dk;
+  // PDL wait below. Before it: the L2 prefetch of this warp's first state rows and the norm weight's copy
+  // (a constant); everything else may belong to the predecessor.
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = warp * kRows + r;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i)
+      if (row < dv && owns[i]) gdn_prefetch_l2(head_state + (int64_t)row * dk + (i * 32 + lane) * kVec);
+  }
+  for (int e = threadIdx.x; e < dv; e += kThreads) s_norm_weight[e] = a.norm_weight[e];
+  gdn_wait_then_release();
+
+  // ---- 1. gates, z, and the first state rows in flight.
+  if (threadIdx.x < T) {
+    const float* ba = a.x + threadIdx.x * a.x_stride + C + Hv * dv;
+    s_beta[threadIdx.x] = gdn_beta(ba[head]);
+    s_decay[threadIdx.x] = gdn_decay(ba[Hv + head], a.a_neg[head], a.dt_bias[head]);
+  }
+  for (int i = threadIdx.x; i < T * dv; i += kThreads) s_z[i / dv][i % dv] = a.x[(i / dv) * a.x_stride + C + head * dv + i % dv];
+
+  float s[kRows][kChunks][kVec];
+  auto load_rows = [&](int first_row) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int row = first_row + r, key = (i * 32 + lane) * kVec;
+        if (row < dv && owns[i]) {
+          gdn_load_vec<kVec>(head_state + (int64_t)row * dk + key, s[r][i]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) s[r][i][e] = 0.0f;
+        }
+      }
+    }
+  };
+  load_rows(warp * kRows);
+
+  // ---- 2. conv. Slots [0, 2*qk_width) are the q then k head on whole warps (gdn_conv's q/k blocks: lanes
+  // past dk compute an exact 0 and add it to the butterfly, as there), then the head's dv v channels.
+  const int qk_width = (dk + 31) / 32 * 32;
+  const int qk_warps = qk_width / 32;
+  float qk_window[kMaxTaps - 1];  // the new conv state of this thread's q/k channel, written at the end
+  int qk_state_channel = -1;      // that channel when this block writes it (cluster rank 0)
+  for (int slot = threadIdx.x; slot < 2 * qk_width + dv; slot += kThreads) {
+    const bool is_qk = slot < 2 * qk_width;  // whole warps: the shuffles below are warp-uniform
+    const int which = is_qk ? slot / qk_width : 2;  // 0 q, 1 k, 2 v
+    const int i = is_qk ? slot % qk_width : slot - 2 * qk_width;
+    const bool active = i < (is_qk ? dk : dv);
+    const int channel = is_qk ? (which * Hk + key_head) * dk + i : 2 * Hk * dk + head * dv + i;
+    const bool writes = active && (!is_qk || rank == 0);  // one block per key head writes its q/k channels
+    float weight[kMaxTaps], window[kMaxTaps - 1], x[kMaxT];
+#pragma unroll
+    for (int tap = 0; tap < kMaxTaps; ++tap)
+      weight[tap] = active && tap < taps ? a.conv_weight[(int64_t)channel * taps + tap] : 0.0f;
+#pragma unroll
+    for (int tap = 0; tap < kMaxTaps - 1; ++tap)
+      window[tap] = active && tap < taps - 1 ? a.conv_state[(int64_t)tap * C + channel] : 0.0f;
+#pragma unroll
+    for (int t = 0; t < kMaxT; ++t) x[t] = active && t < T ? a.x[t * a.x_stride + channel] : 0.0f;
+    float* const conv_out = which == 0 ? &s_q[0][i] : which == 1 ? &s_k[0][i] : &s_v[0][i];
+#pragma unroll
+    for (int t = 0; t < kMaxT; ++t) {
+      if (t >= T) break;
+      const float y = gdn_silu(gdn_conv_token<kMaxTaps>(weight, window, x[t], taps));
+      if (writes && a.token_conv_states != nullptr) {
+#pragma unroll
+        for (int tap = 0; tap < kMaxTaps - 1; ++tap)
+          if (tap < taps - 1) a.token_conv_states[((int64_t)t * (taps - 1) + tap) * C + channel] = window[tap];
+      }
+      if (is_qk) {
+        const float sum = gdn_warp_sum(__fmul_rn(y, y));
+        if (lane == 0) s_sumsq[t][slot / 32] = sum;
+      }
+      if (active) conv_out[t * kMaxDim] = y;
+    }
+    if (is_qk) {
+#pragma unroll
+      for (int tap = 0; tap < kMaxTaps - 1; ++tap) qk_window[tap] = window[tap];
+      qk_state_channel = writes ? channel : -1;
+    } else if (writes) {  // v channels: only this thread reads or writes them
+#pragma unroll
+      for (int tap = 0; tap < kMaxTaps - 1; ++tap)
+        if (tap < taps - 1) a.conv_state[(int64_t)tap * C + channel] = window[tap];
+    }
+  }
+  cluster_arrive();  // this block's conv_state reads are done
+  __syncthreads();
+  if (threadIdx.x < 2 * qk_width && threadIdx.x % qk_width < dk) {  // L2 norm: gdn_conv's sum over warps
+    const int which = threadIdx.x / qk_width, i = threadIdx.x % qk_width;
+    float* const conv_out = which == 0 ? &s_q[0][i] : &s_k[0][i];
+    for (int t = 0; t < T; ++t) {
+      float total = 0.0f;
+      for (int w = 0; w < qk_warps; ++w) total += s_sumsq[t][which * qk_warps + w];
+      conv_out[t * kMaxDim] = gdn_l2_normalize(conv_out[t * kMaxDim], total);
+    }
+  }
+  __syncthreads();
+
+  // ---- 3. recurrence: gdn_recurrent's per-row token loop, kRows rows a warp.
+  for (int first_row = warp * kRows; first_row < dv; first_row += kWarps * kRows) {
+    if (first_row != warp * kRows) load_rows(first_row);
+    for (int t = 0; t < T; ++t) {
+      float k[kChunks][kVec], q[kChunks][kVec];
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int key = (i * 32 + lane) * kVec;
+        if (owns[i]) {
+          gdn_load_vec<kVec>(&s_k[t][key], k[i]);
+          gdn_load_vec<kVec>(&s_q[t][key], q[i]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) k[i][e] = q[i][e] = 0.0f;
+        }
+      }
+      const float beta = s_beta[t], decay = s_decay[t];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int row = first_row + r;
+        if (row >= dv) break;  // warp-uniform
+        float sk, sq, kq;
+        gdn_row_dots<kVec, kChunks>(s[r], k, q, sk, sq, kq);
+        const float delta = gdn_delta(beta, decay, sk, s_v[t][row]);
+        if (lane == 0) s_o[t][row] = gdn_row_out(decay, sq, delta, kq, a.q_scale);
+        gdn_row_update<kVec, kChunks>(s[r], k, decay, delta);
+        if (a.token_states != nullptr) {
+          float* const token_row = a.token_states + (((int64_t)t * Hv + head) * dv + row) * dk;
+#pragma unroll
+          for (int i = 0; i < kChunks; ++i)
+            if (owns[i]) gdn_store_vec<kVec>(token_row + (i * 32 + lane) * kVec, s[r][i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = first_row + r;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i)
+        if (row < dv && owns[i]) gdn_store_vec<kVec>(head_state + (int64_t)row * dk + (i * 32 + lane) * kVec, s[r][i]);
+    }
+  }
+  __syncthreads();
+
+  // ---- 4. gated RMSNorm of token `warp`, as norm_quant.cu's GatedRmsNorm: x * rsqrt(mean(x^2) + eps)
+  // * weight * silu(z), the lane's float4s summed as ((0 + |v0|^2) + |v1|^2) with |v|^2 =
+  // fma(w, w, fma(z, z, fma(x, x, y*y))) (nvcc's contraction of x*x + y*y + z*z + w*w there), then the
+  // warp butterfly; 1/sqrt rounded twice.
+  if (warp < T) {
+    const int t = warp;
+    float4 v[kNormItems];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kNormItems; ++i) {
+      const int e = 4 * (lane + 32 * i);
+      v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (e < dv) {
+        v[i] = *reinterpret_cast<const float4*>(&s_o[t][e]);
+        ss = __fadd_rn(ss, fmaf(v[i].w, v[i].w, fmaf(v[i].z, v[i].z, fmaf(v[i].x, v[i].x, __fmul_rn(v[i].y, v[i].y)))));
+      }
+    }
+    ss = gdn_warp_sum(ss);
+    const float scale = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)dv), a.eps)));
+    float* const out_row = a.out + t * a.out_stride + head * dv;
+#pragma unroll
+    for (int i = 0; i < kNormItems; ++i) {
+      const int e = 4 * (lane + 32 * i);
+      if (e < dv) {
+        const float4 w = *reinterpret_cast<const float4*>(&s_norm_weight[e]);
+        const float4 z = *reinterpret_cast<const float4*>(&s_z[t][e]);
+        v[i] = make_float4(__fmul_rn(__fmul_rn(__fmul_rn(v[i].x, scale), w.x), gated_norm_silu(z.x)),
+                           __fmul_rn(__fmul_rn(__fmul_rn(v[i].y, scale), w.y), gated_norm_silu(z.y)),
+                           __fmul_rn(__fmul_rn(__fmul_rn(v[i].z, scale), w.z), gated_norm_silu(z.z)),
+                           __fmul_rn(__fmul_rn(__fmul_rn(v[i].w, scale), w.w), gated_norm_silu(z.w)));
+        *reinterpret_cast<float4*>(out_row + e) = v[i];
+      }
+    }
+    if (a.out_q != nullptr) {  // norm_quant.cu's quantization loop, over the head's columns of row t
+      const bool two_word = a.out_q_lo != nullptr;
+#pragma unroll
+      for (int i = 0; i < kNormItems; ++i) {
+        if (4 * 32 * i >= dv) break;  // warp-uniform: items no lane holds (the shuffles need the whole warp)
+        const int e = 4 * (lane + 32 * i), column = head * dv + e;
+        const float lane_amax = fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
+        const float amax = quant_block_amax<kQuantBlock / 4>(lane_amax);  // 8 lanes x float4 = one block
+        if (e >= dv) continue;
+        int8_t q[4], lo[4];
+        float stored_d;
+        if (!two_word) {
+          const Int8BlockScale block_scale = int8_block_scale(amax);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) q[c] = int8_quantize(comp(v[i], c), block_scale.inv_d);
+          stored_d = block_scale.stored_d;
+        } else {
+          stored_d = int8x2_block_scale(amax);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) int8x2_quantize(comp(v[i], c), stored_d, q[c], lo[c]);
+          *reinterpret_cast<uint32_t*>(a.out_q_lo + t * a.out_q_lo_stride + column) = pack_i8x4(lo);
+        }
+        *reinterpret_cast<uint32_t*>(a.out_q + t * a.out_q_stride + column) = pack_i8x4(q);
+        if ((lane & 7) == 0) a.out_d[t * a.out_d_stride + column / kQuantBlock] = stored_d;
+      }
+    }
+  }
+
+  // ---- the key head's new q/k conv state, once every block of the cluster has read the old one.
+  cluster_wait();
+  if (qk_state_channel >= 0) {
+#pragma unroll
+    for (int tap = 0; tap < kMaxTaps - 1; ++tap)
+      if (tap < taps - 1) a.conv_state[(int64_t)tap * C + qk_state_channel] = qk_window[tap];
+  }
+}
+
+template <int kVec, int kChunks>
+cudaError_t launch(const GdnStepArgs& a, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(a.Hv);
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = a.Hv / a.Hk;
+  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attributes;
+  config.numAttrs = pdl_enabled() ? 2 : 1;
+  const cudaError_t err = cudaLaunchKernelEx(&config, gdn_step_kernel<kVec, kChunks>, a);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t gdn_step_launch(const GdnStepArgs& args, cudaStream_t stream) {
+  if (args.T <= 0) return cudaSuccess;
+  const GdnStepArgs& a = args;
+  if (a.T > kGdnStepMaxTokens || a.taps < 2 || a.taps > kGdnMaxConvTaps || a.Hk <= 0 || a.Hv % a.Hk != 0 ||
+      a.Hv / a.Hk > kGdnStepMaxGroup || a.dk <= 0 || a.dk > kGdnStepMaxHeadDim || a.dv <= 0 ||
+      a.dv > kGdnStepMaxHeadDim || a.dv % 4 != 0 || (a.out_q != nullptr && a.dv % kQuantBlock != 0) ||
+      (reinterpret_cast<uintptr_t>(a.state) & 15u) != 0)
+    return cudaErrorInvalidValue;
+  GdnStepArgs b = args;
+  b.q_scale = 1.0f / sqrtf((float)a.dk);
+  // gdn_recurrent_launch's layout for its qkv = gdn_conv's contiguous out [T, C] and a 16-byte-aligned state:
+  // the lanes, and so the order of every dot product, are those it picks.
+  const int C = 2 * a.Hk * a.dk + a.Hv * a.dv;
+  if (a.dk % 4 == 0 && C % 4 == 0) return a.dk <= 128 ? launch<4, 1>(b, stream) : launch<4, 2>(b, stream);
+  if (a.dk <= 32) return launch<1, 1>(b, stream);
+  if (a.dk <= 64) return launch<1, 2>(b, stream);
+  if (a.dk <= 128) return launch<1, 4>(b, stream);
+  return launch<1, 8>(b, stream);
+}
+
+}  // namespace qwen38

@@ -1,0 +1,47 @@
+// One Gated DeltaNet layer's decode step in one kernel: conv (+ state update, SiLU, q/k L2 norm), both
+// gates, the delta-rule recurrence and the gated RMSNorm (+ the out projection's quantized activation), for
+// T <= kGdnStepMaxTokens tokens. Every output is bitwise what gdn_conv -> gdn_gates -> gdn_recurrent (token
+// by token) -> gated_rms_norm write on the same inputs. Layouts are those of csrc/bindings.cpp.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "gdn.h"  // kGdnMaxConvTaps
+
+namespace qwen38 {
+
+constexpr int kGdnStepMaxTokens = 8;    // a decode step, or a speculative verify of k + 1 <= 8 tokens
+constexpr int kGdnStepMaxHeadDim = 256;  // dk and dv (q, k, v, z and the outputs of a head sit in shared memory)
+constexpr int kGdnStepMaxGroup = 8;      // Hv / Hk: value heads sharing a key head form one thread-block cluster
+
+struct GdnStepArgs {
+  const float* x = nullptr;  // [T, C + Hv*dv + 2*Hv] = [q | k | v | z | b | a], C = 2*Hk*dk + Hv*dv
+  int64_t x_stride = 0;      // row stride in floats
+  const float* conv_weight = nullptr;  // [C, taps]
+  const float* a_neg = nullptr;        // [Hv]
+  const float* dt_bias = nullptr;      // [Hv]
+  const float* norm_weight = nullptr;  // [dv], 16-byte aligned
+  float eps = 0.f;
+  float* conv_state = nullptr;  // [taps-1, C], in place
+  float* state = nullptr;       // [Hv, dv, dk], in place, 16-byte aligned
+  float* out = nullptr;         // [T, Hv*dv], rows 16-byte aligned
+  int64_t out_stride = 0;
+  int8_t* out_q = nullptr;  // optional [T, Hv*dv]: int8 lane (or the two-word lane's high word)
+  int64_t out_q_stride = 0;
+  int8_t* out_q_lo = nullptr;  // optional [T, Hv*dv]: the two-word lane's low word
+  int64_t out_q_lo_stride = 0;
+  float* out_d = nullptr;  // [T, Hv*dv/32], with out_q
+  int64_t out_d_stride = 0;
+  float* token_conv_states = nullptr;  // optional [T, taps-1, C] contiguous
+  float* token_states = nullptr;       // optional [T, Hv, dv, dk] contiguous, 16-byte aligned
+  int T = 0, taps = 0, Hk = 0, Hv = 0, dk = 0, dv = 0;
+  float q_scale = 0.f;  // set by gdn_step_launch: 1/sqrt(dk), computed as gdn_recurrent's launcher does
+};
+
+// cudaErrorInvalidValue for sizes beyond the limits above (taps in [2, kGdnMaxConvTaps], dv % 4 == 0, Hv a
+// multiple of Hk, dv % 32 == 0 with out_q) or a misaligned state; the binding checks them first with clear
+// messages.
+cudaError_t gdn_step_launch(const GdnStepArgs& args, cudaStream_t stream);
+
+}  // namespace qwen38

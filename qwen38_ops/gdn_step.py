@@ -1,0 +1,12 @@
+"""gdn_step: one GDN layer's decode step (T <= MAX_TOKENS tokens: a decode step or a speculative verify)
+between its two projections, as one kernel: conv (+ conv state, SiLU, q/k L2 norm), gates, the delta-rule
+recurrence token by token and the gated RMSNorm (+ the out projection's quantized input), reading the fused
+projection's [q | k | v | z | b | a] rows. Every output is bitwise what gdn_conv, gdn_gates, gdn_recurrent
+(token by token) and gated_rms_norm give on the same inputs; prompts keep running those ops (the chunked
+recurrence)."""
+from ._registry import register
+from .reference import gdn_step as ref
+
+MAX_TOKENS = 8  # kGdnStepMaxTokens (csrc/kernels/gdn_step.h)
+
+register("gdn_step", ref.gdn_step)

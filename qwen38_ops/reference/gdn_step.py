@@ -1,0 +1,24 @@
+"""gdn_step: a GDN layer's decode step between its two projections, composed from the references of the
+ops it fuses (gdn_conv -> gdn_gates -> gdn_recurrent -> gated_rms_norm), which define it."""
+import torch
+
+from .gdn import gdn_conv, gdn_gates, gdn_recurrent
+from .norm_quant import gated_rms_norm
+
+
+def gdn_step(x, conv_weight, a_neg, dt_bias, norm_weight, eps, conv_state, state, out, out_q=None, out_q_lo=None,
+             out_d=None, token_conv_states=None, token_states=None) -> None:
+    """x [T, C + Hv*dv + 2*Hv] = [q | k | v | z | b | a]; sizes from conv_weight [C, K] and state [Hv, dv, dk]."""
+    num_v_heads, dv, dk = state.shape
+    channels = conv_weight.shape[0]
+    num_k_heads = (channels - num_v_heads * dv) // (2 * dk)
+    z_end = channels + num_v_heads * dv
+    rows, dtype = x.shape[0], out.dtype
+    conv = torch.empty(rows, channels, dtype=dtype, device=x.device)
+    gdn_conv(x[:, :channels], conv_state, conv_weight, num_k_heads, dk, conv, token_conv_states)
+    beta = torch.empty(rows, num_v_heads, dtype=dtype, device=x.device)
+    decay = torch.empty_like(beta)
+    gdn_gates(x[:, z_end:], a_neg, dt_bias, beta, decay)
+    core = torch.empty(rows, num_v_heads, dv, dtype=dtype, device=x.device)
+    gdn_recurrent(conv, beta, decay, state, core, token_states)
+    gated_rms_norm(core.view(rows, -1), x[:, channels:z_end], norm_weight, eps, out, out_q, out_q_lo, out_d)
