@@ -36,15 +36,15 @@ from .state import StateSnapshot
 MAX_DRAFT_TOKENS = INT_GEMM_MIN_ROWS - 2
 READ_BEHIND = 4  # steps in flight before the host waits for the oldest one's tokens
 
-# The adaptive draft length (host side, from the acceptance read back): expected tokens per step over the
-# step's cost relative to a plain decode step. Costs measured on the H200 at the 27B shape
-# (benchmarks/speculative.py): a verify of T rows costs VERIFY_COST[T - 1] decode steps, a draft step
-# DRAFT_COST of one (the 248320-row head dominates it).
-VERIFY_COST = (1.0, 1.16, 1.35, 1.54, 1.85, 2.15, 2.45)
-DRAFT_COST = 0.05
-MTP_PASS_COST = 0.03  # the block over the previous verify's rows, paid by every step (k = 0 too)
+# The adaptive draft length (host side, from what is read back): expected tokens per step over the step's
+# time. Step times are measured as the run goes (CUDA events between consecutive replays); until a draft
+# count has been timed, its time is this prior, in units of a k = 0 step, scaled by the steps timed so far.
+# The prior is the H200 at the 27B shape (benchmarks/speculative.py, 53d7b91): a verify of T rows costs
+# VERIFY_COST[T - 1] plain passes, a draft step DRAFT_COST (the 248320-row head dominates it).
+VERIFY_COST = (1.0, 1.16, 1.44, 1.46, 2.63, 2.64, 2.7)
+DRAFT_COST = 0.055
 PROBE_EVERY = 8  # at k = 0 nothing is drafted, so every PROBE_EVERY-th step drafts one token to keep measuring
-ACCEPTANCE_DECAY = 0.9  # weight of the past in the running acceptance estimate
+DECAY = 0.9  # weight of the past in the running acceptance and step-time estimates
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -53,16 +53,19 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(k + 1))
 
 
-def best_draft_count(alpha: float, k_max: int) -> int:
-    def rate(k: int) -> float:
-        return expected_tokens(alpha, k) / (VERIFY_COST[k] + k * DRAFT_COST + MTP_PASS_COST)
-
-    return max(range(k_max + 1), key=rate)
+def prior_step_cost(k: int) -> float:
+    return VERIFY_COST[k] + k * DRAFT_COST
 
 
-class AcceptanceTracker:
-    """Running per-draft acceptance from the accepted counts read back: a step that accepted a of k drafts
-    saw a acceptances and, if a < k, one rejection."""
+def best_draft_count(alpha: float, step_cost) -> int:
+    """The k maximising expected tokens per unit of time; step_cost: a list of k_max + 1 times."""
+    return max(range(len(step_cost)), key=lambda k: expected_tokens(alpha, k) / step_cost[k])
+
+
+class DraftPolicy:
+    """The draft count of each step from what the host reads back: the running per-draft acceptance (a step
+    that accepted a of k drafts saw a acceptances and, if a < k, one rejection) and the running time of a
+    step of each k."""
 
     def __init__(self, k_max: int, adaptive: bool):
         self.k_max = k_max
@@ -70,18 +73,26 @@ class AcceptanceTracker:
         self.accepted = 1.0  # optimistic prior: start by drafting k_max
         self.trials = 1.0
         self.steps = 0
+        self.seconds: list[float | None] = [None] * (k_max + 1)  # running step time per k, once timed
 
-    def record(self, k: int, a: int) -> None:
-        if k == 0:
-            return
-        self.accepted = ACCEPTANCE_DECAY * self.accepted + a
-        self.trials = ACCEPTANCE_DECAY * self.trials + a + (a < k)
+    def record(self, k: int, a: int, seconds: float | None) -> None:
+        if k > 0:
+            self.accepted = DECAY * self.accepted + a
+            self.trials = DECAY * self.trials + a + (a < k)
+        if seconds is not None:
+            old = self.seconds[k]
+            self.seconds[k] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    def step_cost(self) -> list[float]:
+        timed = [(t, prior_step_cost(k)) for k, t in enumerate(self.seconds) if t is not None]
+        unit = sum(t for t, _ in timed) / sum(c for _, c in timed) if timed else 1.0
+        return [t if t is not None else prior_step_cost(k) * unit for k, t in enumerate(self.seconds)]
 
     def next_k(self) -> int:
         self.steps += 1
         if not self.adaptive:
             return self.k_max
-        k = best_draft_count(self.accepted / self.trials, self.k_max)
+        k = best_draft_count(self.accepted / self.trials, self.step_cost())
         return 1 if k == 0 and self.steps % PROBE_EVERY == 0 else k
 
 
@@ -281,7 +292,7 @@ def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: Sampl
     if start is not None and start.position >= history.shape[0]:
         raise ValueError(f"the start snapshot holds {start.position} tokens: the history ({history.shape[0]}) must "
                          "extend it by at least one token to prefill")
-    tracker = AcceptanceTracker(engine.k_max, adaptive)
+    policy = DraftPolicy(engine.k_max, adaptive)
     draft_counts = range(engine.k_max + 1) if adaptive else (engine.k_max,)
     stats = SpeculativeStats(prompt_tokens=history.shape[0] - (start.position if start else 0), graph=engine.use_graph)
     if engine.use_graph:
@@ -298,7 +309,7 @@ def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: Sampl
     on_gpu = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     rows = engine.k_max + 1
-    slots = engine.read_ahead + 1
+    slots = engine.read_ahead + 2  # the event of the step before the one read is still needed (its time)
     host = torch.empty(slots, rows + 1, dtype=torch.int32, pin_memory=on_gpu)  # tokens, then a
     events: list[torch.cuda.Event | None] = [None] * slots
 
@@ -306,8 +317,13 @@ def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: Sampl
         host[i % slots, :rows].copy_(engine.tokens, non_blocking=True)
         host[i % slots, rows:].copy_(engine.num_accepted, non_blocking=True)
         if on_gpu:
-            events[i % slots] = torch.cuda.Event()
+            events[i % slots] = torch.cuda.Event(enable_timing=True)
             events[i % slots].record()
+
+    def step_seconds(i: int) -> float | None:
+        """GPU time between the events of launches i-1 and i: step i's time while the host keeps the GPU
+        fed (it launches ahead), an overestimate when it does not."""
+        return events[(i - 1) % slots].elapsed_time(events[i % slots]) * 1e-3 if on_gpu and i > 1 else None
 
     sync()
     clock = time.perf_counter()
@@ -322,7 +338,7 @@ def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: Sampl
     while not done:
         # The host must not overwrite a slot before reading it: at most `slots` launches outstanding.
         while launched <= read + engine.read_ahead and len(stop.tokens) + (launched - read) <= max_new_tokens:
-            k = tracker.next_k()
+            k = policy.next_k()
             replay(k)
             drafts_of.append(k)
             launch_copy(launched)
@@ -334,7 +350,7 @@ def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: Sampl
         a = int(host[read % slots, rows])
         k = drafts_of[read]
         if read > 0:
-            tracker.record(k, a)
+            policy.record(k, a, step_seconds(read))
             stats.steps += 1
             stats.drafted += k
             stats.accepted += a

@@ -9,8 +9,8 @@ from qwen38_model import Qwen38ForCausalLM, synthetic
 from qwen38_model.generation import StopCondition
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.scratch import Scratch
-from qwen38_model.speculative import (MAX_DRAFT_TOKENS, SpeculativeEngine, best_draft_count, expected_tokens,
-                                      run_speculative)
+from qwen38_model.speculative import (MAX_DRAFT_TOKENS, DraftPolicy, SpeculativeEngine, best_draft_count,
+                                      expected_tokens, prior_step_cost, run_speculative)
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "head_dim": 32,
          "linear_key_head_dim": 32, "linear_value_head_dim": 32, "full_attention_interval": 2}
@@ -129,9 +129,23 @@ def test_bad_arguments(model, prompt, tmp_path):
 
 def test_draft_count_policy():
     assert expected_tokens(0.0, 3) == 1 and expected_tokens(1.0, 3) == 4
-    assert best_draft_count(0.0, 4) == 0  # nothing accepted: plain steps (+ the cheap MTP pass)
-    assert best_draft_count(1.0, 4) == 4
-    assert 0 < best_draft_count(0.5, 4) < 4
+    cost = [1 + 0.1 * k for k in range(5)]
+    assert best_draft_count(0.0, cost) == 0  # nothing accepted: plain steps (+ the cheap MTP pass)
+    assert best_draft_count(1.0, cost) == 4
+    assert 0 < best_draft_count(0.5, cost) < 4
+    prior = [prior_step_cost(k) for k in range(7)]
+    assert best_draft_count(1.0, prior) == 3  # the measured verify of 5+ rows reads the weights twice
+    policy = DraftPolicy(4, adaptive=True)
+    assert policy.next_k() == 3  # optimistic start: the best k for full acceptance at the prior costs
+    for _ in range(30):
+        policy.record(4, 0, 0.02)
+    ks = [policy.next_k() for _ in range(16)]
+    assert ks.count(0) == 14 and ks.count(1) == 2  # no drafts, a one-draft probe every 8 steps
+    policy.record(0, 0, 0.01)
+    assert policy.step_cost()[0] == 0.01 and policy.step_cost()[4] > 0.019  # measured ones replace the prior
+    for _ in range(30):
+        policy.record(1, 1, 0.011)
+    assert policy.next_k() > 0  # drafts accepted again: drafting resumes
 
 
 def test_scratch_refuses_new_buffers_once_frozen():
