@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qwen38_model import Qwen38ForCausalLM, synthetic
+from qwen38_model.conversation import Conversation
 from qwen38_model.generation import StopCondition
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.scratch import Scratch
@@ -114,6 +115,21 @@ def test_stop_token_ends_the_output_mid_step(model, prompt, plain):
     stop = plain[5]
     out = model.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=[stop], speculative="mtp")
     assert out[0, prompt.shape[1]:].tolist() == plain[: plain.index(stop) + 1]
+
+
+def test_conversation_turns_equal_the_whole_history(model, prompt):
+    """Speculative turns of a Conversation (the state continued, the replies' steps rolled back where they
+    ran past the stop) give what the whole history from scratch gives with plain greedy."""
+    conversation, history = Conversation(), []
+    for turn in (prompt[0].tolist(), [7, 8, 9], [300, 301]):
+        out = model.generate(torch.tensor([turn]), max_new_tokens=9, eos_token_id=[], conversation=conversation,
+                             speculative="mtp", num_draft_tokens=3)
+        reply = out[0, len(turn):].tolist()
+        history += turn
+        plain = model.generate(torch.tensor([history]), max_new_tokens=9, eos_token_id=[])
+        assert reply == plain[0, len(history):].tolist()
+        history += reply
+        assert conversation.tokens == history
 
 
 def test_bad_arguments(model, prompt, tmp_path):
