@@ -6,7 +6,8 @@ Without --model the 27B shape is built with synthetic Q8_0 weights generated on 
 fp16 scales of a realistic size): memory-bound speed does not depend on the values. Measured in ONE run:
 the streaming-read probe (the roofline), tg128 from an empty cache with graph replays and with eager
 launches, tok/s at deeper contexts (caches and states filled synthetically), per activation lane, a
-per-part split from an instrumented eager pass, memory, capture and build time, and an in-run peer: the
+per-part GPU time and kernels per token from the profiler over graph replays, memory, capture and build time,
+and an in-run peer: the
 same token's GEMVs as torch bf16 F.linear calls captured in a graph.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from qwen38_model.checkpoint import Checkpoint, Q8Tensor
 from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape
 from qwen38_model.config import ATTENTION, GDN
 from qwen38_model.generation import DecodeEngine
-from qwen38_model.layers import GatedAttention, GatedDeltaNet, Linear, MLP
+from qwen38_model.layers import Linear
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.state import KVCache
 
@@ -125,40 +126,38 @@ def time_steps(engine: DecodeEngine, run_step, steps: int, context: int) -> floa
     return statistics.median(times)
 
 
-def part_split(model: Qwen38ForCausalLM, engine: DecodeEngine, cfg: SamplingConfig, context: int) -> dict:
-    """Milliseconds per token by part, from an eager step with CUDA events around each module."""
-    kinds = {GatedDeltaNet: "gdn_mixer", GatedAttention: "attention_mixer", MLP: "ffn"}
-    marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-    handles = []
-    for module in model.modules():
-        kind = kinds.get(type(module)) or ("head" if module is model.lm_head else None)
-        if kind is None:
+# Kernel name fragments -> the part of a token they belong to (first match wins).
+KERNEL_PARTS = (("q8_0_gemv", "gemv"), ("gemm", "gemv"), ("gdn", "gdn_small_ops"), ("attention", "attention"),
+                ("qk_norm_rope", "attention"), ("attn_output_gate", "attention"), ("rms_norm", "norms"),
+                ("silu_mul", "silu_mul"), ("quantize", "norms"), ("embedding", "embedding"))
+
+
+def kernel_split(replay, steps: int = 8) -> dict:
+    """GPU time per part of a token and kernels per token, from the CUDA profiler's kernel records over
+    `steps` graph replays (no instrumentation: what the replayed graph runs, not eager launches)."""
+    replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    parts: dict[str, float] = {}
+    launches, other = 0, {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0.0)
+        if us <= 0 or e.key.startswith(("Memcpy", "Memset", "cudaGraph")):
             continue
-
-        def pre(mod, args, kind=kind):
-            marks.append((kind, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-            marks[-1][1].record()
-
-        def post(mod, args, out):
-            marks[-1][2].record()
-
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    fill_state(engine, context)
-    torch.cuda.synchronize()
-    total_start, total_stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    total_start.record()
-    engine.step(cfg)
-    total_stop.record()
-    torch.cuda.synchronize()
-    for h in handles:
-        h.remove()
-    split = {}
-    for kind, a, b in marks:
-        split[kind] = split.get(kind, 0.0) + a.elapsed_time(b)
-    split["total_eager"] = total_start.elapsed_time(total_stop)
-    split["other (embed, norms, sampling, gaps)"] = split["total_eager"] - sum(
-        v for k, v in split.items() if k != "total_eager")
-    return {k: round(v, 4) for k, v in split.items()}
+        launches += e.count
+        part = next((part for fragment, part in KERNEL_PARTS if fragment in e.key), None)
+        if part is None:
+            part = "other"
+            other[e.key[:60]] = round(us / steps / 1e3, 4)
+        parts[part] = parts.get(part, 0.0) + us / steps / 1e3
+    result = {k: round(v, 4) for k, v in sorted(parts.items())}
+    result["kernels_total_ms"] = round(sum(parts.values()), 4)
+    result["launches_per_token"] = launches / steps
+    result["other_kernels_ms"] = dict(sorted(other.items(), key=lambda kv: -kv[1])[:8])
+    return result
 
 
 def torch_bf16_peer(model: Qwen38ForCausalLM) -> dict:
@@ -244,7 +243,8 @@ def main(argv=None) -> dict:
             rows.append(dict(lane=lane, test=name, tok_s=1 / t_graph, ms=t_graph * 1e3,
                              GBps=moved / t_graph / 1e9, roofline=moved / t_graph / 1e9 / roofline,
                              eager_tok_s=1 / t_eager, graph_x=t_eager / t_graph))
-        lane_result["split_ms"] = part_split(model, engine, cfg, 0)
+        fill_state(engine, 0)
+        lane_result["kernel_split_ms"] = kernel_split(graph.replay)
         lane_result["memory_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
         results["lanes"][lane] = lane_result
         del engine, graph
@@ -261,7 +261,8 @@ def main(argv=None) -> dict:
     print_table(rows, ["lane", "test", "tok_s", "ms", "GBps", "roofline", "eager_tok_s", "graph_x"],
                 title=f"decode on {env.get('gpu')} (read probe {roofline:.0f} GB/s, KV {args.kv_dtype})")
     for lane, r in results["lanes"].items():
-        print(f"{lane}: split (ms, eager, empty cache) {r['split_ms']}  capture {r['capture_s']:.2f} s")
+        print(f"{lane}: GPU time per part (ms per token, profiler over graph replays) {r['kernel_split_ms']}  "
+              f"capture {r['capture_s']:.2f} s")
     if "torch_bf16_gemv_peer" in results:
         p = results["torch_bf16_gemv_peer"]
         print(f"peer: torch bf16 F.linear graph of the same GEMVs: {p['seconds'] * 1e3:.2f} ms "
