@@ -9,6 +9,7 @@ from torch import nn
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention import SAME_SPLIT_TOKENS, workspace_numel
 from qwen38_ops.attention_prefill import workspace_numel as prefill_workspace_numel
+from qwen38_ops.gdn_step import MAX_TOKENS as GDN_STEP_MAX_ROWS
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
@@ -107,8 +108,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, config: Qwen38Config, w: dict, lane: str):
         super().__init__()
         self.config = config
-        self.qkvz = Linear(w["qkvz"], lane, "gdn.qkvz")  # rows [q | k | v | z]
-        self.ba = Linear(w["ba"], lane, "gdn.ba")  # rows [b (beta) | a (decay)]
+        self.qkvz = Linear(w["qkvz"], lane, "gdn.qkvz")  # rows [q | k | v | z | b (beta) | a (decay)]
         self.out_proj = Linear(w["ssm_out"], lane, "gdn.out")
         self.register_buffer("conv_weight", w["ssm_conv1d"])
         self.register_buffer("a_neg", w["ssm_a"])
@@ -116,7 +116,7 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("norm_weight", w["ssm_norm"])
 
     def input_lane(self) -> str | None:
-        return input_lane(self.qkvz, self.ba)
+        return input_lane(self.qkvz)
 
     def forward(self, act: Activation, state: GDNState, positions: torch.Tensor, scratch: Scratch,
                 keep_token_states: bool = False) -> torch.Tensor:
@@ -125,18 +125,25 @@ class GatedDeltaNet(nn.Module):
         rows = act.x.shape[0]
         token_conv = state.token_conv[:rows] if keep_token_states else None
         token_recurrent = state.token_recurrent[:rows] if keep_token_states else None
-        qkvz = self.qkvz(act, scratch)
-        ba = self.ba(act, scratch)
+        x = self.qkvz(act, scratch)
+        out = scratch.activation(self, "normed", rows, c.linear_value_dim, input_lane(self.out_proj))
+        # gdn_step recurs token by token, as gdn_recurrent does below its chunked kernel's threshold (8 rows)
+        # and with per-token states: there the two paths give the same bits. An 8-row prompt chunk stays chunked.
+        if rows < GDN_STEP_MAX_ROWS or (rows == GDN_STEP_MAX_ROWS and keep_token_states):
+            ops.gdn_step(x, self.conv_weight, self.a_neg, self.dt_bias, self.norm_weight, c.rms_norm_eps, state.conv,
+                         state.recurrent, *out.outs(), token_conv, token_recurrent)
+            return self.out_proj(out, scratch)
+        z_end = c.conv_dim + c.linear_value_dim
         conv = scratch.empty(self, "conv", (rows, c.conv_dim))
-        ops.gdn_conv(qkvz[:, : c.conv_dim], state.conv, self.conv_weight, c.linear_num_key_heads,
+        ops.gdn_conv(x[:, : c.conv_dim], state.conv, self.conv_weight, c.linear_num_key_heads,
                      c.linear_key_head_dim, conv, token_conv)
         beta = scratch.empty(self, "beta", (rows, c.linear_num_value_heads))
         decay = scratch.empty(self, "decay", (rows, c.linear_num_value_heads))
-        ops.gdn_gates(ba, self.a_neg, self.dt_bias, beta, decay)
+        ops.gdn_gates(x[:, z_end:], self.a_neg, self.dt_bias, beta, decay)
         core = scratch.empty(self, "core", (rows, c.linear_num_value_heads, c.linear_value_head_dim))
         ops.gdn_recurrent(conv, beta, decay, state.recurrent, core, token_recurrent)
-        out = scratch.activation(self, "normed", rows, c.linear_value_dim, input_lane(self.out_proj))
-        ops.gated_rms_norm(core.view(rows, -1), qkvz[:, c.conv_dim:], self.norm_weight, c.rms_norm_eps, *out.outs())
+        ops.gated_rms_norm(core.view(rows, -1), x[:, c.conv_dim : z_end], self.norm_weight, c.rms_norm_eps,
+                           *out.outs())
         return self.out_proj(out, scratch)
 
 

@@ -32,10 +32,10 @@ ops = torch.ops.qwen38
 # (benchmarks/prefill.py measures the chunk sizes).
 PREFILL_CHUNK = 4096
 
-# Matrices that read the same activation are concatenated at load so one GEMV serves them.
+# Matrices that read the same activation are concatenated at load so one GEMV serves them. The GDN b|a
+# rows (2*Hv = 96 at the 27B shape, a whole launch for 1 MB on their own) ride on the q|k|v|z matrix.
 FUSED_GROUPS = {
-    "qkvz": ("attn_qkv", "attn_gate"),
-    "ba": ("ssm_beta", "ssm_alpha"),
+    "qkvz": ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
     "qgkv": ("attn_q", "attn_k", "attn_v"),
     "gate_up": ("ffn_gate", "ffn_up"),
 }
@@ -78,7 +78,7 @@ class Qwen38ForCausalLM(nn.Module):
 
     def _layer_weights(self, checkpoint: Checkpoint, i: int, attention: bool, device, dtype, quantize) -> dict:
         """Layer i's weights by part (fused groups concatenated); the MTP layer adds its MTP_PARTS."""
-        groups = ("qgkv", "gate_up") if attention else ("qkvz", "ba", "gate_up")
+        groups = ("qgkv", "gate_up") if attention else ("qkvz", "gate_up")
         singles = COMMON_SINGLE + (ATTENTION_SINGLE if attention else GDN_SINGLE)
         if i >= self.config.num_layers:
             singles += MTP_PARTS

@@ -55,7 +55,9 @@ __device__ __forceinline__ uint32_t pack_i8x4(const int8_t (&q)[4]) {
   return word;
 }
 
-__device__ __forceinline__ float comp(const float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+__device__ __forceinline__ float comp(const float4& v, int k) {
+  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
 
 template <int kVec, int kChunks>
 __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs a) {
@@ -99,7 +101,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
     s_beta[threadIdx.x] = gdn_beta(ba[head]);
     s_decay[threadIdx.x] = gdn_decay(ba[Hv + head], a.a_neg[head], a.dt_bias[head]);
   }
-  for (int i = threadIdx.x; i < T * dv; i += kThreads) s_z[i / dv][i % dv] = a.x[(i / dv) * a.x_stride + C + head * dv + i % dv];
+  for (int i = threadIdx.x; i < T * dv; i += kThreads)
+    s_z[i / dv][i % dv] = a.x[(i / dv) * a.x_stride + C + head * dv + i % dv];
 
   float s[kRows][kChunks][kVec];
   auto load_rows = [&](int first_row) {
