@@ -20,6 +20,14 @@ each way per layer). Its figure of merit is state bytes (read + written) per sec
 read probe; the target is >= 60% (the earlier implementation: 4.9 us a layer, 28%). conv and gates move
 a few hundred KB and are launch/latency-bound: reported as time per layer.
 
+gdn_step (the fused decode step): per layer at T = 1..8 (token_states from T = 2, as a speculative verify
+runs it), against the four ops it replaces (gdn_conv, gdn_gates, gdn_recurrent with the same token_states,
+gated_rms_norm with the int8 lane), both graph-replayed over 48 layers' states; and the whole GDN mixer of
+a decode token with its Q8_0 GEMVs (int8 lane, 48 layers of synthetic weights: 5.9 GB, nothing
+L2-resident): before, q|k|v|z GEMV + b|a GEMV + the four ops + out GEMV; after, the q|k|v|z|b|a GEMV +
+gdn_step + out GEMV. Each row counts the kernels one layer launches, from the profiler over a replay of
+that layer captured in a graph (graph_kernel_count): per decode token that is 48 x the difference.
+
 Run: python3 -m benchmarks.ops.bench_gdn --json PATH
 """
 from __future__ import annotations
@@ -178,6 +186,140 @@ def bench_verify(probe_gbps: float) -> list[dict]:
     return rows
 
 
+def graph_kernel_count(fn) -> int:
+    """Kernels fn() launches, counted as the profiler's CUDA kernel records over one replay of fn captured in
+    a CUDA graph (what a decode graph runs; copies and memsets are not kernels and not counted)."""
+    graph = capture(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages()
+               if getattr(e, "device_time_total", 0.0) > 0 and not e.key.startswith(("Memcpy", "Memset", "cudaGraph")))
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+Z, BA = HV * DV, 2 * HV  # z width, b|a width
+X_WIDTH = C + Z + BA  # the fused projection's row: [q | k | v | z | b | a]
+
+
+def make_step_layers(num_tokens: int, token_states: bool) -> dict:
+    """48 layers' GDN states (and per-token state buffers), one fused-projection row block, the norm's int8
+    lane buffers, and the op sequence's intermediates."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    L = dict(states=[torch.randn(HV, DV, DK, device="cuda", generator=g) * 0.1 for _ in range(LAYERS)],
+             conv_states=[torch.randn(TAPS - 1, C, device="cuda", generator=g) for _ in range(LAYERS)],
+             conv_weights=[torch.randn(C, TAPS, device="cuda", generator=g) * 0.5 for _ in range(LAYERS)],
+             x=torch.randn(num_tokens, X_WIDTH, device="cuda", generator=g),
+             a_neg=-torch.exp(torch.randn(HV, device="cuda", generator=g) - 2),
+             dt_bias=torch.randn(HV, device="cuda", generator=g),
+             norm_weight=1 + 0.1 * torch.randn(DV, device="cuda", generator=g),
+             conv=torch.empty(num_tokens, C, device="cuda"), beta=torch.empty(num_tokens, HV, device="cuda"),
+             decay=torch.empty(num_tokens, HV, device="cuda"), core=torch.empty(num_tokens, HV, DV, device="cuda"),
+             out=torch.empty(num_tokens, Z, device="cuda"),
+             out_q=torch.empty(num_tokens, Z, dtype=torch.int8, device="cuda"),
+             out_d=torch.empty(num_tokens, Z // 32, device="cuda"), conv_tokens=[None] * LAYERS, tokens=[None] * LAYERS)
+    if token_states:
+        L["conv_tokens"] = [torch.empty(num_tokens, TAPS - 1, C, device="cuda") for _ in range(LAYERS)]
+        L["tokens"] = [torch.empty(num_tokens, HV, DV, DK, device="cuda") for _ in range(LAYERS)]
+    return L
+
+
+def op_sequence(L: dict, i: int, x: torch.Tensor) -> None:
+    """What GatedDeltaNet ran before gdn_step, on layer i % 48's states (x: [q|k|v|z|b|a] rows)."""
+    j = i % LAYERS
+    ops.gdn_conv(x[:, :C], L["conv_states"][j], L["conv_weights"][j], HK, DK, L["conv"], L["conv_tokens"][j])
+    ops.gdn_gates(x[:, C + Z :], L["a_neg"], L["dt_bias"], L["beta"], L["decay"])
+    ops.gdn_recurrent(L["conv"], L["beta"], L["decay"], L["states"][j], L["core"], L["tokens"][j])
+    ops.gated_rms_norm(L["core"].view(x.shape[0], -1), x[:, C : C + Z], L["norm_weight"], 1e-6, L["out"], L["out_q"],
+                       None, L["out_d"])
+
+
+def fused_step(L: dict, i: int, x: torch.Tensor) -> None:
+    j = i % LAYERS
+    ops.gdn_step(x, L["conv_weights"][j], L["a_neg"], L["dt_bias"], L["norm_weight"], 1e-6, L["conv_states"][j],
+                 L["states"][j], L["out"], L["out_q"], None, L["out_d"], L["conv_tokens"][j], L["tokens"][j])
+
+
+def bench_step(probe_gbps: float) -> list[dict]:
+    """gdn_step against the four ops it fuses, per layer (graph over 48 layers' states), T = 1..8."""
+    rows = []
+    state_bytes = HV * DV * DK * 4
+    for num_tokens in VERIFY_TOKENS:
+        with_states = num_tokens > 1
+        L = make_step_layers(num_tokens, with_states)
+        for name, fn in (("conv+gates+recurrent+gated_rms_norm", op_sequence), ("gdn_step", fused_step)):
+            t = time_graph(lambda i: fn(L, i, L["x"]), LAYERS)["median_s"]
+            nbytes = (2 + (num_tokens if with_states else 0)) * state_bytes
+            rows.append(dict(op=name, T=num_tokens, token_states=with_states, mode="graph", pdl=PDL,
+                             us_per_layer=t * 1e6, kernels_per_layer=graph_kernel_count(lambda: fn(L, 0, L["x"])),
+                             gbps=nbytes / t / 1e9, ratio_vs_read_probe=nbytes / t / 1e9 / probe_gbps))
+        del L
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_mixer() -> list[dict]:
+    """One decode token's GDN mixer with its Q8_0 GEMVs in the int8 lane, before and after gdn_step (48
+    layers of synthetic weights, graph-replayed); per-token figures are 48 x the per-layer ones."""
+    D = 5120
+    g = torch.Generator(device="cuda").manual_seed(2)
+
+    def q8(rows, cols):
+        q = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, device="cuda", generator=g)
+        return q, (torch.rand(rows, cols // 32, device="cuda", generator=g) * 4e-4 + 2e-4).half()
+
+    qkvzba = [q8(X_WIDTH, D) for _ in range(LAYERS)]  # the fused matrix; before: rows [:C+Z] and [C+Z:] apart
+    out_proj = [q8(D, Z) for _ in range(LAYERS)]
+    x_q = torch.randint(-127, 128, (1, D), dtype=torch.int8, device="cuda", generator=g)
+    x_d = torch.full((1, D // 32), 1 / 127, device="cuda")
+    L = make_step_layers(1, False)
+    y = torch.empty(1, X_WIDTH, device="cuda")
+    ba = torch.empty(1, BA, device="cuda")
+    delta = torch.empty(1, D, device="cuda")
+
+    def before(i):
+        wq, wd = qkvzba[i % LAYERS]
+        qkvz = y[:, : C + Z]
+        ops.q8_0_gemv_int8(x_q, x_d, wq[: C + Z], wd[: C + Z], qkvz)
+        ops.q8_0_gemv_int8(x_q, x_d, wq[C + Z :], wd[C + Z :], ba)
+        j = i % LAYERS
+        ops.gdn_conv(qkvz[:, :C], L["conv_states"][j], L["conv_weights"][j], HK, DK, L["conv"])
+        ops.gdn_gates(ba, L["a_neg"], L["dt_bias"], L["beta"], L["decay"])
+        ops.gdn_recurrent(L["conv"], L["beta"], L["decay"], L["states"][j], L["core"])
+        ops.gated_rms_norm(L["core"].view(1, -1), qkvz[:, C:], L["norm_weight"], 1e-6, L["out"], L["out_q"], None,
+                           L["out_d"])
+        ops.q8_0_gemv_int8(L["out_q"], L["out_d"], *out_proj[i % LAYERS], delta)
+
+    def after(i):
+        ops.q8_0_gemv_int8(x_q, x_d, *qkvzba[i % LAYERS], y)
+        fused_step(L, i, y)
+        ops.q8_0_gemv_int8(L["out_q"], L["out_d"], *out_proj[i % LAYERS], delta)
+
+    rows = []
+    for name, fn in (("before: qkvz, ba GEMVs + 4 ops + out GEMV", before),
+                     ("after: qkvzba GEMV + gdn_step + out GEMV", after)):
+        t = time_graph(fn, LAYERS)["median_s"]
+        kernels = graph_kernel_count(lambda: fn(0))
+        rows.append(dict(op=name, T=1, mode="graph", pdl=PDL, us_per_layer=t * 1e6, kernels_per_layer=kernels,
+                         ms_per_token_48_layers=t * LAYERS * 1e3, kernels_per_token_48_layers=kernels * LAYERS))
+    del qkvzba, out_proj, L
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     args, probe = parse_args_and_probe(__doc__)
     rows = bench(probe["best_gbps"])
@@ -186,11 +328,18 @@ def main() -> None:
     verify = bench_verify(probe["best_gbps"])
     print_table(verify, ["op", "T", "token_states", "kernel", "us_per_layer", "gbps", "ratio_vs_read_probe"],
                 title=f"gdn_recurrent verify at the 27B shape, per layer (graph over {LAYERS} layers' states)")
+    step = bench_step(probe["best_gbps"])
+    print_table(step, ["op", "T", "token_states", "us_per_layer", "kernels_per_layer", "ratio_vs_read_probe"],
+                title=f"gdn_step vs the op sequence at the 27B shape, per layer (graph over {LAYERS} layers' states)")
+    mixer = bench_mixer()
+    print_table(mixer, ["op", "us_per_layer", "kernels_per_layer", "ms_per_token_48_layers",
+                        "kernels_per_token_48_layers"],
+                title="the GDN mixer of a decode token (int8 lane), before and after gdn_step")
     prefill = bench_prefill()
     print_table(prefill, ["op", "T", "us_per_layer", "us_per_token"],
                 title=f"gdn prefill at the 27B shape, per layer (graph over {LAYERS} layers' states)")
     write_json(args.json, dict(env=env_info(), read_probe=probe, shape=dict(Hk=HK, Hv=HV, dk=DK, dv=DV, C=C),
-                               layers=LAYERS, results=rows, verify=verify, prefill=prefill))
+                               layers=LAYERS, results=rows, verify=verify, step=step, mixer=mixer, prefill=prefill))
 
 
 if __name__ == "__main__":
