@@ -109,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     v.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
     v.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV cache dtype")
     v.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
+    add_speculative_options(v)
     sub.add_parser("bench", help="GPU benchmarks at the 27B shape: decode (benchmarks/decode.py), or prefill "
                    "with --prefill (benchmarks/prefill.py); `bench [--prefill] --help` lists their options")
     argv = sys.argv[1:] if argv is None else argv
@@ -142,6 +143,10 @@ def add_generation_options(g: argparse.ArgumentParser, max_new_tokens: int) -> N
     g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV cache dtype")
     g.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
+    add_speculative_options(g)
+
+
+def add_speculative_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", choices=["mtp"], help="speculative decoding: the checkpoint's MTP block drafts, "
                    "one pass verifies (same output as without it)")
     g.add_argument("--num-draft-tokens", type=int, default=3, metavar="K", help="with --speculative: tokens drafted "
@@ -545,8 +550,8 @@ def serve(args: argparse.Namespace) -> None:
     model = load_model(args, path, device)
     server = Server(model, tokenizer, path.name, args.max_context, args.max_queue, int(args.cache_gb * 1e9),
                     kv_dtype=KV_DTYPES[args.kv_dtype], use_graph=False if args.eager else None,
-                speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
-                draft_vocab_size=args.draft_vocab)
+                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                    draft_vocab_size=args.draft_vocab)
     sys.stderr.write(f"serving {path.name} on http://{args.host}:{args.port}/v1\n")
     uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
 
