@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.decode import build_model
+from benchmarks.decode import build_model, kernel_split
 from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, time_graph, write_json
 from qwen38_model.generation import DecodeEngine, StopCondition, run_generation
 from qwen38_model.sampling import SamplingConfig
@@ -81,8 +81,8 @@ def plain_greedy(model, prompt: torch.Tensor, new_tokens: int, kv_dtype) -> tupl
 
 def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor, adaptive: bool,
                     draft_vocab: int | None = None):
-    # Room for the 16 timing replays after the run (each consumes up to k + 1 positions).
-    engine = SpeculativeEngine(model, prompt.shape[0] + new_tokens + 16 * (k + 1), kv_dtype, True, k, forced_drafts=True,
+    # Room for the timing and profiling replays after the run (each consumes up to k + 1 positions).
+    engine = SpeculativeEngine(model, prompt.shape[0] + new_tokens + 24 * (k + 1), kv_dtype, True, k, forced_drafts=True,
                                draft_vocab_size=draft_vocab)
     engine.forced.zero_()
     engine.forced[: forced.shape[0]].copy_(forced)
@@ -92,14 +92,14 @@ def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor
     graph = engine.graphs[(SamplingConfig(), k)]
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(16):
+    for _ in range(12):
         graph.replay()
     stop.record()
     stop.synchronize()
-    step_s = start.elapsed_time(stop) * 1e-3 / 16
+    step_s = start.elapsed_time(stop) * 1e-3 / 12
     result = dict(tokens=tokens, decode_tok_s=stats.decode_tok_s, tokens_per_step=stats.tokens_per_step,
                   steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted, step_s=step_s,
-                  capture_s=stats.capture_s)
+                  capture_s=stats.capture_s, kernel_split_ms=kernel_split(graph.replay, steps=4))
     del engine, graph
     torch.cuda.empty_cache()
     return result
@@ -153,6 +153,8 @@ def main(argv=None) -> dict:
     results["runs"] = runs
     step_s = runs["perfect"]["step_s"]
     results["projection_tok_s"] = {f"{m:.1f}": m / step_s for m in [1 + 0.5 * i for i in range(2 * k + 1)]}
+    reduced_step_s = runs[f"perfect_draft_vocab_{args.draft_vocab}"]["step_s"]
+    results["projection_3.2_tok_s"] = {"full_head": 3.2 / step_s, f"draft_vocab_{args.draft_vocab}": 3.2 / reduced_step_s}
     results["projection_note"] = ("projection: mean tokens per step / the measured k-draft step time; real "
                                   "acceptance depends on the checkpoint and the text")
 
@@ -166,6 +168,8 @@ def main(argv=None) -> dict:
                       step_ms=r["step_s"] * 1e3, identical=r["identical_to_plain"]) for n, r in runs.items()],
                 ["run", "tok_s", "vs_plain", "tokens_per_step", "step_ms", "identical"],
                 title=f"k = {k}, plain greedy {plain_tok_s:.1f} tok/s")
+    print(f"perfect k={k} step, GPU time per part (profiler):", runs["perfect"]["kernel_split_ms"])
+    print("projection at 3.2 tokens a step:", {n: round(v, 1) for n, v in results["projection_3.2_tok_s"].items()})
     print("projection (tok/s at mean tokens per step):",
           ", ".join(f"{m}: {v:.0f}" for m, v in results["projection_tok_s"].items()))
     write_json(args.json or default_result_path(env, "speculative"), results)
