@@ -27,7 +27,7 @@ if ! python3 setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; then
 fi
 echo "build: $(( $(date +%s) - start )) s"
 
-test_args=(-m cuda tests -q -rf --durations=10)
+test_args=(-m cuda tests -q -rfs --durations=10)
 [ -n "$expr" ] && test_args+=(-k "$expr")
 python3 -m pytest "${test_args[@]}" 2>&1 | tee "$OUT/tests.log"
 test_rc=${PIPESTATUS[0]}
