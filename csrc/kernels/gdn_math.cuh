@@ -51,9 +51,12 @@ __device__ __forceinline__ float gdn_conv_token(const float (&weight)[kMaxTaps],
   }
   acc = fmaf(last_weight, x, acc);
 #pragma unroll
-  for (int i = 0; i < kMaxTaps - 1; ++i) {
+  for (int i = 0; i < kMaxTaps - 2; ++i) {
     if (i < taps - 2) window[i] = window[i + 1];
-    else if (i == taps - 2) window[i] = x;
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxTaps - 1; ++i) {
+    if (i == taps - 2) window[i] = x;
   }
   return acc;
 }
