@@ -198,8 +198,9 @@ def run_generation(engine: DecodeEngine, history: torch.Tensor, cfg: SamplingCon
     engine.prefill(prompt, cfg, prefill_progress)
     launch_copy(0)
     ahead = engine.read_ahead
-    # Only a read-ahead can overrun a stop; the prompt's state is the point to roll back to (a device copy).
-    after_prefill = engine.state.snapshot() if (keep_state and ahead) or snapshot_prompt else None
+    # Only a read-ahead can overrun a stop; the end of the prompt is the point to rewind to.
+    rewind_mark = engine.state.mark() if keep_state and ahead else None
+    after_prefill = engine.state.snapshot() if snapshot_prompt else None
     sync()
     stats.prefill_s = time.perf_counter() - clock
     clock = time.perf_counter()
@@ -220,8 +221,17 @@ def run_generation(engine: DecodeEngine, history: torch.Tensor, cfg: SamplingCon
     stats.decode_s = time.perf_counter() - clock
     stats.new_tokens = len(stop.tokens)
     engine.state.sync_position()  # steps run, including replays past a stop (then discarded)
-    if keep_state and after_prefill is not None and launched > len(stop.tokens):
-        # The steps past the stop fed discarded tokens into the recurrent states, which cannot be undone:
-        # back to the end of the prompt (the reply is prefilled with the next turn).
-        engine.state.restore(after_prefill)
-    return stop.tokens, stats, after_prefill if snapshot_prompt else None
+    if rewind_mark is not None and engine.state.position != history.shape[0] + len(stop.tokens) - 1:
+        keep_only(engine.model, engine.state, rewind_mark, stop.tokens[:-1])
+    return stop.tokens, stats, after_prefill
+
+
+def keep_only(model, state, prompt_end, reply: list[int]) -> None:
+    """Replays past a stop fed discarded tokens into the recurrent states: rewind to the end of the prompt
+    and prefill the reply's tokens that belong to the history (all but the last, which the next turn
+    feeds), so that the next turn processes only its own tokens. Done after the reply has been read: the
+    stream has ended, and the next turn's first token does not wait for it."""
+    state.rewind(prompt_end)
+    if reply:
+        ids = torch.tensor(reply, dtype=torch.int32, device=state.device)
+        model.prefill(ids, state.reserve(len(reply)), state, logits_to_keep=1)

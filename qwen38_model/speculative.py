@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .generation import GenerationStats, StopCondition
+from .generation import GenerationStats, StopCondition, keep_only
 from .checkpoint import Q8Tensor
 from .layers import INT_GEMM_MIN_ROWS, Linear
 from .sampling import SamplerState, SamplingConfig, select_next_token, select_speculative
@@ -328,7 +328,8 @@ def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: Sampl
     sync()
     clock = time.perf_counter()
     engine.prefill(history, cfg, chunk_size, prefill_progress)
-    after_prefill = engine.state.snapshot() if keep_state or snapshot_prompt else None
+    rewind_mark = engine.state.mark() if keep_state else None
+    after_prefill = engine.state.snapshot() if snapshot_prompt else None
     launch_copy(0)
     sync()
     stats.prefill_s = time.perf_counter() - clock
@@ -365,8 +366,6 @@ def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: Sampl
     stats.decode_s = time.perf_counter() - clock
     stats.new_tokens = len(stop.tokens)
     engine.state.sync_position()  # steps past a stop included
-    if keep_state and (launched > read or engine.state.position != history.shape[0] + len(stop.tokens) - 1):
-        # Tokens past the stop went into the recurrent states: back to the end of the prompt (the reply is
-        # prefilled with the next turn), as plain decode does.
-        engine.state.restore(after_prefill)
-    return stop.tokens, stats, after_prefill if snapshot_prompt else None
+    if rewind_mark is not None and engine.state.position != history.shape[0] + len(stop.tokens) - 1:
+        keep_only(engine.model, engine.state, rewind_mark, stop.tokens[:-1])  # as plain decode does
+    return stop.tokens, stats, after_prefill

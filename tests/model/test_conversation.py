@@ -85,14 +85,16 @@ def test_conversation_after_a_stop_token(default_model):
 
 def test_read_ahead_past_a_stop_is_rolled_back(oracle_model):
     """On the GPU, graph replays run a few steps ahead of the host's stop check; the steps past a stop
-    must not stay in a continued state (simulated here by a read-ahead on the CPU engine)."""
+    must not stay in a continued state (simulated here by a read-ahead on the CPU engine): the state is
+    rewound and the reply's kept tokens prefilled, so the next turn feeds only its own tokens + 1."""
     model, conversation = oracle_model, Conversation()
     stop = model.generate(torch.tensor([TURNS[0]]), max_new_tokens=3, eos_token_id=[])[0, -1].item()
     model._engine.read_ahead = 3
     try:
         model.generate(torch.tensor([TURNS[0]]), max_new_tokens=8, eos_token_id=[stop], conversation=conversation)
-        assert conversation.tokens[-1] == stop and conversation.snapshot.position == len(TURNS[0])
+        assert conversation.tokens[-1] == stop and conversation.snapshot.position == len(conversation.tokens) - 1
         reply = model.generate(torch.tensor([TURNS[1]]), max_new_tokens=5, eos_token_id=[], conversation=conversation)
+        assert model.last_generation_stats.prompt_tokens == len(TURNS[1]) + 1
     finally:
         model._engine.read_ahead = 0
     history = conversation.tokens[:len(conversation.tokens) - 5]
@@ -275,9 +277,9 @@ def test_gpu_conversation_matches_the_whole_history(gpu_model, sampling):
 @pytest.mark.cuda
 @requires_cuda
 def test_gpu_conversation_after_a_stop_with_replays_in_flight(gpu_model):
-    """A stop token read while later replays already ran: their tokens must not stay in the state. (Today the
-    state goes back to the end of the prompt and the next turn prefills the reply too; a state kept at the
-    reply's end would be as right: the position may be either, the next reply must be exact.)"""
+    """A stop token read while later replays already ran: their tokens must not stay in the state. The state
+    is rewound to the end of the prompt and the reply's kept tokens prefilled at once, so the next turn feeds
+    only its own tokens and the stop token."""
     model = gpu_model
     [first] = conversation_turns(model, [11])
     stop = greedy_with_margin(model, first, 2)[0][1]  # the reply's second token: replays run past it
@@ -285,7 +287,7 @@ def test_gpu_conversation_after_a_stop_with_replays_in_flight(gpu_model):
     model.generate(torch.tensor([first]), max_new_tokens=GPU_STEPS, eos_token_id=[stop], conversation=conversation)
     assert conversation.tokens[-1] == stop and len(conversation.tokens) <= len(first) + 2
     position = conversation.snapshot.position
-    assert position in (len(first), len(conversation.tokens) - 1)
+    assert position == len(conversation.tokens) - 1
     [second] = conversation_turns(model, [6], conversation.tokens)
     history = conversation.tokens + second
     out = model.generate(torch.tensor([second]), max_new_tokens=GPU_STEPS, eos_token_id=[], conversation=conversation)
