@@ -19,6 +19,24 @@
 //   recomputed from row N - 1 and not stored.
 // - The first trip's weights are loaded before griddepcontrol.wait (PDL: they are constants, pdl.cuh).
 //
+// T rows of x (the speculative verify: T = k + 1 <= 7; short prompts) share each weight load: one pass for
+// T <= 8 in the int lanes (4 in f32; more T in equal passes over blockIdx.y), an instance per row count, so
+// no dummy row is computed. Per piece and row the int lanes do 4 dp4a, a shuffle, two 64-bit conversions and
+// a DFMA, on both lanes of a pair; the first T-row form ran into the conversion pipe and the registers: at
+// T = 4, 3 blocks per SM, and by the CUDA throughput table (16 64-bit conversions per cycle per SM) ~16 of
+// the ~30 SM cycles a piece may take at the HBM rate went to conversions; T = 5..7 read the weights twice.
+// So in the T-row forms (details at kRowsByParity and below):
+// - the two lanes of a pair split the rows of x (not both doing every row): half the conversions, DFMAs and
+//   shuffles per row, and half the sums per lane; the int32 -> double conversion is a DADD (int_to_double);
+// - the PARTS partial sums of the 5120-row shapes go to PARTS warps of the row, added in order through
+//   shared memory at the end (kWarpsPerRow): each warp holds one part's sums, and the narrow shapes make
+//   enough blocks to fill the SMs at the T-row forms' occupancy;
+// - weights are prefetched a trip ahead (the next trip's loads go out before this trip's math), so the
+//   1-piece trips that leave room for T rows of x still keep two pieces per warp in flight.
+// Expected GEMV cost (a prediction, unmeasured when written): T = 4 ~1.2x T = 1, T = 8 ~1.4-1.5x (the
+// activations then read 8x the weight bytes through L1); the whole verify pass with the first form measured
+// 1.46x at T = 4 and 2.9x at T = 8 (benchmarks/NOTES.md).
+//
 // Numerics. The int8 lane needs the EXACT int32 sum of a block (ggml: sumi * (d_w * d_x)): the two lanes of a
 // block add their dp4a halves with one shuffle, and one lane of the pair adds sumi * (d_w * d_x) to a double
 // with one DFMA. d_w * d_x is formed in fp32 and is exact there: both are fp16 values (the int8 producers
@@ -32,8 +50,9 @@
 // exact); 127 hi + lo is exact in int32 and the 1/127 is applied once at the end (a double division per
 // block measured 67% -> 52% of the read probe at 16384 x 5120). The f32 lane dequantizes in float32
 // (16 FMAs per chunk in four chains, then one FMA by the block scale) and sums in float.
-// The summation order is fixed per config (q8_gemv.h: PARTS), never by T: rows of a T-row call are
-// computed exactly as a T = 1 call computes them, only their weight loads are shared.
+// The summation order is fixed per config (q8_gemv.h: PARTS), never by T: every row of a T-row call gets the
+// bits of a T = 1 call on that row, only the weight loads and the lanes doing the work are shared out
+// differently (why the bits survive: at kRowsByParity and kWarpsPerRow).
 #include "q8_gemv.h"
 
 #include <cstdio>
@@ -107,51 +126,94 @@ __device__ __forceinline__ float dot16_f32(int4 w, const float4 (&x)[4]) {
   return (s0 + s1) + (s2 + s3);
 }
 
-// What a lane holds of one row of x for one 16-byte chunk c (16 weights, half of block c / 2).
-template <Q8Act ACT>
-struct XChunk;
-template <>
-struct XChunk<Q8Act::F32> {
-  float4 v[4];
+// How the two lanes of a pair (the two 16-weight halves of one block) share the work of a block in the int
+// lanes. Both must form a half-dot for every row of x (each holds its own half of the weights), but the exact
+// block sum, its scale and the double FMA are needed once per (block, row of x):
+// - T = 1: the pair splits the PARTS partial sums: the even lane holds parts 0 .. kLaneParts - 1, the odd
+//   lane the rest; both form the block sum, the lane that holds the piece's part adds it, the other adds 0.
+// - TOKENS >= 2: the pair splits the rows of x: the even lane owns rows 0, 2, 4, .., the odd lane rows 1, 3, ..
+//   One shuffle per two rows swaps halves (each lane sends the half of the row its partner owns), and each
+//   lane converts, scales and adds for its own rows only: half the shuffles, conversions and double FMAs of
+//   both lanes doing every row (the conversion pipe is what the T-row forms ran out of first).
+// The bits are the T = 1 call's either way: each (row, part) sum gets the same block terms in the same order
+// (pieces in order, block 16p + m on a lane of pair m), and the final butterfly over the lanes of one parity
+// pairs m with m ^ 8, 4, 2, 1 whichever parity holds the sum.
+// The f32 lane has no pairs: every lane sums its own 16 products into every row.
+template <Q8Act ACT, int TOKENS>
+constexpr bool kRowsByParity = ACT != Q8Act::F32 && TOKENS >= 2;
+// The rows of x whose sums a lane holds: its parity's half of them, or all.
+template <Q8Act ACT, int TOKENS>
+constexpr int kOwnRows = kRowsByParity<ACT, TOKENS> ? (TOKENS + 1) / 2 : TOKENS;
+// Warps per weight row: 1, except in the T-row int forms, where the PARTS partial sums go to PARTS warps
+// (warp q of a row adds pieces q, q + PARTS, ..; the parts meet in shared memory and are added in order, as
+// within one warp). A warp then needs the registers of PARTS = 1, and the 5120-row shapes (PARTS = 4) make
+// 2560 blocks instead of 640, which the fewer blocks per SM of the T-row forms would run in 1.2-2.4 waves,
+// the last one too thin to keep enough loads in flight.
+template <Q8Act ACT, int TOKENS, int PARTS>
+constexpr int kWarpsPerRow = kRowsByParity<ACT, TOKENS> ? PARTS : 1;
+// The partial sums a lane holds per row it owns: half of the parts at T = 1 in the int lanes, else all the
+// parts of its warp.
+template <Q8Act ACT, int TOKENS, int PARTS>
+constexpr int kLaneParts = ACT != Q8Act::F32 && TOKENS == 1 ? (PARTS + 1) / 2 : PARTS / kWarpsPerRow<ACT, TOKENS, PARTS>;
+
+// What a lane holds of TOKENS rows of x for one piece: chunk c (16 activations, half of block c / 2) of every
+// row, and (int lanes) the scale of that block in the rows it owns.
+template <Q8Act ACT, int TOKENS>
+struct XPiece;
+template <int TOKENS>
+struct XPiece<Q8Act::F32, TOKENS> {
+  float4 v[TOKENS][4];
 };
-template <>
-struct XChunk<Q8Act::Int8> {
-  int4 q;
-  float d;
+template <int TOKENS>
+struct XPiece<Q8Act::Int8, TOKENS> {
+  int4 q[TOKENS];
+  float d[kOwnRows<Q8Act::Int8, TOKENS>];
 };
-template <>
-struct XChunk<Q8Act::Int8x2> {
-  int4 q, lo;
-  float d;
+template <int TOKENS>
+struct XPiece<Q8Act::Int8x2, TOKENS> {
+  int4 q[TOKENS], lo[TOKENS];
+  float d[kOwnRows<Q8Act::Int8x2, TOKENS>];
 };
 
-// A lane's place in one row of x: its chunk of the current piece. at(u) loads the chunk u pieces on.
-template <Q8Act ACT>
-struct XCursor {
-  const int4* q;   // Int8 lanes: x_q (16 bytes a chunk); F32: x (64 bytes a chunk, as four int4)
-  const int4* lo;  // Int8x2: x_q_lo
-  const float* d;  // Int8 lanes: x_d, the block of this lane's chunk
+// A lane's place in TOKENS rows of x: its chunk of the current piece. at(u) loads the piece u pieces on.
+template <Q8Act ACT, int TOKENS>
+struct XRows {
   static constexpr int kChunkInt4 = ACT == Q8Act::F32 ? 4 : 1;
+  const int4* q[TOKENS];                    // Int8 lanes: x_q (16 bytes a chunk); F32: x (64 bytes a chunk)
+  const int4* lo[TOKENS];                   // Int8x2: x_q_lo
+  const float* d[kOwnRows<ACT, TOKENS>];    // Int8 lanes: x_d of the lane's block, in the rows it owns
 
-  __device__ __forceinline__ XChunk<ACT> at(int u) const {
-    XChunk<ACT> x;
-    if constexpr (ACT == Q8Act::F32) {
+  __device__ __forceinline__ XPiece<ACT, TOKENS> at(int u) const {
+    XPiece<ACT, TOKENS> x;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int4 v = load_act16(q + u * 32 * kChunkInt4 + i);
-        x.v[i] = make_float4(__int_as_float(v.x), __int_as_float(v.y), __int_as_float(v.z), __int_as_float(v.w));
+    for (int t = 0; t < TOKENS; ++t) {
+      if constexpr (ACT == Q8Act::F32) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int4 v = load_act16(q[t] + u * 32 * kChunkInt4 + i);
+          x.v[t][i] = make_float4(__int_as_float(v.x), __int_as_float(v.y), __int_as_float(v.z), __int_as_float(v.w));
+        }
+      } else {
+        x.q[t] = load_act16(q[t] + u * 32);
+        if constexpr (ACT == Q8Act::Int8x2) x.lo[t] = load_act16(lo[t] + u * 32);
       }
-    } else {
-      x.q = load_act16(q + u * 32);
-      if constexpr (ACT == Q8Act::Int8x2) x.lo = load_act16(lo + u * 32);
-      x.d = load_act_scale(d + u * 16);
+    }
+    if constexpr (ACT != Q8Act::F32) {
+#pragma unroll
+      for (int r = 0; r < kOwnRows<ACT, TOKENS>; ++r) x.d[r] = load_act_scale(d[r] + u * 16);
     }
     return x;
   }
   __device__ __forceinline__ void advance(int pieces) {
-    q += pieces * 32 * kChunkInt4;
-    if constexpr (ACT == Q8Act::Int8x2) lo += pieces * 32;
-    if constexpr (ACT != Q8Act::F32) d += pieces * 16;
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) {
+      q[t] += pieces * 32 * kChunkInt4;
+      if constexpr (ACT == Q8Act::Int8x2) lo[t] += pieces * 32;
+    }
+    if constexpr (ACT != Q8Act::F32) {
+#pragma unroll
+      for (int r = 0; r < kOwnRows<ACT, TOKENS>; ++r) d[r] += pieces * 16;
+    }
   }
 };
 
@@ -168,49 +230,34 @@ struct WCursor {
 };
 
 template <Q8Act ACT>
-__device__ __forceinline__ XChunk<ACT> zero_x() {
-  XChunk<ACT> x;
-  if constexpr (ACT == Q8Act::F32) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) x.v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  } else {
-    x.q = make_int4(0, 0, 0, 0);
-    if constexpr (ACT == Q8Act::Int8x2) x.lo = x.q;
-    x.d = 0.f;
-  }
-  return x;
-}
-
-template <Q8Act ACT>
 using Acc = std::conditional_t<ACT == Q8Act::F32, float, double>;
 
-// Where part q's partial sum lives. f32: in slot q of every lane (each lane has its own 16 products). Int
-// lanes: a block's sum is formed on both lanes of its pair and added by one of them, so the pair holds the
-// parts between its two lanes -- slot q % kSlots of the even (q < kSlots) or the odd lane -- and half the
-// registers hold all PARTS sums. The value is the same as if the even lane held them all: the odd lane of
-// pair m adds exactly what the even lane would, and a butterfly over the odd lanes (xor 16, 8, 4, 2) pairs
-// them as the one over the even lanes does.
-template <Q8Act ACT, int PARTS>
-constexpr int kSlots = ACT == Q8Act::F32 ? PARTS : (PARTS + 1) / 2;
-
-// Adds one chunk's 16 products to the partial sum `acc` of this lane. The int lanes shuffle (all 32 lanes
-// must be here); `adds` says whether this lane is the one of its pair that adds the block to this part.
-template <Q8Act ACT>
-__device__ __forceinline__ void accumulate(Acc<ACT>& acc, int4 w, float wd, const XChunk<ACT>& x, bool adds) {
-  if constexpr (ACT == Q8Act::F32) {
-    acc = fmaf(dot16_f32(w, x.v), wd, acc);
+// This lane's half of the block sum of row t (exact int32). Int8x2: 127 hi + lo, exact in int32 (|a block's
+// value| < 2^27), so one shuffle carries both words and the block's 127 hi + lo is the sum of the halves'.
+template <Q8Act ACT, int TOKENS>
+__device__ __forceinline__ int half_dot(int4 w, const XPiece<ACT, TOKENS>& x, int t) {
+  const int hi = dot16_i8(w, x.q[t]);
+  if constexpr (ACT == Q8Act::Int8x2) {
+    return dot16_i8(w, x.lo[t]) + 127 * hi;
   } else {
-    int hi = dot16_i8(w, x.q);
-    hi += __shfl_xor_sync(0xffffffffu, hi, 1);  // the block's other 16 weights
-    if constexpr (ACT == Q8Act::Int8) {
-      const float scale = adds ? wd * x.d : 0.f;  // exact: two fp16 values
-      acc = fma(static_cast<double>(hi), static_cast<double>(scale), acc);
-    } else {
-      int lo = dot16_i8(w, x.lo);
-      lo += __shfl_xor_sync(0xffffffffu, lo, 1);
-      const double scale = adds ? static_cast<double>(wd) * static_cast<double>(x.d) : 0.0;  // exact
-      acc = fma(static_cast<double>(127 * hi + lo), scale, acc);
-    }
+    return hi;
+  }
+}
+
+// int32 -> double by one DADD on the FP64 pipe instead of an I2F.F64 on the quarter-rate conversion pipe
+// (the T-row forms' busiest): 2^52 + 2^31 + s is exact in double, and so is the subtraction.
+__device__ __forceinline__ double int_to_double(int s) {
+  return __hiloint2double(0x43300000, s ^ static_cast<int>(0x80000000u)) - 4503601774854144.0;  // 2^52 + 2^31
+}
+
+// Adds a block's term, its exact int32 sum s times the two scales, to a double sum: int8 forms d_w * d_x in
+// fp32 (exact: two fp16 values), int8x2 in double (its d_x is a full fp32 value; 35 bits, exact).
+template <Q8Act ACT>
+__device__ __forceinline__ double add_block(double acc, int s, float wd, float xd) {
+  if constexpr (ACT == Q8Act::Int8) {
+    return fma(int_to_double(s), static_cast<double>(wd * xd), acc);
+  } else {
+    return fma(int_to_double(s), static_cast<double>(wd) * static_cast<double>(xd), acc);
   }
 }
 
@@ -218,138 +265,216 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 
 // Blocks per SM the register budget is cut for: 5 at T = 1 (<= 48 registers, 40 warps per SM). The T-row
-// forms hold TOKENS chunks of x and TOKENS x slots sums per lane; these counts are the most blocks whose
-// register share holds them without spilling in the loop (ptxas -v, CUDA 13.0).
+// forms hold TOKENS chunks of x and their sums; these counts are the most blocks whose register share holds
+// them (with kTrip below) without spilling in the loop (ptxas -v, CUDA 13.0).
 template <Q8Act ACT, int TOKENS>
 constexpr int kMinBlocks = TOKENS == 1 ? 5
-                           : ACT == Q8Act::Int8 ? (TOKENS == 2 ? 4 : 3)
-                           : ACT == Q8Act::Int8x2 ? (TOKENS == 2 ? 3 : 2)
-                                                   : (TOKENS == 2 ? 4 : 2);
+                           : ACT == Q8Act::Int8 ? (TOKENS <= 4 ? 4 : 3)
+                           : ACT == Q8Act::Int8x2 ? (TOKENS <= 3 ? 3 : 2)
+                                                   : (TOKENS == 2 ? 4 : 3);
 
-// Warp w of block b owns weight row 8b + w, for TOKENS rows of x (t0 = TOKENS * blockIdx.y onwards).
+// Pieces whose loads a warp issues together: the config's trip at T = 1 and in the int lanes' T = 2 form;
+// else 1, which the weight prefetch of the T-row forms (below) makes 2 in flight. Two pieces of x for more
+// rows would cost blocks per SM. The order is PARTS', so this changes no bits.
+template <Q8Act ACT, int TOKENS, int TRIP>
+constexpr int kTrip = TOKENS == 1 || (TOKENS == 2 && ACT != Q8Act::F32) ? TRIP : 1;
+
+// Warp w of block b owns weight row b * kRowsPerBlock + w / kWarpsPerRow (its pieces w % kWarpsPerRow,
+// + kWarpsPerRow, ..), for TOKENS rows of x (t0 = TOKENS * blockIdx.y onwards).
 template <Q8Act ACT, int TOKENS, int TRIP, int PARTS>
 __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv_kernel(const Q8GemvArgs a) {
-  // Pieces are consumed in steps of kStep, in which piece p0 + u belongs to part u % PARTS (p0 a multiple of
-  // kStep): the part, and so the slot, is known at compile time.
-  constexpr int kStep = TRIP > PARTS ? TRIP : PARTS;
-  static_assert(kStep % TRIP == 0 && kStep % PARTS == 0, "TRIP and PARTS must be powers of two");
-  constexpr int kSlot = kSlots<ACT, PARTS>;
+  constexpr bool kByParity = kRowsByParity<ACT, TOKENS>;
+  constexpr int kRows = kOwnRows<ACT, TOKENS>;
+  constexpr int kSplit = kWarpsPerRow<ACT, TOKENS, PARTS>;
+  constexpr int kWarpParts = PARTS / kSplit;
+  constexpr int kPart = kLaneParts<ACT, TOKENS, PARTS>;
+  constexpr int kLoadTrip = kTrip<ACT, TOKENS, TRIP>;
+  constexpr bool kPrefetch = TOKENS >= 2;
+  // A warp consumes its pieces in steps of kStep, in which its piece i0 + u belongs to its part u % kWarpParts
+  // (i0 a multiple of kStep): the part, and so the slot, is known at compile time.
+  constexpr int kStep = kLoadTrip > kWarpParts ? kLoadTrip : kWarpParts;
+  static_assert(kStep % kLoadTrip == 0 && kStep % kWarpParts == 0 && kWarps % kSplit == 0,
+                "TRIP and PARTS must be powers of two, PARTS at most kWarps");
   pdl_allow_successor();
 
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int parity = ACT == Q8Act::F32 ? 0 : lane & 1;
-  const int row_id = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int row_id = blockIdx.x * (kWarps / kSplit) + warp / kSplit;
   const size_t row = static_cast<size_t>(row_id < a.N ? row_id : a.N - 1);
+  const int first = warp % kSplit;  // the warp's first piece, and its part when the row has several warps
   const int t0 = blockIdx.y * TOKENS;
   const int chunks = a.K >> 4;            // 16-byte chunks per row
   const int pieces = (chunks + 31) >> 5;  // 512-byte pieces per row; the last may be partial
-  const int whole_steps_end = ((chunks >> 5) / kStep) * kStep;  // pieces [0, this) come in whole steps
+  // The warp's pieces are first + kSplit * i, i < own_pieces; for i < whole_rounds they are whole in every
+  // warp of the row (a count the compiler sees is warp-uniform, so the loop's shuffles need no divergence
+  // check), and the tail below has at most one more each.
+  const int own_pieces = (pieces - first + kSplit - 1) / kSplit;
+  const int whole_rounds = (chunks >> 5) / kSplit;
+  const int whole_steps_end = (whole_rounds / kStep) * kStep;  // own pieces [0, this) come in whole steps
 
+  // Rows past T (and an odd TOKENS' missing row of the last pair) are read from row T - 1 and not stored.
+  auto x_row = [&](int t) { return static_cast<size_t>(t0 + t < a.T ? t0 + t : a.T - 1); };
   WCursor wc{a.weight_q + row * a.K + lane * 16, a.weight_d + row * (a.K >> 5) + (lane >> 1)};
-  XCursor<ACT> xc[TOKENS];
+  XRows<ACT, TOKENS> xc;
 #pragma unroll
   for (int t = 0; t < TOKENS; ++t) {
-    const size_t tok = static_cast<size_t>(t0 + t < a.T ? t0 + t : a.T - 1);  // rows past T: recomputed, not stored
     if constexpr (ACT == Q8Act::F32) {
-      xc[t].q = reinterpret_cast<const int4*>(static_cast<const float*>(a.x) + tok * a.x_stride) + lane * 4;
+      xc.q[t] = reinterpret_cast<const int4*>(static_cast<const float*>(a.x) + x_row(t) * a.x_stride) + lane * 4;
     } else {
-      xc[t].q = reinterpret_cast<const int4*>(static_cast<const int8_t*>(a.x) + tok * a.x_stride) + lane;
-      xc[t].d = a.x_d + tok * a.x_d_stride + (lane >> 1);
-      if constexpr (ACT == Q8Act::Int8x2) xc[t].lo = reinterpret_cast<const int4*>(a.x_lo + tok * a.x_lo_stride) + lane;
+      xc.q[t] = reinterpret_cast<const int4*>(static_cast<const int8_t*>(a.x) + x_row(t) * a.x_stride) + lane;
+      if constexpr (ACT == Q8Act::Int8x2) {
+        xc.lo[t] = reinterpret_cast<const int4*>(a.x_lo + x_row(t) * a.x_lo_stride) + lane;
+      }
     }
   }
+  if constexpr (ACT != Q8Act::F32) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      xc.d[r] = a.x_d + x_row(kByParity ? 2 * r + parity : r) * a.x_d_stride + (lane >> 1);
+    }
+  }
+  wc.advance(first);
+  xc.advance(first);
 
-  Acc<ACT> acc[kSlot][TOKENS];
+  Acc<ACT> acc[kPart][kRows];
 #pragma unroll
-  for (int i = 0; i < kSlot; ++i)
+  for (int i = 0; i < kPart; ++i)
 #pragma unroll
-    for (int t = 0; t < TOKENS; ++t) acc[i][t] = Acc<ACT>(0);
-  // Adds piece u of a step (part u % PARTS) for every row of x.
-  auto add_piece = [&](int u, int4 w, float wd, const XChunk<ACT>(&x)[TOKENS]) {
-    const int part = u % PARTS;
-    const bool adds = ACT == Q8Act::F32 || part / kSlot == parity;
+    for (int r = 0; r < kRows; ++r) acc[i][r] = Acc<ACT>(0);
+  // Adds own piece u of a step (part u % kWarpParts) for every row of x. The int lanes shuffle (all 32 lanes
+  // are here).
+  auto add_piece = [&](int u, int4 w, float wd, const XPiece<ACT, TOKENS>& x) {
+    const int part = u % kWarpParts;
+    if constexpr (ACT == Q8Act::F32) {
 #pragma unroll
-    for (int t = 0; t < TOKENS; ++t) accumulate<ACT>(acc[part % kSlot][t], w, wd, x[t], adds);
-  };
-
-  int4 w[TRIP];
-  float wd[TRIP];
-  auto load_weights = [&](int s) {
+      for (int t = 0; t < TOKENS; ++t) acc[part][t] = fmaf(dot16_f32(w, x.v[t]), wd, acc[part][t]);
+    } else if constexpr (!kByParity) {
+      int s = half_dot<ACT>(w, x, 0);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      acc[part % kPart][0] = add_block<ACT>(acc[part % kPart][0], s, wd, part / kPart == parity ? x.d[0] : 0.f);
+    } else {
 #pragma unroll
-    for (int u = 0; u < TRIP; ++u) {
-      w[u] = wc.quants(s + u);
-      wd[u] = wc.scale(s + u);
+      for (int r = 0; r < kRows; ++r) {
+        const int even = half_dot<ACT>(w, x, 2 * r);
+        const int odd = 2 * r + 1 < TOKENS ? half_dot<ACT>(w, x, 2 * r + 1) : even;
+        const int s = (parity ? odd : even) + __shfl_xor_sync(0xffffffffu, parity ? even : odd, 1);
+        acc[part][r] = add_block<ACT>(acc[part][r], s, wd, x.d[r]);
+      }
     }
   };
-  // One step of whole pieces from the cursors' place; its first trip's weights are already in w, wd when
-  // `first_loaded` (a constant at each call, so no branch is left between a trip's loads).
-  auto step = [&](bool first_loaded) {
+
+  int4 w[kLoadTrip];
+  float wd[kLoadTrip];
+  auto load_weights = [&](int s, int4 (&wq)[kLoadTrip], float (&ws)[kLoadTrip]) {
 #pragma unroll
-    for (int s = 0; s < kStep; s += TRIP) {
-      if (!(first_loaded && s == 0)) load_weights(s);
-      XChunk<ACT> x[TRIP][TOKENS];
-#pragma unroll
-      for (int u = 0; u < TRIP; ++u)
-#pragma unroll
-        for (int t = 0; t < TOKENS; ++t) x[u][t] = xc[t].at(s + u);
-#pragma unroll
-      for (int u = 0; u < TRIP; ++u) add_piece(s + u, w[u], wd[u], x[u]);
+    for (int u = 0; u < kLoadTrip; ++u) {
+      wq[u] = wc.quants((s + u) * kSplit);
+      ws[u] = wc.scale((s + u) * kSplit);
     }
-    wc.advance(kStep);
+  };
+  // One step of whole pieces from the cursors' place (`last`: the warp's last whole step). T = 1 loads a trip's
+  // weights with its activations (its first trip's are already in w, wd when `first_loaded`; both flags are
+  // constants or uniform, so no branch is left between a trip's loads). The T-row forms hold fewer pieces of
+  // x at a time, so they keep weights in flight otherwise: the next trip's weights are loaded before this
+  // trip's math (after the warp's last whole step, this trip's again: a branch-free no-op).
+  auto step = [&](bool first_loaded, bool last) {
 #pragma unroll
-    for (int t = 0; t < TOKENS; ++t) xc[t].advance(kStep);
+    for (int s = 0; s < kStep; s += kLoadTrip) {
+      if (!kPrefetch && !(first_loaded && s == 0)) load_weights(s, w, wd);
+      XPiece<ACT, TOKENS> x[kLoadTrip];
+#pragma unroll
+      for (int u = 0; u < kLoadTrip; ++u) x[u] = xc.at((s + u) * kSplit);
+      int4 w_next[kLoadTrip];
+      float wd_next[kLoadTrip];
+      if (kPrefetch) load_weights(s + kLoadTrip < kStep || !last ? s + kLoadTrip : s, w_next, wd_next);
+#pragma unroll
+      for (int u = 0; u < kLoadTrip; ++u) add_piece(s + u, w[u], wd[u], x[u]);
+      if (kPrefetch) {
+#pragma unroll
+        for (int u = 0; u < kLoadTrip; ++u) {
+          w[u] = w_next[u];
+          wd[u] = wd_next[u];
+        }
+      }
+    }
+    wc.advance(kStep * kSplit);
+    xc.advance(kStep * kSplit);
   };
 
   // PDL wait: before it, only the first trip's weights and scales (constants) are loaded; x, x_d and out
   // may belong to the predecessor.
-  if (whole_steps_end > 0) load_weights(0);
+  if (whole_steps_end > 0) load_weights(0, w, wd);
   pdl_wait_for_predecessor();
-  if (whole_steps_end > 0) step(true);
-  for (int p0 = kStep; p0 < whole_steps_end; p0 += kStep) step(false);
+  if (whole_steps_end > 0) step(true, whole_steps_end == kStep);
+  for (int i0 = kStep; i0 < whole_steps_end; i0 += kStep) step(false, i0 + kStep == whole_steps_end);
 
   // The tail: fewer than kStep whole pieces and the partial last piece, one piece at a time; lanes past the
   // row's end load nothing and add zero.
 #pragma unroll
   for (int u = 0; u < kStep; ++u) {
-    if (whole_steps_end + u < pieces) {  // warp-uniform
+    if (whole_steps_end + u < own_pieces) {  // warp-uniform
       int4 wt = make_int4(0, 0, 0, 0);
       float wdt = 0.f;
-      XChunk<ACT> xt[TOKENS];
-#pragma unroll
-      for (int t = 0; t < TOKENS; ++t) xt[t] = zero_x<ACT>();
-      if ((whole_steps_end + u) * 32 + lane < chunks) {
-        wt = wc.quants(u);
-        wdt = wc.scale(u);
-#pragma unroll
-        for (int t = 0; t < TOKENS; ++t) xt[t] = xc[t].at(u);
+      XPiece<ACT, TOKENS> xt = {};
+      if ((first + kSplit * (whole_steps_end + u)) * 32 + lane < chunks) {
+        wt = wc.quants(u * kSplit);
+        wdt = wc.scale(u * kSplit);
+        xt = xc.at(u * kSplit);
       }
       add_piece(u, wt, wdt, xt);
     }
   }
 
-  // Each slot's lane sums by an xor butterfly (every lane of a parity ends with the same total; the int
-  // lanes keep the two parities apart), then the parts in order.
+  // The warp's total for row-slot r: each part's sums by an xor butterfly over the lanes that hold them (every
+  // lane of a parity ends with the same total; the int lanes keep the two parities apart), then the parts in
+  // order (at T = 1 the odd lanes' parts are fetched from the odd partner).
+  auto warp_total = [&](int r) {
+    Acc<ACT> part[kWarpParts];
 #pragma unroll
-  for (int t = 0; t < TOKENS; ++t) {
-    Acc<ACT> part[PARTS];
-#pragma unroll
-    for (int i = 0; i < kSlot; ++i) {
-      Acc<ACT> v = acc[i][t];
+    for (int i = 0; i < kPart; ++i) {
+      Acc<ACT> v = acc[i][r];
 #pragma unroll
       for (int o = 16; o >= (ACT == Q8Act::F32 ? 1 : 2); o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      part[i] = v;  // lane 0's parity: part i
-      if (kSlot < PARTS) part[kSlot + i] = __shfl_xor_sync(0xffffffffu, v, 1);  // the odd lanes' part
+      part[i] = v;
+      if (kPart < kWarpParts) part[kPart + i] = __shfl_xor_sync(0xffffffffu, v, 1);
     }
     Acc<ACT> v = part[0];
 #pragma unroll
-    for (int q = 1; q < PARTS; ++q) v += part[q];
-    float y;
-    if constexpr (ACT == Q8Act::Int8x2) {
-      y = static_cast<float>(v / 127.0);
-    } else {
-      y = static_cast<float>(v);
+    for (int q = 1; q < kWarpParts; ++q) v += part[q];
+    return v;
+  };
+  auto store = [&](int t, Acc<ACT> v) {
+    if (t < TOKENS && row_id < a.N && t0 + t < a.T) {
+      a.out[static_cast<size_t>(t0 + t) * a.out_stride + row] =
+          ACT == Q8Act::Int8x2 ? static_cast<float>(v / 127.0) : static_cast<float>(v);
     }
-    if (lane == 2 * t && row_id < a.N && t0 + t < a.T) a.out[static_cast<size_t>(t0 + t) * a.out_stride + row] = y;
+  };
+  // Row t is stored by a lane that holds its total: lane t when the pair splits rows, else lane 2t (even: at
+  // T = 1 the even lanes hold the sum of all parts). With several warps a row, the warps' sums (each a part)
+  // meet in shared memory and the row's first warp adds them in order.
+  if constexpr (kSplit == 1) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int t = kByParity ? 2 * r + parity : r;
+      const Acc<ACT> v = warp_total(r);
+      if (lane == (kByParity ? t : 2 * t)) store(t, v);
+    }
+  } else {
+    __shared__ Acc<ACT> warp_sums[kWarps][TOKENS];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int t = 2 * r + parity;
+      const Acc<ACT> v = warp_total(r);
+      if (lane == t && t < TOKENS) warp_sums[warp][t] = v;
+    }
+    __syncthreads();
+    if (first == 0 && lane < TOKENS) {
+      Acc<ACT> v = warp_sums[warp][lane];
+#pragma unroll
+      for (int q = 1; q < kSplit; ++q) v += warp_sums[warp + q][lane];
+      store(lane, v);
+    }
   }
 }
 
@@ -357,7 +482,8 @@ template <Q8Act ACT, int TOKENS, int TRIP, int PARTS>
 cudaError_t launch(const Q8GemvArgs& a, bool pdl, cudaStream_t stream) {
   const unsigned grid_y = static_cast<unsigned>((a.T + TOKENS - 1) / TOKENS);
   if (grid_y > 65535u) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>((a.N + kWarps - 1) / kWarps), grid_y);
+  constexpr int kRowsPerBlock = kWarps / kWarpsPerRow<ACT, TOKENS, PARTS>;
+  const dim3 grid(static_cast<unsigned>((a.N + kRowsPerBlock - 1) / kRowsPerBlock), grid_y);
   return launch_maybe_pdl(q8_0_gemv_kernel<ACT, TOKENS, TRIP, PARTS>, grid, dim3(kThreads), 0, stream, pdl, a);
 }
 
@@ -370,13 +496,24 @@ cudaError_t launch_config(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaS
   return cudaErrorInvalidValue;
 }
 
-// T >= 2 (a verify batch, a short prompt): 2 or 4 rows of x share each weight load, with the T = 1 config
-// (its PARTS, so every row gets the T = 1 bits).
+// The most rows of x one pass shares each weight load among (the f32 lane's 64-byte chunks fill the registers
+// at 4 rows); T above it runs in ceil(T / kMaxTokens) passes of equal rows (blockIdx.y).
+template <Q8Act ACT>
+constexpr int kMaxTokens = ACT == Q8Act::F32 ? 4 : 8;
+
+// The instance for `tokens` rows of x a pass, with the config's PARTS (so every row gets the T = 1 bits).
+template <Q8Act ACT, int TOKENS = 1>
+cudaError_t launch_tokens(int tokens, const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
+  if constexpr (TOKENS < kMaxTokens<ACT>) {
+    if (tokens > TOKENS) return launch_tokens<ACT, TOKENS + 1>(tokens, a, cfg, pdl, stream);
+  }
+  return launch_config<ACT, TOKENS>(a, cfg, pdl, stream);
+}
+
 template <Q8Act ACT>
 cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
-  if (a.T == 1) return launch_config<ACT, 1>(a, cfg, pdl, stream);
-  if (a.T == 2) return launch_config<ACT, 2>(a, cfg, pdl, stream);
-  return launch_config<ACT, 4>(a, cfg, pdl, stream);
+  const int passes = (a.T + kMaxTokens<ACT> - 1) / kMaxTokens<ACT>;
+  return launch_tokens<ACT>((a.T + passes - 1) / passes, a, cfg, pdl, stream);
 }
 
 }  // namespace

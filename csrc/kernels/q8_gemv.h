@@ -38,7 +38,8 @@ struct Q8GemvConfig {
 };
 
 // The configs that are compiled; any other is refused with cudaErrorInvalidValue. T > 1 runs the same config
-// with 2 (T = 2) or 4 (T > 2) rows of x per pass, each weight load shared by them.
+// with all T rows of x in one pass, each weight load shared by them (up to 8 rows in the int lanes, 4 in f32;
+// more T in equal passes).
 #define QWEN38_Q8_GEMV_CONFIGS(X) X(2, 1) X(2, 4) X(1, 1) X(1, 4)
 
 // The config the bindings use for a shape unless QWEN38_Q8_GEMV_CONFIG overrides it.
