@@ -1,8 +1,9 @@
-"""Q8_0 GEMV at the 27B decode shapes: every activation lane at T = 1, 2, 4, 8; PDL off and every compiled config.
+"""Q8_0 GEMV at the 27B decode shapes: every activation lane at T = 1, 2, 3, 4, 5, 8; PDL off and every compiled config.
 
     python3 -m benchmarks.ops.bench_q8_gemv --json PATH [--no-sweep]
 
-Per (shape, lane, T): time per launch inside one captured CUDA graph of many launches (as decode runs it),
+Per (shape, lane, T): time per launch inside one captured CUDA graph of many launches (as decode runs it;
+T > 1 is the speculative verify's k + 1 rows: x_T1 near 1 means the T rows cost one weight pass),
 weights rotated over >= 1 GiB of distinct sets per shape (a set comes round again only after 17x the 60 MB
 L2 has streamed past: no launch finds its weights in L2), the achieved GB/s of weight + scale bytes, its
 % of the streaming-read probe measured in the same process, the time over the same lane's T = 1 time, and
@@ -45,7 +46,7 @@ SHAPES_27B = [  # [N, K] and what they are in the 27B model
 # trip,parts: the configs compiled in csrc/kernels/q8_gemv.h (QWEN38_Q8_GEMV_CONFIGS)
 CONFIGS = ["2,1", "2,4", "1,1", "1,4"]
 LANES = ["int8", "int8x2", "f32"]
-ROWS = (1, 2, 4, 8)
+ROWS = (1, 2, 3, 4, 5, 8)
 ROTATION_BYTES = 1 << 30
 MIN_GRAPH_SECONDS = 2e-3
 _REPO = pathlib.Path(__file__).resolve().parents[2]

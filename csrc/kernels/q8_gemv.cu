@@ -154,7 +154,8 @@ constexpr int kWarpsPerRow = kRowsByParity<ACT, TOKENS> ? PARTS : 1;
 // The partial sums a lane holds per row it owns: half of the parts at T = 1 in the int lanes, else all the
 // parts of its warp.
 template <Q8Act ACT, int TOKENS, int PARTS>
-constexpr int kLaneParts = ACT != Q8Act::F32 && TOKENS == 1 ? (PARTS + 1) / 2 : PARTS / kWarpsPerRow<ACT, TOKENS, PARTS>;
+constexpr int kLaneParts =
+    ACT != Q8Act::F32 && TOKENS == 1 ? (PARTS + 1) / 2 : PARTS / kWarpsPerRow<ACT, TOKENS, PARTS>;
 
 // What a lane holds of TOKENS rows of x for one piece: chunk c (16 activations, half of block c / 2) of every
 // row, and (int lanes) the scale of that block in the rows it owns.

@@ -7,9 +7,10 @@ against the reference in float64 on the CPU, on random inputs, outputs poisoned 
 (K % 512 != 0, K = 32, N not a multiple of anything) and at the six 27B shapes, for every compiled config
 (each in its own process: the config is read once per process); the int8 lane bit for bit equal to its
 emulation (the summation order the previous kernel fixed, so the same bits as before the rebuild); each row
-of a T-row call (T = 2..7) bit for bit a T = 1 call on that row, every lane; two runs give the same bits; a
-captured graph replays bit for bit like eager, with PDL on and with PDL off (each in its own process), and
-both settings give the same bits; bad arguments raise.
+of a T-row call (T = 2..8: one pass each, the lanes of a pair splitting the rows, the 5120-row shapes' parts
+split over warps; T = 9: two passes of 5) bit for bit a T = 1 call on that row, every lane; two runs
+give the same bits; a captured graph replays bit for bit like eager, with PDL on and with PDL off (each in
+its own process), and both settings give the same bits; bad arguments raise.
 
 Error bound (all lanes): |y - y_ref| <= 1e-5 * sum_k |w_k x_k| (+1e-30). The kernel's float32 sum has at most
 ~60 roundings on any path (16 in a lane's 16-weight dot or exact int32 block sums, one per 512-weight piece
@@ -236,7 +237,7 @@ def sample_rows(N, count=4096, seed=0):
 @needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("N,K", ODD_SHAPES)
-@pytest.mark.parametrize("T", [1, 2, 5])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 9])  # 9: two passes of 5 rows (f32: three of 3)
 def test_cuda_odd_shapes(lane, N, K, T):
     assert_cuda_kernels()
     weight_q, weight_d = make_weights(N, K, device="cuda", seed=N + K)
@@ -279,17 +280,17 @@ def assert_int8_emulated(act, weights, out, parts, rows=None):
 
 def check_every_lane_with_env_config():
     """Run in a child with QWEN38_Q8_GEMV_CONFIG="trip,parts": every lane at tails and narrow N, for T = 1,
-    2 and 5, against the reference; each row of T-row calls bitwise a T = 1 call, and the int8 lane bitwise
-    its emulation with the config's parts. Then the variable changes to a config that is not compiled and a
-    call still runs: the config was read once."""
+    2, 3, 5 and 8, against the reference; each row of T-row calls (T = 2..8) bitwise a T = 1 call, and the
+    int8 lane bitwise its emulation with the config's parts. Then the variable changes to a config that is not
+    compiled and a call still runs: the config was read once."""
     import os
 
     parts = int(os.environ["QWEN38_Q8_GEMV_CONFIG"].split(",")[1])
     for lane in LANES:
         for N, K in [(1, 32), (37, 160), (130, 1056), (11, 5120), (3, 17408), (9, 6176)]:
             weights = make_weights(N, K, device="cuda", seed=N)
-            act = make_activation(lane, 5, K, device="cuda", seed=K)
-            for T in (1, 2, 5):
+            act = make_activation(lane, 8, K, device="cuda", seed=K)
+            for T in (1, 2, 3, 5, 8):
                 check_against_reference(lane, first_rows(act, T), *weights,
                                         run_cuda(lane, first_rows(act, T), *weights))
             weights, act, singles = rows_and_singles(lane, weights, act)
@@ -344,13 +345,14 @@ def test_cuda_27b_shapes(lane, N, K):
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("N,K", SHAPES_27B + ODD_SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES_27B + ODD_SHAPES])
 def test_cuda_rows_bitwise_as_one_row_calls(lane, N, K):
-    """Speculative decoding's verify relies on it: row t of a T-row call (T = 2..7, the paths that share each
-    weight load among 2 or 4 rows) is bit for bit a T = 1 call on row t alone, every lane, every output, on
-    data whose last bits depend on the summation order. The int8 lane's bits are its emulation
-    (int8_kernel_sum: the previous kernel's order, so the bits from before the rebuild; on 4096 sampled
-    rows of the wide shapes)."""
+    """Speculative decoding's verify relies on it: row t of a T-row call (T = 2..8, each one pass sharing
+    every weight load among its T rows, in the int lanes with the rows split over the lanes of a pair and,
+    on N <= 8192, the parts over 4 warps; T = 9, two passes of 5 rows) is bit for bit a T = 1 call on row t
+    alone, every lane, every output, on data whose last bits depend on the summation order. The int8 lane's
+    bits are its emulation (int8_kernel_sum: the previous kernel's order, so the bits from before the
+    rebuild; on 4096 sampled rows of the wide shapes)."""
     weights = make_weights(N, K, device="cuda", seed=N + K)
-    act = make_activation(lane, 7, K, device="cuda", seed=K)
+    act = make_activation(lane, 9, K, device="cuda", seed=K)
     weights, act, singles = rows_and_singles(lane, weights, act)
     if lane == "int8":
         assert_int8_emulated(act, weights, singles, default_parts(lane, N), sample_rows(N))
@@ -360,11 +362,11 @@ def test_cuda_rows_bitwise_as_one_row_calls(lane, N, K):
 @needs_gpu
 @pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
 def test_cuda_int8_bits_on_random_data(N, K):
-    """The int8 lane on the random data of the other tests (no huge blocks), T = 1 and 3: bit for bit its
+    """The int8 lane on the random data of the other tests (no huge blocks), T = 1, 3 and 8: bit for bit its
     emulation, so bit for bit what the previous kernel gave."""
     weights = make_weights(N, K, device="cuda", seed=11)
-    act = make_activation("int8", 3, K, device="cuda", seed=12)
-    for T in (1, 3):
+    act = make_activation("int8", 8, K, device="cuda", seed=12)
+    for T in (1, 3, 8):
         out = run_cuda("int8", first_rows(act, T), *weights)
         assert_int8_emulated(first_rows(act, T), weights, out, default_parts("int8", N), sample_rows(N))
 
@@ -385,7 +387,7 @@ def test_cuda_strided_activation_rows(lane):
 
 
 def check_graph_replay_bitwise():
-    """Run in a child with QWEN38_PDL set: per lane, T = 1 and T = 3, a GEMV whose output the next GEMV
+    """Run in a child with QWEN38_PDL set: per lane, T = 1, 3 and 7, a GEMV whose output the next GEMV
     reads (with PDL the second must wait for it), twice eagerly and once from a captured graph, outputs
     poisoned between runs: the same bits every time, within the bound of the reference. The outputs go to
     the safetensors file $QWEN38_TEST_OUT for the parent to compare across PDL settings."""
@@ -398,7 +400,7 @@ def check_graph_replay_bitwise():
     w2 = make_weights(N, K, device="cuda", seed=2)
     results = {}
     for lane in LANES:
-        for T in (1, 3):
+        for T in (1, 3, 7):
             act = make_activation(lane, T, K, device="cuda", seed=3)
             mid = torch.empty(T, K, device="cuda")
             out = torch.empty(T, N, device="cuda")
