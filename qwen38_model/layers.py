@@ -20,10 +20,11 @@ LANES = ("f32", "int8", "int8x2")
 ops = torch.ops.qwen38
 
 # From this many rows a Q8_0 projection runs as a GEMM instead of the GEMV (which shares each weight load
-# among 2 or 4 rows): the int lanes on int8 tensor cores (q8_0_gemm_*), the f32 lane as dequantize-then-
-# cuBLAS float32 (exact, the lane's contract). Measured on the H200 over all trunk matrices
-# (benchmarks/ops/bench_q8_gemm.py, a208644): int8 GEMV 14.3 ms at T = 4 and 25.2 at T = 8, GEMM 22.8 and
-# 23.1; f32 GEMV 177 ms at T = 32 and 350 at T = 64, dequantize + cuBLAS 240 and 247.
+# among its rows, up to 8 in one pass in the int lanes): the int lanes on int8 tensor cores (q8_0_gemm_*),
+# the f32 lane as dequantize-then-cuBLAS float32 (exact, the lane's contract). Measured on the H200 over all
+# trunk matrices (benchmarks/ops/bench_q8_gemm.py, a208644, the GEMV's earlier 2-or-4-row form): int8 GEMV
+# 14.3 ms at T = 4 and 25.2 at T = 8, GEMM 22.8 and 23.1; f32 GEMV 177 ms at T = 32 and 350 at T = 64,
+# dequantize + cuBLAS 240 and 247.
 INT_GEMM_MIN_ROWS = 8
 F32_GEMM_MIN_ROWS = 48
 # The f32 lane dequantizes this many weight rows at a time (bounded scratch: 8192 x 17408 floats = 570 MB).
