@@ -274,7 +274,7 @@ constexpr int kMinBlocks = TOKENS == 1 ? 5
                            : ACT == Q8Act::Int8x2 ? (TOKENS <= 3 ? 3 : 2)
                                                    : (TOKENS == 2 ? 4 : 3);
 
-// Pieces whose loads a warp issues together: the config's trip at T = 1 and in the int lanes' T = 2 form;
+// The trip a config runs with (the kernel's TRIP): the config's at T = 1 and in the int lanes' T = 2 form;
 // else 1, which the weight prefetch of the T-row forms (below) makes 2 in flight. Two pieces of x for more
 // rows would cost blocks per SM. The order is PARTS', so this changes no bits.
 template <Q8Act ACT, int TOKENS, int TRIP>
@@ -289,12 +289,11 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
   constexpr int kSplit = kWarpsPerRow<ACT, TOKENS, PARTS>;
   constexpr int kWarpParts = PARTS / kSplit;
   constexpr int kPart = kLaneParts<ACT, TOKENS, PARTS>;
-  constexpr int kLoadTrip = kTrip<ACT, TOKENS, TRIP>;
   constexpr bool kPrefetch = TOKENS >= 2;
   // A warp consumes its pieces in steps of kStep, in which its piece i0 + u belongs to its part u % kWarpParts
   // (i0 a multiple of kStep): the part, and so the slot, is known at compile time.
-  constexpr int kStep = kLoadTrip > kWarpParts ? kLoadTrip : kWarpParts;
-  static_assert(kStep % kLoadTrip == 0 && kStep % kWarpParts == 0 && kWarps % kSplit == 0,
+  constexpr int kStep = TRIP > kWarpParts ? TRIP : kWarpParts;
+  static_assert(kStep % TRIP == 0 && kStep % kWarpParts == 0 && kWarps % kSplit == 0,
                 "TRIP and PARTS must be powers of two, PARTS at most kWarps");
   pdl_allow_successor();
 
@@ -365,11 +364,11 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
     }
   };
 
-  int4 w[kLoadTrip];
-  float wd[kLoadTrip];
-  auto load_weights = [&](int s, int4 (&wq)[kLoadTrip], float (&ws)[kLoadTrip]) {
+  int4 w[TRIP];
+  float wd[TRIP];
+  auto load_weights = [&](int s, int4 (&wq)[TRIP], float (&ws)[TRIP]) {
 #pragma unroll
-    for (int u = 0; u < kLoadTrip; ++u) {
+    for (int u = 0; u < TRIP; ++u) {
       wq[u] = wc.quants((s + u) * kSplit);
       ws[u] = wc.scale((s + u) * kSplit);
     }
@@ -381,19 +380,19 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
   // trip's math (after the warp's last whole step, this trip's again: a branch-free no-op).
   auto step = [&](bool first_loaded, bool last) {
 #pragma unroll
-    for (int s = 0; s < kStep; s += kLoadTrip) {
+    for (int s = 0; s < kStep; s += TRIP) {
       if (!kPrefetch && !(first_loaded && s == 0)) load_weights(s, w, wd);
-      XPiece<ACT, TOKENS> x[kLoadTrip];
+      XPiece<ACT, TOKENS> x[TRIP];
 #pragma unroll
-      for (int u = 0; u < kLoadTrip; ++u) x[u] = xc.at((s + u) * kSplit);
-      int4 w_next[kLoadTrip];
-      float wd_next[kLoadTrip];
-      if (kPrefetch) load_weights(s + kLoadTrip < kStep || !last ? s + kLoadTrip : s, w_next, wd_next);
+      for (int u = 0; u < TRIP; ++u) x[u] = xc.at((s + u) * kSplit);
+      int4 w_next[TRIP];
+      float wd_next[TRIP];
+      if (kPrefetch) load_weights(s + TRIP < kStep || !last ? s + TRIP : s, w_next, wd_next);
 #pragma unroll
-      for (int u = 0; u < kLoadTrip; ++u) add_piece(s + u, w[u], wd[u], x[u]);
+      for (int u = 0; u < TRIP; ++u) add_piece(s + u, w[u], wd[u], x[u]);
       if (kPrefetch) {
 #pragma unroll
-        for (int u = 0; u < kLoadTrip; ++u) {
+        for (int u = 0; u < TRIP; ++u) {
           w[u] = w_next[u];
           wd[u] = wd_next[u];
         }
@@ -491,7 +490,9 @@ cudaError_t launch(const Q8GemvArgs& a, bool pdl, cudaStream_t stream) {
 template <Q8Act ACT, int TOKENS>
 cudaError_t launch_config(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
 #define QWEN38_Q8_GEMV_DISPATCH(TRIP, PARTS) \
-  if (cfg.trip == TRIP && cfg.parts == PARTS) return launch<ACT, TOKENS, TRIP, PARTS>(a, pdl, stream);
+  if (cfg.trip == TRIP && cfg.parts == PARTS) {                                  \
+    return launch<ACT, TOKENS, kTrip<ACT, TOKENS, TRIP>, PARTS>(a, pdl, stream); \
+  }
   QWEN38_Q8_GEMV_CONFIGS(QWEN38_Q8_GEMV_DISPATCH)
 #undef QWEN38_Q8_GEMV_DISPATCH
   return cudaErrorInvalidValue;

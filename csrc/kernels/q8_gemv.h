@@ -29,10 +29,12 @@ struct Q8GemvArgs {
 
 // How a launch maps the work (template instantiations of one kernel; see q8_gemv.cu). One warp owns one
 // weight row for the whole K range, in 512-byte pieces (one 16-byte load per lane):
-//   trip   pieces whose loads (weights, scales, activations) a warp issues together before any math
+//   trip   pieces whose loads (weights, scales, activations) a warp issues together before any math (the
+//          T-row forms from 3 rows, 2 in f32, use 1 and load the next piece's weights ahead instead)
 //   parts  the summation order: piece p adds into partial sum p % parts, and the parts are added in order
 //          at the end. It decides the last bits of the result, and a T-row call uses the T = 1 config: each
-//          row of it is bitwise the T = 1 call on that row.
+//          row of it is bitwise the T = 1 call on that row (the int lanes' T-row forms give each part of a
+//          row its own warp, and add the parts in the same order).
 struct Q8GemvConfig {
   int trip = 2, parts = 1;
 };
