@@ -39,10 +39,10 @@ READ_BEHIND = 4  # steps in flight before the host waits for the oldest one's to
 # The adaptive draft length (host side, from what is read back): expected tokens per step over the step's
 # time. Step times are measured as the run goes (CUDA events between consecutive replays); until a draft
 # count has been timed, its time is this prior, in units of a k = 0 step, scaled by the steps timed so far.
-# The prior is the H200 at the 27B shape (benchmarks/speculative.py, 53d7b91): a verify of T rows costs
+# The prior is the H200 at the 27B shape (benchmarks/speculative.py, 90fbad6): a verify of T rows costs
 # VERIFY_COST[T - 1] plain passes, a draft step DRAFT_COST (the 248320-row head dominates it).
-VERIFY_COST = (1.0, 1.16, 1.44, 1.46, 2.63, 2.64, 2.7)
-DRAFT_COST = 0.055
+VERIFY_COST = (1.0, 1.14, 1.33, 1.41, 1.77, 1.87, 2.14)
+DRAFT_COST = 0.056
 PROBE_EVERY = 8  # at k = 0 nothing is drafted, so every PROBE_EVERY-th step drafts one token to keep measuring
 DECAY = 0.9  # weight of the past in the running acceptance and step-time estimates
 

@@ -149,10 +149,9 @@ def test_draft_count_policy():
     assert best_draft_count(0.0, cost) == 0  # nothing accepted: plain steps (+ the cheap MTP pass)
     assert best_draft_count(1.0, cost) == 4
     assert 0 < best_draft_count(0.5, cost) < 4
-    prior = [prior_step_cost(k) for k in range(7)]
-    assert best_draft_count(1.0, prior) == 3  # the measured verify of 5+ rows reads the weights twice
     policy = DraftPolicy(4, adaptive=True)
-    assert policy.next_k() == 3  # optimistic start: the best k for full acceptance at the prior costs
+    # Optimistic start: the best k for full acceptance at the prior's costs.
+    assert policy.next_k() == best_draft_count(1.0, [prior_step_cost(k) for k in range(5)])
     for _ in range(30):
         policy.record(4, 0, 0.02)
     ks = [policy.next_k() for _ in range(16)]
