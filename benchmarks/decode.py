@@ -97,15 +97,20 @@ def bytes_per_token(model: Qwen38ForCausalLM, context: int, kv_bytes: int) -> di
                 total=matrices + embed_row + small + state + conv + kv)
 
 
-def fill_state(engine: DecodeEngine, context: int) -> None:
-    """Caches and states as if `context` tokens had been processed (values random, finite)."""
-    for layer in engine.state.layers:
+def fill_caches(state, context: int) -> None:
+    """Caches (the MTP block's too) and GDN states as if `context` tokens had been processed (values random,
+    finite)."""
+    for layer in state.layers + ([state.mtp_cache] if state.mtp_cache is not None else []):
         if isinstance(layer, KVCache):
             layer.k[:context].normal_()
             layer.v[:context].normal_()
         else:
             layer.recurrent.normal_(0, 0.01)
             layer.conv.normal_()
+
+
+def fill_state(engine: DecodeEngine, context: int) -> None:
+    fill_caches(engine.state, context)
     engine.position.fill_(context)
     engine.token.fill_(1)
 

@@ -18,26 +18,14 @@ import time
 
 import torch
 
-from benchmarks.decode import build_model, kernel_split
+from benchmarks.decode import build_model, fill_caches, kernel_split
 from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, time_graph, write_json
 from qwen38_model.generation import DecodeEngine, StopCondition, run_generation
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.scratch import Scratch
 from qwen38_model.speculative import MAX_DRAFT_TOKENS, SpeculativeEngine, head_rows, run_speculative
-from qwen38_model.state import KVCache
 
 CONTEXT = 512  # the KV rows every timed pass attends over (a short chat's context)
-
-
-def fill_context(state, context: int) -> None:
-    """Caches as if `context` tokens had been processed (random, finite) and GDN states small."""
-    for layer in state.layers + [state.mtp_cache]:
-        if isinstance(layer, KVCache):
-            layer.k[:context].normal_()
-            layer.v[:context].normal_()
-        else:
-            layer.recurrent.normal_(0, 0.01)
-            layer.conv.normal_()
 
 
 def time_verify(model, state, rows: int) -> float:
@@ -122,7 +110,7 @@ def main(argv=None) -> dict:
 
     state = model.new_state(CONTEXT + 64, kv_dtype)
     state.keep_token_states(8)
-    fill_context(state, CONTEXT)
+    fill_caches(state, CONTEXT)
     verify_s = {rows: time_verify(model, state, rows) for rows in range(1, 9)}
     results["verify_ms"] = {rows: s * 1e3 for rows, s in verify_s.items()}
     results["verify_vs_t1"] = {rows: s / verify_s[1] for rows, s in verify_s.items()}

@@ -165,12 +165,7 @@ def run_generation(engine: DecodeEngine, history: torch.Tensor, cfg: SamplingCon
     but the last (undoing the read-ahead steps past a stop), so that it can be snapshotted and continued.
     snapshot_prompt: also return a snapshot of the state at the end of the history (else None is).
     prefill_progress: optional callable(tokens_done, tokens_total) called after each prompt chunk."""
-    if history.shape[0] + max_new_tokens > engine.max_seq_len:
-        raise ValueError(f"context overflow: {history.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
-                         f"max_seq_len {engine.max_seq_len}")
-    if start is not None and start.position >= history.shape[0]:
-        raise ValueError(f"the start snapshot holds {start.position} tokens: the history ({history.shape[0]}) must "
-                         "extend it by at least one token to prefill")
+    check_run(engine, history, max_new_tokens, start)
     stats = GenerationStats(prompt_tokens=history.shape[0] - (start.position if start else 0), graph=engine.use_graph)
     if engine.use_graph:
         clock = time.perf_counter()
@@ -224,6 +219,15 @@ def run_generation(engine: DecodeEngine, history: torch.Tensor, cfg: SamplingCon
     if rewind_mark is not None and engine.state.position != history.shape[0] + len(stop.tokens) - 1:
         keep_only(engine.model, engine.state, rewind_mark, stop.tokens[:-1])
     return stop.tokens, stats, after_prefill
+
+
+def check_run(engine, history: torch.Tensor, max_new_tokens: int, start: StateSnapshot | None) -> None:
+    if history.shape[0] + max_new_tokens > engine.max_seq_len:
+        raise ValueError(f"context overflow: {history.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
+                         f"max_seq_len {engine.max_seq_len}")
+    if start is not None and start.position >= history.shape[0]:
+        raise ValueError(f"the start snapshot holds {start.position} tokens: the history ({history.shape[0]}) must "
+                         "extend it by at least one token to prefill")
 
 
 def keep_only(model, state, prompt_end, reply: list[int]) -> None:

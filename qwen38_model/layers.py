@@ -100,6 +100,18 @@ class Linear(nn.Module):
         out.copy_(y_w)
 
 
+def embed_into(owner: nn.Module, ids: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """out float32 [T, D] <- the rows of ids (int32, on the device) of owner's embedding table: Q8_0
+    (embed_q, embed_d buffers) through the kernel, dense (embed) through index_select."""
+    if hasattr(owner, "embed_q"):
+        ops.q8_0_embedding(ids, owner.embed_q, owner.embed_d, out)
+    else:
+        rows = scratch.empty(owner, "embed_rows", out.shape, owner.embed.dtype)
+        torch.index_select(owner.embed, 0, ids, out=rows)
+        out.copy_(rows)
+    return out
+
+
 def input_lane(*consumers: Linear) -> str | None:
     """The lane a producer must emit: the quantized one if any consumer reads Q8_0 weights."""
     return next((c.lane for c in consumers if c.lane is not None), None)

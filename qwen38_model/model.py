@@ -18,7 +18,7 @@ from .config import ATTENTION, Qwen38Config
 from .conversation import Conversation, PrefixCache
 from .errors import NonFiniteLogitsError
 from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
-from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, input_lane
+from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, embed_into, input_lane
 from .mtp import MTPBlock
 from .sampling import SamplingConfig
 from .scratch import Activation, Scratch
@@ -131,14 +131,7 @@ class Qwen38ForCausalLM(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """ids int32 [T] on the model's device (read by the kernel: no host round trip)."""
-        out = scratch.empty(self, "residual", (ids.shape[0], self.config.hidden_size))
-        if hasattr(self, "embed_q"):
-            ops.q8_0_embedding(ids, self.embed_q, self.embed_d, out)
-        else:
-            rows = scratch.empty(self, "embed_rows", out.shape, self.embed.dtype)
-            torch.index_select(self.embed, 0, ids, out=rows)
-            out.copy_(rows)
-        return out
+        return embed_into(self, ids, scratch.empty(self, "residual", (ids.shape[0], self.config.hidden_size)), scratch)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: Qwen38State | None = None,

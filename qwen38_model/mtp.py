@@ -17,7 +17,7 @@ import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
-from .layers import MLP, DecoderLayer, GatedAttention, Linear, input_lane
+from .layers import MLP, DecoderLayer, GatedAttention, Linear, embed_into, input_lane
 from .scratch import Activation, Scratch
 from .state import KVCache
 
@@ -76,11 +76,4 @@ class MTPBlock(nn.Module):
         return out
 
     def _embed(self, ids: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-        out = scratch.empty(self, "embedding", (ids.shape[0], self.enorm.shape[0]))
-        if hasattr(self, "embed_q"):
-            ops.q8_0_embedding(ids, self.embed_q, self.embed_d, out)
-        else:
-            rows = scratch.empty(self, "embed_rows", out.shape, self.embed.dtype)
-            torch.index_select(self.embed, 0, ids, out=rows)
-            out.copy_(rows)
-        return out
+        return embed_into(self, ids, scratch.empty(self, "embedding", (ids.shape[0], self.enorm.shape[0])), scratch)

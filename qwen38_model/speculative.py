@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .generation import GenerationStats, StopCondition, keep_only
+from .generation import GenerationStats, StopCondition, check_run, keep_only
 from .checkpoint import Q8Tensor
 from .layers import INT_GEMM_MIN_ROWS, Linear
 from .sampling import SamplerState, SamplingConfig, select_next_token, select_speculative
@@ -286,12 +286,7 @@ def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: Sampl
                     start: StateSnapshot | None = None, keep_state: bool = False, snapshot_prompt: bool = False,
                     adaptive: bool = True) -> tuple[list[int], SpeculativeStats, StateSnapshot | None]:
     """run_generation's contract (generation.py) with speculative steps: each replay emits 1..k+1 tokens."""
-    if history.shape[0] + max_new_tokens > engine.max_seq_len:
-        raise ValueError(f"context overflow: {history.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
-                         f"max_seq_len {engine.max_seq_len}")
-    if start is not None and start.position >= history.shape[0]:
-        raise ValueError(f"the start snapshot holds {start.position} tokens: the history ({history.shape[0]}) must "
-                         "extend it by at least one token to prefill")
+    check_run(engine, history, max_new_tokens, start)
     policy = DraftPolicy(engine.k_max, adaptive)
     draft_counts = range(engine.k_max + 1) if adaptive else (engine.k_max,)
     stats = SpeculativeStats(prompt_tokens=history.shape[0] - (start.position if start else 0), graph=engine.use_graph)
