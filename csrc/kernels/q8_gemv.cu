@@ -157,14 +157,11 @@ template <Q8Act ACT, int TOKENS, int PARTS>
 constexpr int kLaneParts =
     ACT != Q8Act::F32 && TOKENS == 1 ? (PARTS + 1) / 2 : PARTS / kWarpsPerRow<ACT, TOKENS, PARTS>;
 
-// What a lane holds of TOKENS rows of x for one piece: chunk c (16 activations, half of block c / 2) of every
-// row, and (int lanes) the scale of that block in the rows it owns.
+// What a lane of an int lane holds of TOKENS rows of x for one piece: chunk c (16 activations, half of block
+// c / 2) of every row, and the scale of that block in the rows it owns. The f32 lane holds one row's chunk at a
+// time instead (XRows::f32_chunk).
 template <Q8Act ACT, int TOKENS>
 struct XPiece;
-template <int TOKENS>
-struct XPiece<Q8Act::F32, TOKENS> {
-  float4 v[TOKENS][4];
-};
 template <int TOKENS>
 struct XPiece<Q8Act::Int8, TOKENS> {
   int4 q[TOKENS];
@@ -188,22 +185,20 @@ struct XRows {
     XPiece<ACT, TOKENS> x;
 #pragma unroll
     for (int t = 0; t < TOKENS; ++t) {
-      if constexpr (ACT == Q8Act::F32) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int4 v = load_act16(q[t] + u * 32 * kChunkInt4 + i);
-          x.v[t][i] = make_float4(__int_as_float(v.x), __int_as_float(v.y), __int_as_float(v.z), __int_as_float(v.w));
-        }
-      } else {
-        x.q[t] = load_act16(q[t] + u * 32);
-        if constexpr (ACT == Q8Act::Int8x2) x.lo[t] = load_act16(lo[t] + u * 32);
-      }
+      x.q[t] = load_act16(q[t] + u * 32);
+      if constexpr (ACT == Q8Act::Int8x2) x.lo[t] = load_act16(lo[t] + u * 32);
     }
-    if constexpr (ACT != Q8Act::F32) {
 #pragma unroll
-      for (int r = 0; r < kOwnRows<ACT, TOKENS>; ++r) x.d[r] = load_act_scale(d[r] + u * 16);
-    }
+    for (int r = 0; r < kOwnRows<ACT, TOKENS>; ++r) x.d[r] = load_act_scale(d[r] + u * 16);
     return x;
+  }
+  // F32: row t's chunk of the piece u pieces on.
+  __device__ __forceinline__ void f32_chunk(int u, int t, float4 (&v)[4]) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int4 c = load_act16(q[t] + u * 32 * kChunkInt4 + i);
+      v[i] = make_float4(__int_as_float(c.x), __int_as_float(c.y), __int_as_float(c.z), __int_as_float(c.w));
+    }
   }
   __device__ __forceinline__ void advance(int pieces) {
 #pragma unroll
@@ -275,10 +270,13 @@ constexpr int kMinBlocks = TOKENS == 1 ? 5
                                                    : (TOKENS == 2 ? 4 : 3);
 
 // The trip a config runs with (the kernel's TRIP): the config's at T = 1 and in the int lanes' T = 2 form;
-// else 1, which the weight prefetch of the T-row forms (below) makes 2 in flight. Two pieces of x for more
-// rows would cost blocks per SM. The order is PARTS', so this changes no bits.
+// else 1 in the int lanes, which the weight prefetch of their T-row forms (below) makes 2 in flight (two
+// pieces of x for more rows would cost blocks per SM). The f32 lane holds one row's chunk of x at a time and
+// does not prefetch: its T-row forms run trips of up to 2 (4 spills in their loop, ptxas -v). The order is
+// PARTS', so this changes no bits.
 template <Q8Act ACT, int TOKENS, int TRIP>
-constexpr int kTrip = TOKENS == 1 || (TOKENS == 2 && ACT != Q8Act::F32) ? TRIP : 1;
+constexpr int kTrip = ACT == Q8Act::F32 ? (TOKENS == 1 || TRIP < 2 ? TRIP : 2)
+                      : TOKENS == 1 || TOKENS == 2 ? TRIP : 1;
 
 // Warp w of block b owns weight row b * kRowsPerBlock + w / kWarpsPerRow (its pieces w % kWarpsPerRow,
 // + kWarpsPerRow, ..), for TOKENS rows of x (t0 = TOKENS * blockIdx.y onwards).
@@ -289,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
   constexpr int kSplit = kWarpsPerRow<ACT, TOKENS, PARTS>;
   constexpr int kWarpParts = PARTS / kSplit;
   constexpr int kPart = kLaneParts<ACT, TOKENS, PARTS>;
-  constexpr bool kPrefetch = TOKENS >= 2;
+  constexpr bool kPrefetch = TOKENS >= 2 && ACT != Q8Act::F32;
   // A warp consumes its pieces in steps of kStep, in which its piece i0 + u belongs to its part u % kWarpParts
   // (i0 a multiple of kStep): the part, and so the slot, is known at compile time.
   constexpr int kStep = TRIP > kWarpParts ? TRIP : kWarpParts;
@@ -344,12 +342,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
     for (int r = 0; r < kRows; ++r) acc[i][r] = Acc<ACT>(0);
   // Adds own piece u of a step (part u % kWarpParts) for every row of x. The int lanes shuffle (all 32 lanes
   // are here).
-  auto add_piece = [&](int u, int4 w, float wd, const XPiece<ACT, TOKENS>& x) {
+  auto add_piece = [&](int u, int4 w, float wd, const auto& x) {  // generic: never instantiated for F32
     const int part = u % kWarpParts;
-    if constexpr (ACT == Q8Act::F32) {
-#pragma unroll
-      for (int t = 0; t < TOKENS; ++t) acc[part][t] = fmaf(dot16_f32(w, x.v[t]), wd, acc[part][t]);
-    } else if constexpr (!kByParity) {
+    if constexpr (!kByParity) {
       int s = half_dot<ACT>(w, x, 0);
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       acc[part % kPart][0] = add_block<ACT>(acc[part % kPart][0], s, wd, part / kPart == parity ? x.d[0] : 0.f);
@@ -361,6 +356,17 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
         const int s = (parity ? odd : even) + __shfl_xor_sync(0xffffffffu, parity ? even : odd, 1);
         acc[part][r] = add_block<ACT>(acc[part][r], s, wd, x.d[r]);
       }
+    }
+  };
+  // The f32 lane's add_piece: row t's chunk of x is loaded right before its dot (an L1 hit; `in_row` false
+  // adds a zero chunk), so a lane holds 16 floats of x whatever TRIP and TOKENS, and the registers go to
+  // weights in flight instead.
+  auto add_piece_f32 = [&](int u, int4 w, float wd, bool in_row) {
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) {
+      float4 x[4] = {};
+      if (in_row) xc.f32_chunk(u * kSplit, t, x);
+      acc[u % kWarpParts][t] = fmaf(dot16_f32(w, x), wd, acc[u % kWarpParts][t]);
     }
   };
 
@@ -382,14 +388,22 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
 #pragma unroll
     for (int s = 0; s < kStep; s += TRIP) {
       if (!kPrefetch && !(first_loaded && s == 0)) load_weights(s, w, wd);
-      XPiece<ACT, TOKENS> x[TRIP];
-#pragma unroll
-      for (int u = 0; u < TRIP; ++u) x[u] = xc.at((s + u) * kSplit);
       int4 w_next[TRIP];
       float wd_next[TRIP];
-      if (kPrefetch) load_weights(s + TRIP < kStep || !last ? s + TRIP : s, w_next, wd_next);
+      if constexpr (ACT == Q8Act::F32) {
+        // A scheduling fence (no instruction in the SASS): without it ptxas sinks the trip's later weight
+        // loads to just before their math, so a 4-piece trip had ~2 pieces in flight, not 4.
+        __syncwarp();
 #pragma unroll
-      for (int u = 0; u < TRIP; ++u) add_piece(s + u, w[u], wd[u], x[u]);
+        for (int u = 0; u < TRIP; ++u) add_piece_f32(s + u, w[u], wd[u], true);
+      } else {
+        XPiece<ACT, TOKENS> x[TRIP];
+#pragma unroll
+        for (int u = 0; u < TRIP; ++u) x[u] = xc.at((s + u) * kSplit);
+        if (kPrefetch) load_weights(s + TRIP < kStep || !last ? s + TRIP : s, w_next, wd_next);
+#pragma unroll
+        for (int u = 0; u < TRIP; ++u) add_piece(s + u, w[u], wd[u], x[u]);
+      }
       if (kPrefetch) {
 #pragma unroll
         for (int u = 0; u < TRIP; ++u) {
@@ -414,15 +428,24 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
 #pragma unroll
   for (int u = 0; u < kStep; ++u) {
     if (whole_steps_end + u < own_pieces) {  // warp-uniform
+      const bool in_row = (first + kSplit * (whole_steps_end + u)) * 32 + lane < chunks;
       int4 wt = make_int4(0, 0, 0, 0);
       float wdt = 0.f;
-      XPiece<ACT, TOKENS> xt = {};
-      if ((first + kSplit * (whole_steps_end + u)) * 32 + lane < chunks) {
-        wt = wc.quants(u * kSplit);
-        wdt = wc.scale(u * kSplit);
-        xt = xc.at(u * kSplit);
+      if constexpr (ACT == Q8Act::F32) {
+        if (in_row) {
+          wt = wc.quants(u * kSplit);
+          wdt = wc.scale(u * kSplit);
+        }
+        add_piece_f32(u, wt, wdt, in_row);
+      } else {
+        XPiece<ACT, TOKENS> xt = {};
+        if (in_row) {
+          wt = wc.quants(u * kSplit);
+          wdt = wc.scale(u * kSplit);
+          xt = xc.at(u * kSplit);
+        }
+        add_piece(u, wt, wdt, xt);
       }
-      add_piece(u, wt, wdt, xt);
     }
   }
 
@@ -498,8 +521,8 @@ cudaError_t launch_config(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaS
   return cudaErrorInvalidValue;
 }
 
-// The most rows of x one pass shares each weight load among (the f32 lane's 64-byte chunks fill the registers
-// at 4 rows); T above it runs in ceil(T / kMaxTokens) passes of equal rows (blockIdx.y).
+// The most rows of x one pass shares each weight load among (f32: its sums and row pointers with a 2-piece trip
+// fill 80 registers at 4 rows); T above it runs in ceil(T / kMaxTokens) passes of equal rows (blockIdx.y).
 template <Q8Act ACT>
 constexpr int kMaxTokens = ACT == Q8Act::F32 ? 4 : 8;
 
@@ -521,12 +544,14 @@ cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream
 }  // namespace
 
 // trip: 2 pieces for the int lanes (decode-gap.md: 2-piece trips measured best; 4 spilled at 48 registers
-// and lost 3-6 points); 1 for f32, whose 64-byte activation chunks would need 32 registers a trip.
+// and lost 3-6 points); 4 for f32, which loads its 64-byte activation chunks a piece at a time, so 4 pieces
+// of weights fit 48 registers without a spill: 2 KB a warp, 80 KB an SM in flight, where its 1-piece trips
+// measured 38-43% of the read probe (benchmarks/NOTES.md, "f32 regressed").
 // parts: the order of the previous form of this kernel, so the int lanes keep their bits: it split the rows
 // of N <= 8192 over 4 warps by piece (p % 4) and added the 4 warp sums in order; above, one warp per row.
 Q8GemvConfig q8_0_gemv_default_config(Q8Act act, int N) {
   Q8GemvConfig cfg;
-  cfg.trip = act == Q8Act::F32 ? 1 : 2;
+  cfg.trip = act == Q8Act::F32 ? 4 : 2;
   cfg.parts = act != Q8Act::F32 && N <= 8192 ? 4 : 1;
   return cfg;
 }
