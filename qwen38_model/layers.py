@@ -9,7 +9,6 @@ from torch import nn
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention import SAME_SPLIT_TOKENS, workspace_numel
 from qwen38_ops.attention_prefill import workspace_numel as prefill_workspace_numel
-from qwen38_ops.gdn_step import MAX_TOKENS as GDN_STEP_MAX_ROWS
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
@@ -27,6 +26,11 @@ ops = torch.ops.qwen38
 # dequantize + cuBLAS 240 and 247.
 INT_GEMM_MIN_ROWS = 8
 F32_GEMM_MIN_ROWS = 48
+# Rows up to which a GDN layer runs the fused gdn_step; above, conv, gates, recurrence and gated norm as four
+# ops. Measured at the 27B shape on the H200 (bench_gdn, 818aa4d, us a layer, with per-token states from T = 2):
+# gdn_step 8.04 / 11.2 / 14.0 / 16.7 at T = 1 / 2 / 3 / 4, the four ops 8.98 / 11.7 / 13.4 / 15.3: the fused
+# kernel's 48 blocks (one per value head) fall behind from 3 rows.
+GDN_STEP_ROWS = 2
 # The f32 lane dequantizes this many weight rows at a time (bounded scratch: 8192 x 17408 floats = 570 MB).
 DEQUANTIZE_ROWS = 8192
 
@@ -140,9 +144,9 @@ class GatedDeltaNet(nn.Module):
         token_recurrent = state.token_recurrent[:rows] if keep_token_states else None
         x = self.qkvz(act, scratch)
         out = scratch.activation(self, "normed", rows, c.linear_value_dim, input_lane(self.out_proj))
-        # gdn_step recurs token by token, as gdn_recurrent does below its chunked kernel's threshold (8 rows)
-        # and with per-token states: there the two paths give the same bits. An 8-row prompt chunk stays chunked.
-        if rows < GDN_STEP_MAX_ROWS or (rows == GDN_STEP_MAX_ROWS and keep_token_states):
+        # gdn_step and the op sequence below give the same bits for up to GDN_STEP_ROWS rows (both recur token
+        # by token there); gdn_step is one launch instead of four but runs on one block per value head.
+        if rows <= GDN_STEP_ROWS:
             ops.gdn_step(x, self.conv_weight, self.a_neg, self.dt_bias, self.norm_weight, c.rms_norm_eps, state.conv,
                          state.recurrent, *out.outs(), token_conv, token_recurrent)
             return self.out_proj(out, scratch)
