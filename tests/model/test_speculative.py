@@ -1,14 +1,16 @@
 """MTP speculative decoding on the CPU (eager steps, the reference ops): greedy output equals plain greedy
 token for token at 0%, partial and 100% acceptance (drafts forced from the plain run's own tokens), with
-the MTP block's own drafts, and with logits processors; sampling is reproducible for a seed (its
-distribution is tested in test_speculative_sampling.py); bad arguments are errors."""
+the MTP block's own drafts, and with logits processors; sampling follows the model's distribution end to end
+(chi-square; the selection alone in test_speculative_sampling.py) and is reproducible for a seed; bad
+arguments are errors."""
 import pytest
 import torch
+from test_speculative_sampling import chi_square_p
 
 from qwen38_model import Qwen38ForCausalLM, synthetic
 from qwen38_model.conversation import Conversation
 from qwen38_model.generation import StopCondition
-from qwen38_model.sampling import SamplingConfig
+from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits
 from qwen38_model.scratch import Scratch
 from qwen38_model.speculative import (MAX_DRAFT_TOKENS, DraftPolicy, SpeculativeEngine, best_draft_count,
                                       expected_tokens, prior_step_cost, run_speculative)
@@ -108,6 +110,41 @@ def test_sampling_is_reproducible_for_a_seed(model, prompt):
     a = model.generate(prompt, seed=7, **kwargs)
     assert torch.equal(a, model.generate(prompt, seed=7, **kwargs))
     assert not torch.equal(a, model.generate(prompt, seed=8, **kwargs))
+
+
+def test_sampling_follows_the_model_distribution(model, prompt, plain_long):
+    """End to end on the tiny model: the first three sampled tokens of speculative steps (drafts forced from
+    the greedy run, so some are accepted and some rejected, and the state rolled back after a rejection)
+    follow the model's own processed distribution: a chi-square test over the token triples top_k allows,
+    against the exact joint from the model's forward passes."""
+    cfg = SamplingConfig(do_sample=True, temperature=1.5, top_k=3)
+    V = model.config.vocab_size
+
+    def target(ids: list[int]) -> torch.Tensor:
+        s = SamplerState.empty(V, "cpu")
+        s.reset(torch.tensor(ids), 0)
+        return process_logits(model(torch.tensor([ids])).logits[0, -1], s, cfg).softmax(-1).double()
+
+    history = prompt[0].tolist()
+    joint = {(): 1.0}
+    for _ in range(3):
+        joint = {seq + (t,): p * float(q[t]) for seq, p in joint.items()
+                 for q in [target(history + list(seq))] for t in q.nonzero()[:, 0].tolist()}
+    index = {seq: i for i, seq in enumerate(joint)}
+    probs = torch.tensor(list(joint.values()), dtype=torch.float64)
+    engine = SpeculativeEngine(model, 64, torch.float32, False, 2, forced_drafts=True)
+    engine.forced.zero_()
+    engine.forced[: len(history) + len(plain_long)] = torch.tensor(history + plain_long, dtype=torch.int32)
+    counts, accepted, rejected = torch.zeros(len(joint), dtype=torch.float64), 0, 0
+    for seed in range(500):
+        tokens, stats, _ = run_speculative(engine, prompt[0].to(torch.int32), cfg, 3, seed, StopCondition(frozenset()),
+                                           chunk_size=4096, adaptive=False)
+        assert tuple(tokens) in index, f"seed {seed}: {tokens} has probability 0 under the model"
+        counts[index[tuple(tokens)]] += 1
+        accepted += stats.accepted > 0
+        rejected += stats.accepted < stats.drafted
+    assert accepted > 20 and rejected > 20  # both paths ran
+    assert chi_square_p(counts, probs / probs.sum()) > 1e-3
 
 
 def test_stop_token_ends_the_output_mid_step(model, prompt, plain):
