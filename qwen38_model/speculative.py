@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .generation import GenerationStats, StopCondition, check_run, keep_only
 from .checkpoint import Q8Tensor
+from .generation import GenerationStats, StopCondition, check_run, keep_only
 from .layers import INT_GEMM_MIN_ROWS, Linear
 from .sampling import SamplerState, SamplingConfig, select_next_token, select_speculative
 from .scratch import Activation, Scratch
@@ -209,10 +209,10 @@ class SpeculativeEngine:
         for src, dst in zip(act.outs(), row.outs()):
             if src is not None:
                 torch.index_select(src, 0, self.num_accepted, out=dst)
+        best = scratch.empty("mtp_row", "argmax", (), torch.int64)
         for j in range(k):
-            logits = self.draft_head(row, scratch)
-            torch.argmax(logits[0], out=scratch.empty("mtp_row", "argmax", (), torch.int64))
-            self.drafts[j : j + 1].copy_(scratch.empty("mtp_row", "argmax", (), torch.int64))
+            torch.argmax(self.draft_head(row, scratch)[0], out=best)
+            self.drafts[j : j + 1].copy_(best)
             if j + 1 < k:
                 row = m.mtp(row.x, self.drafts[j : j + 1], self.base + j, self.state.mtp_cache, scratch)
         if self.forced is not None:
