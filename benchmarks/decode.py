@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, write_json
+from benchmarks.ops.common import (default_result_path, env_info, kernel_records, print_table, read_probe_result,
+                                   write_json)
 from qwen38_model import Qwen38Config, Qwen38ForCausalLM
 from qwen38_model.checkpoint import Checkpoint, Q8Tensor
 from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape
@@ -140,23 +141,14 @@ KERNEL_PARTS = (("q8_0_gemv", "gemv"), ("gemm", "gemv"), ("gdn", "gdn_small_ops"
 def kernel_split(replay, steps: int = 8) -> dict:
     """GPU time per part of a token and kernels per token, from the CUDA profiler's kernel records over
     `steps` graph replays (no instrumentation: what the replayed graph runs, not eager launches)."""
-    replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            replay()
-        torch.cuda.synchronize()
     parts: dict[str, float] = {}
     launches, other = 0, {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", 0.0)
-        if us <= 0 or e.key.startswith(("Memcpy", "Memset", "cudaGraph")):
-            continue
-        launches += e.count
-        part = next((part for fragment, part in KERNEL_PARTS if fragment in e.key), None)
+    for name, count, us in kernel_records(replay, steps):
+        launches += count
+        part = next((part for fragment, part in KERNEL_PARTS if fragment in name), None)
         if part is None:
             part = "other"
-            other[e.key[:60]] = round(us / steps / 1e3, 4)
+            other[name[:60]] = round(us / steps / 1e3, 4)
         parts[part] = parts.get(part, 0.0) + us / steps / 1e3
     result = {k: round(v, 4) for k, v in sorted(parts.items())}
     result["kernels_total_ms"] = round(sum(parts.values()), 4)

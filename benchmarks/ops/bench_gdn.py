@@ -39,7 +39,8 @@ import torch
 import qwen38_ops  # noqa: F401
 from qwen38_ops.reference import gdn as ref
 
-from .common import env_info, parse_args_and_probe, print_table, time_eager, time_graph, write_json
+from .common import (capture_graph, env_info, kernel_records, parse_args_and_probe, print_table, time_eager, time_graph,
+                     write_json)
 
 ops = torch.ops.qwen38
 
@@ -189,26 +190,7 @@ def bench_verify(probe_gbps: float) -> list[dict]:
 def graph_kernel_count(fn) -> int:
     """Kernels fn() launches, counted as the profiler's CUDA kernel records over one replay of fn captured in
     a CUDA graph (what a decode graph runs; copies and memsets are not kernels and not counted)."""
-    graph = capture(fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages()
-               if getattr(e, "device_time_total", 0.0) > 0 and not e.key.startswith(("Memcpy", "Memset", "cudaGraph")))
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
+    return sum(count for _, count, _ in kernel_records(capture_graph(fn).replay))
 
 
 Z, BA = HV * DV, 2 * HV  # z width, b|a width

@@ -69,23 +69,44 @@ def time_eager(fn: Callable[[int], object], calls: int, replays: int = 5, warmup
     return {"median_s": statistics.median(times), "min_s": min(times)}
 
 
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn run once on a side stream (lazy init and allocations off the capture), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def kernel_records(replay: Callable[[], object], steps: int = 1) -> list[tuple[str, int, float]]:
+    """(kernel name, launches, GPU microseconds) per kernel over `steps` calls of replay, from the CUDA
+    profiler's kernel records (copies and memsets are not kernels and not listed)."""
+    replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    return [(e.key, e.count, getattr(e, "device_time_total", 0.0)) for e in prof.key_averages()
+            if getattr(e, "device_time_total", 0.0) > 0 and not e.key.startswith(("Memcpy", "Memset", "cudaGraph"))]
+
+
 def time_graph(fn: Callable[[int], object], calls: int, replays: int = 10, warmup: int = 2) -> dict:
     """Seconds per call of fn(i) for i in range(calls), all captured in ONE torch.cuda.CUDAGraph and replayed.
 
     This is how decode runs (a captured graph of many launches), so per-launch CPU overhead is gone and
     what remains is the kernel plus the GPU-side gap between kernels. fn must only launch work on the
     current stream (no allocation, no host sync)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, autotuning, first-call costs)
+    def all_calls():
         for i in range(calls):
             fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
+
+    graph = capture_graph(all_calls)
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
