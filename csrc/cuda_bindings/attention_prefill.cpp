@@ -2,13 +2,12 @@
 #include <ATen/ATen.h>
 #include <cuda_bf16.h>
 
+#include "attention_checks.h"
 #include "checks.h"
 #include "../kernels/attention_prefill.h"
 
 namespace qwen38 {
 namespace {
-
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& positions, double scale, at::Tensor& out, at::Tensor& workspace) {
@@ -21,18 +20,7 @@ void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   QWEN38_CHECK(attention_prefill_head_dim_supported((int)head_dim), op,
               ": head_dim must be one of 32, 64, 128, 256 (one kernel instance each), found ", head_dim);
 
-  QWEN38_CHECK(k_cache.device() == q.device() && v_cache.device() == q.device(), op,
-              ": k_cache and v_cache must be on ", q.device(), ", found ", k_cache.device(), " and ", v_cache.device());
-  QWEN38_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16, op,
-              ": k_cache must be float32 or bfloat16, found ", k_cache.scalar_type());
-  QWEN38_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), op, ": v_cache must have k_cache's dtype ",
-              k_cache.scalar_type(), ", found ", v_cache.scalar_type());
-  QWEN38_CHECK(k_cache.dim() == 3 && k_cache.size(2) == head_dim, op,
-              ": k_cache must be [max_seq, Hkv, hd] with hd = ", head_dim, ", found ", k_cache.sizes());
-  QWEN38_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must be shaped like k_cache ", k_cache.sizes(),
-              ", found ", v_cache.sizes());
-  QWEN38_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache and v_cache must be contiguous");
-  QWEN38_CHECK(k_cache.size(0) <= INT32_MAX, op, ": max_seq must fit in int32, found ", k_cache.size(0));
+  check_caches(op, q, k_cache, v_cache, head_dim);
   const int64_t num_kv_heads = k_cache.size(1), max_seq = k_cache.size(0);
   QWEN38_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op,
               ": Hq must be a multiple of Hkv, found Hq ", num_heads, ", Hkv ", num_kv_heads);
@@ -41,12 +29,7 @@ void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   QWEN38_CHECK(row_blocks <= 65535, op, ": T * Hq / Hkv must be at most 65535 * ", kAttentionPrefillRows,
               " (one grid row of blocks per ", kAttentionPrefillRows, " query rows), found T ", num_tokens);
 
-  QWEN38_CHECK(positions.device() == q.device(), op, ": positions must be on ", q.device(), ", found ",
-              positions.device());
-  QWEN38_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 1 && positions.size(0) == num_tokens &&
-                  positions.is_contiguous(),
-              op, ": positions must be contiguous int32 [T] = [", num_tokens, "], found ", positions.scalar_type(),
-              " ", positions.sizes());
+  check_positions(op, q, positions, num_tokens);
 
   QWEN38_CHECK_SAME_DEVICE("attention_prefill", q, out);
   QWEN38_CHECK_DTYPE("attention_prefill", out, at::kFloat);
