@@ -3,16 +3,19 @@
 # leave logs and JSON under $OUT. Run through the device tool from the repo root with carry
 # [".whl", ".oracle"] (scripts/prepare_device.sh fills both here; the device has no network and does not
 # see ../shared):
-#   bash scripts/device_check.sh [-k PYTEST_EXPR] ["BENCH_MODULE [ARGS]" ...]
+#   bash scripts/device_check.sh [-k PYTEST_EXPR] [-s SANITIZE_EXPR] ["BENCH_MODULE [ARGS]" ...]
+# -s runs compute-sanitizer (memcheck, then racecheck) over the CUDA op tests selected by SANITIZE_EXPR
+# (keep it to small shapes: memcheck slows kernels 10-100x), before the tests; logs in sanitize.log.
 # e.g. QWEN38_COMMIT=1a2b3c4 bash scripts/device_check.sh -k gemv benchmarks.ops.bench_q8_gemv \
 #        "benchmarks.prefill --lengths 512,4096"
 # (the device copy of the tree has no .git: QWEN38_COMMIT, the hash of the commit sent, names it in logs and results)
-# At most 8 files come back from $OUT: build.log, tests.log, bench.log, benchmarks.json.
+# At most 8 files come back from $OUT: build.log, sanitize.log, tests.log, bench.log, benchmarks.json.
 set -uo pipefail
 OUT=${OUT:-$PWD/.device_out}
 mkdir -p "$OUT" "$OUT/bench"
-expr=""
+expr="" sanitize=""
 if [ "${1:-}" = "-k" ]; then expr=$2; shift 2; fi
+if [ "${1:-}" = "-s" ]; then sanitize=$2; shift 2; fi
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -26,6 +29,20 @@ if ! python3 setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; then
   grep -E "error|Error" "$OUT/build.log" | head -40; exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
+
+sanitize_rc=0
+if [ -n "$sanitize" ]; then
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool, tests/ops -k '$sanitize'" | tee -a "$OUT/sanitize.log"
+    timeout 300 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 \
+      python3 -m pytest -m cuda tests/ops -q -x -p no:cacheprovider -k "$sanitize" >>"$OUT/sanitize.log" 2>&1
+    rc=$?
+    echo "$tool: exit $rc" | tee -a "$OUT/sanitize.log"
+    [ $rc -ne 0 ] && sanitize_rc=$rc
+  done
+  tail -5 "$OUT/sanitize.log"
+fi
 
 test_args=(-m cuda tests -q -rfs --durations=10)
 [ -n "$expr" ] && test_args+=(-k "$expr")
@@ -48,4 +65,5 @@ for p in (out / "bench").glob("*.json"):
     p.unlink()
 (out / "bench").rmdir()
 PY
+[ $test_rc -eq 0 ] && test_rc=$sanitize_rc
 exit $test_rc
