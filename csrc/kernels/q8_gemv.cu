@@ -17,7 +17,12 @@
 //   of an SM reads through L1).
 // - No per-lane branch before a shuffle: pieces past the row end exist only in the tail, rows past N are
 //   recomputed from row N - 1 and not stored.
-// - The first trip's weights are loaded before griddepcontrol.wait (PDL: they are constants, pdl.cuh).
+// - Deep PDL prologue: before griddepcontrol.wait each warp copies the first kProloguePieces pieces of its
+//   row (weights and their scales, constants: pdl.cuh) into shared memory with cp.async, which holds no
+//   registers, so a resident block has 32 KB in flight (int lanes) while the predecessor (a norm, the GDN
+//   step, the previous GEMV's tail) still runs; those pieces are then read from shared memory. The previous
+//   form held only its first 2-piece trip (1 KB a warp, in registers) across the wait, and each GEMV still
+//   lost ~2.5-4 us to ramp and drain (decode-gap.md).
 //
 // T rows of x (the speculative verify: T = k + 1 <= 7; short prompts) share each weight load: one pass for
 // T <= 8 in the int lanes (4 in f32; more T in equal passes over blockIdx.y), an instance per row count, so
@@ -82,6 +87,22 @@ __device__ __forceinline__ float load_weight_scale(const __half* p) {
   unsigned short bits;
   asm volatile("ld.global.L1::no_allocate.u16 %0, [%1];" : "=h"(bits) : "l"(p));
   return __half2float(__ushort_as_half(bits));
+}
+
+// The deep prologue's copies (cp.async, LDGSTS): 16 bytes of weights (.cg: cached in L2 only, like the
+// no_allocate loads) or one 4-byte word of scales, global -> shared, without passing through registers.
+__device__ __forceinline__ void copy_async16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(shared))), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void copy_async4(void* shared, const void* global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(shared))), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void wait_async_copies() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
 }
 
 // Activations: L1-allocating (the default), read after the wait.
@@ -278,6 +299,13 @@ template <Q8Act ACT, int TOKENS, int TRIP>
 constexpr int kTrip = ACT == Q8Act::F32 ? (TOKENS == 1 || TRIP < 2 ? TRIP : 2)
                       : TOKENS == 1 || TOKENS == 2 ? TRIP : 1;
 
+// Own pieces per warp in the deep prologue (a multiple of every kStep). Int lanes: 8 pieces, 4 KB a warp,
+// 34 KB of shared memory a block with the scales (5 blocks: 170 KB an SM, 21 MB over the 640 blocks of a
+// 5120-row projection, ~4.6 us of HBM time at the probe's rate). The f32 lane reads 64 bytes of float32
+// activations per 16 weight bytes through L1, which the shared memory would take from it: 4 pieces.
+template <Q8Act ACT, int TOKENS>
+constexpr int kProloguePieces = TOKENS > 1 ? 0 : ACT == Q8Act::F32 ? 4 : 8;
+
 // Warp w of block b owns weight row b * kRowsPerBlock + w / kWarpsPerRow (its pieces w % kWarpsPerRow,
 // + kWarpsPerRow, ..), for TOKENS rows of x (t0 = TOKENS * blockIdx.y onwards).
 template <Q8Act ACT, int TOKENS, int TRIP, int PARTS>
@@ -293,6 +321,10 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
   constexpr int kStep = TRIP > kWarpParts ? TRIP : kWarpParts;
   static_assert(kStep % TRIP == 0 && kStep % kWarpParts == 0 && kWarps % kSplit == 0,
                 "TRIP and PARTS must be powers of two, PARTS at most kWarps");
+  constexpr int kPrologue = kProloguePieces<ACT, TOKENS>;
+  static_assert(kPrologue % kStep == 0, "the prologue must end on a step");
+  __shared__ int4 prologue_q[kWarps][kPrologue > 0 ? kPrologue : 1][32];     // [warp][own piece][lane]: quants
+  __shared__ uint32_t prologue_d[kWarps][kPrologue > 0 ? kPrologue : 1][8];  // [warp][own piece]: 16 scales
   pdl_allow_successor();
 
   const int lane = threadIdx.x & 31;
@@ -335,6 +367,19 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
   wc.advance(first);
   xc.advance(first);
 
+  // The deep prologue: own pieces [0, prologue_end) go to shared memory before the wait. The scales are
+  // copied as 4-byte words, which needs every row's scales 4-byte aligned (K % 64 == 0: all the model's
+  // shapes); other shapes stream every piece after the wait.
+  const bool words_aligned = a.K % 64 == 0 && (reinterpret_cast<uintptr_t>(a.weight_d) & 3) == 0;
+  const int prologue_end = kPrologue > 0 && words_aligned ? (whole_steps_end < kPrologue ? whole_steps_end : kPrologue) : 0;
+  for (int u = 0; u < prologue_end; ++u) copy_async16(&prologue_q[warp][u][lane], wc.q + u * kSplit * 512);
+  const __half* d_first = a.weight_d + row * (a.K >> 5) + first * 16;
+  for (int c = lane; c < prologue_end * 8; c += 32) {
+    copy_async4(&prologue_d[warp][c >> 3][c & 7], d_first + (c >> 3) * kSplit * 16 + 2 * (c & 7));
+  }
+  const int4* sq = &prologue_q[warp][0][lane];
+  const __half* sd = reinterpret_cast<const __half*>(&prologue_d[warp][0][0]) + (lane >> 1);
+
   Acc<ACT> acc[kPart][kRows];
 #pragma unroll
   for (int i = 0; i < kPart; ++i)
@@ -372,22 +417,23 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
 
   int4 w[TRIP];
   float wd[TRIP];
-  auto load_weights = [&](int s, int4 (&wq)[TRIP], float (&ws)[TRIP]) {
+  auto load_weights = [&](bool from_prologue, int s, int4 (&wq)[TRIP], float (&ws)[TRIP]) {
 #pragma unroll
     for (int u = 0; u < TRIP; ++u) {
-      wq[u] = wc.quants((s + u) * kSplit);
-      ws[u] = wc.scale((s + u) * kSplit);
+      wq[u] = from_prologue ? sq[(s + u) * 32] : wc.quants((s + u) * kSplit);
+      ws[u] = from_prologue ? __half2float(sd[(s + u) * 16]) : wc.scale((s + u) * kSplit);
     }
   };
-  // One step of whole pieces from the cursors' place (`last`: the warp's last whole step). T = 1 loads a trip's
-  // weights with its activations (its first trip's are already in w, wd when `first_loaded`; both flags are
-  // constants or uniform, so no branch is left between a trip's loads). The T-row forms hold fewer pieces of
-  // x at a time, so they keep weights in flight otherwise: the next trip's weights are loaded before this
-  // trip's math (after the warp's last whole step, this trip's again: a branch-free no-op).
-  auto step = [&](bool first_loaded, bool last) {
+  // One step of whole pieces from the cursors' place, its weights from the prologue's copies or from global
+  // memory (`in_prologue`; `next_in_prologue`: the next step's; `last`: the warp's last whole step; all three
+  // are constants at each call, so no branch is left between a trip's loads). T = 1 loads a trip's weights
+  // with its activations. The T-row forms hold fewer pieces of x at a time, so they keep weights in flight
+  // otherwise: the next trip's weights are loaded before this trip's math (after the warp's last whole step,
+  // this trip's again: a branch-free no-op).
+  auto step = [&](bool in_prologue, bool next_in_prologue, bool last) {
 #pragma unroll
     for (int s = 0; s < kStep; s += TRIP) {
-      if (!kPrefetch && !(first_loaded && s == 0)) load_weights(s, w, wd);
+      if (!kPrefetch) load_weights(in_prologue, s, w, wd);
       int4 w_next[TRIP];
       float wd_next[TRIP];
       if constexpr (ACT == Q8Act::F32) {
@@ -400,7 +446,10 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
         XPiece<ACT, TOKENS> x[TRIP];
 #pragma unroll
         for (int u = 0; u < TRIP; ++u) x[u] = xc.at((s + u) * kSplit);
-        if (kPrefetch) load_weights(s + TRIP < kStep || !last ? s + TRIP : s, w_next, wd_next);
+        if (kPrefetch) {
+          load_weights(s + TRIP < kStep ? in_prologue : next_in_prologue, s + TRIP < kStep || !last ? s + TRIP : s,
+                       w_next, wd_next);
+        }
 #pragma unroll
         for (int u = 0; u < TRIP; ++u) add_piece(s + u, w[u], wd[u], x[u]);
       }
@@ -414,14 +463,29 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
     }
     wc.advance(kStep * kSplit);
     xc.advance(kStep * kSplit);
+    if (in_prologue) {
+      sq += kStep * 32;
+      sd += kStep * 16;
+    }
   };
 
-  // PDL wait: before it, only the first trip's weights and scales (constants) are loaded; x, x_d and out
-  // may belong to the predecessor.
-  if (whole_steps_end > 0) load_weights(0, w, wd);
+  // PDL wait: before it, only the prologue's copies of weights and scales (constants) are issued; x, x_d and
+  // out may belong to the predecessor. A lane reads back its own quants, and scales other lanes copied: the
+  // wait for its copies, then a warp barrier (which orders shared memory among the warp's lanes).
+  if (kPrologue == 0 && kPrefetch && whole_steps_end > 0) load_weights(false, 0, w, wd);
   pdl_wait_for_predecessor();
-  if (whole_steps_end > 0) step(true, whole_steps_end == kStep);
-  for (int i0 = kStep; i0 < whole_steps_end; i0 += kStep) step(false, i0 + kStep == whole_steps_end);
+  if constexpr (kPrologue > 0) {
+    wait_async_copies();
+    __syncwarp();
+  }
+  if (kPrologue > 0 && kPrefetch && whole_steps_end > 0) load_weights(prologue_end > 0, 0, w, wd);
+  int i0 = 0;
+  for (; i0 + kStep < prologue_end; i0 += kStep) step(true, true, false);
+  if (prologue_end > 0) {
+    step(true, false, prologue_end == whole_steps_end);
+    i0 += kStep;
+  }
+  for (; i0 < whole_steps_end; i0 += kStep) step(false, false, i0 + kStep == whole_steps_end);
 
   // The tail: fewer than kStep whole pieces and the partial last piece, one piece at a time; lanes past the
   // row's end load nothing and add zero.
