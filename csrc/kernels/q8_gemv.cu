@@ -17,12 +17,7 @@
 //   of an SM reads through L1).
 // - No per-lane branch before a shuffle: pieces past the row end exist only in the tail, rows past N are
 //   recomputed from row N - 1 and not stored.
-// - Deep PDL prologue: before griddepcontrol.wait each warp copies the first kProloguePieces pieces of its
-//   row (weights and their scales, constants: pdl.cuh) into shared memory with cp.async, which holds no
-//   registers, so a resident block has 32 KB in flight (int lanes) while the predecessor (a norm, the GDN
-//   step, the previous GEMV's tail) still runs; those pieces are then read from shared memory. The previous
-//   form held only its first 2-piece trip (1 KB a warp, in registers) across the wait, and each GEMV still
-//   lost ~2.5-4 us to ramp and drain (decode-gap.md).
+// - The first trip's weights are loaded before griddepcontrol.wait (PDL: they are constants, pdl.cuh).
 //
 // T rows of x (the speculative verify: T = k + 1 <= 7; short prompts) share each weight load: one pass for
 // T <= 8 in the int lanes (4 in f32; more T in equal passes over blockIdx.y), an instance per row count, so
@@ -87,26 +82,6 @@ __device__ __forceinline__ float load_weight_scale(const __half* p) {
   unsigned short bits;
   asm volatile("ld.global.L1::no_allocate.u16 %0, [%1];" : "=h"(bits) : "l"(p));
   return __half2float(__ushort_as_half(bits));
-}
-
-// The deep prologue's copies (cp.async, LDGSTS): 16 bytes of weights (.cg: cached in L2 only, like the
-// no_allocate loads) or one 4-byte word of scales, global -> shared, without passing through registers.
-__device__ __forceinline__ void copy_async16(void* shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(shared))), "l"(global) : "memory");
-}
-
-__device__ __forceinline__ void copy_async4(void* shared, const void* global) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
-               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(shared))), "l"(global) : "memory");
-}
-
-__device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Waits until at most PENDING of this thread's commit groups are still in flight (they complete in order).
-template <int PENDING>
-__device__ __forceinline__ void wait_async_copies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
 // Activations: L1-allocating (the default), read after the wait.
@@ -303,14 +278,6 @@ template <Q8Act ACT, int TOKENS, int TRIP>
 constexpr int kTrip = ACT == Q8Act::F32 ? (TOKENS == 1 || TRIP < 2 ? TRIP : 2)
                       : TOKENS == 1 || TOKENS == 2 ? TRIP : 1;
 
-// Pieces a warp keeps in flight through its ring of shared memory at T = 1 (a multiple of every kStep).
-// Int lanes: 8 pieces, 4 KB a warp (the 2-piece register trips had 1 KB), 34 KB of shared memory a block with
-// the scales (5 blocks: 170 KB an SM; the first 8 pieces of the 640 blocks of a 5120-row projection are 21 MB,
-// ~4.6 us of HBM time at the probe's rate, issued before the PDL wait). The f32 lane reads 64 bytes of
-// float32 activations per 16 weight bytes through L1, which the shared memory would take from it: 4 pieces.
-template <Q8Act ACT, int TOKENS>
-constexpr int kRingPieces = TOKENS > 1 ? 0 : ACT == Q8Act::F32 ? 4 : 8;
-
 // Warp w of block b owns weight row b * kRowsPerBlock + w / kWarpsPerRow (its pieces w % kWarpsPerRow,
 // + kWarpsPerRow, ..), for TOKENS rows of x (t0 = TOKENS * blockIdx.y onwards).
 template <Q8Act ACT, int TOKENS, int TRIP, int PARTS>
@@ -326,11 +293,6 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
   constexpr int kStep = TRIP > kWarpParts ? TRIP : kWarpParts;
   static_assert(kStep % TRIP == 0 && kStep % kWarpParts == 0 && kWarps % kSplit == 0,
                 "TRIP and PARTS must be powers of two, PARTS at most kWarps");
-  constexpr int kRing = kRingPieces<ACT, TOKENS>;
-  static_assert(kRing == 0 || (kRing % kStep == 0 && kSplit == 1), "the ring holds whole steps of one warp a row");
-  constexpr int kSlots = kRing > 0 ? kRing : 1;
-  __shared__ int4 ring_q[kWarps][kSlots][32];     // [warp][slot][lane]: the lane's 16 quants
-  __shared__ uint32_t ring_d[kWarps][kSlots][8];  // [warp][slot]: the piece's 16 block scales
   pdl_allow_successor();
 
   const int lane = threadIdx.x & 31;
@@ -372,26 +334,6 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
   }
   wc.advance(first);
   xc.advance(first);
-
-  // The ring (T = 1): own whole pieces stream through kRing slots of shared memory by cp.async, kRing pieces
-  // in flight, the first kRing issued before the PDL wait. The scales are copied as 4-byte words, which needs
-  // every row's scales 4-byte aligned (K % 64 == 0: all the model's shapes); other shapes load every piece
-  // into registers a trip at a time.
-  const bool ring = kRing > 0 && a.K % 64 == 0 && (reinterpret_cast<uintptr_t>(a.weight_d) & 3) == 0;
-  // Own piece j (quants at wc.q + q_offset, scales at wc.d - (lane >> 1) + d_offset) into slot j % kRing, as
-  // one commit group per piece whether or not it exists (the waits count groups).
-  auto copy_to_ring = [&](int j, int q_offset, int d_offset) {
-    if (j < whole_steps_end) {
-      const int slot = j % kSlots;
-      copy_async16(&ring_q[warp][slot][lane], wc.q + q_offset);
-      if (lane < 8) copy_async4(&ring_d[warp][slot][lane], wc.d - (lane >> 1) + d_offset + 2 * lane);
-    }
-    commit_async_copies();
-  };
-  if (ring) {
-#pragma unroll
-    for (int j = 0; j < kRing; ++j) copy_to_ring(j, j * 512, j * 16);
-  }
 
   Acc<ACT> acc[kPart][kRows];
 #pragma unroll
@@ -437,40 +379,18 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
       ws[u] = wc.scale((s + u) * kSplit);
     }
   };
-  // The ring's side of a trip: waits until the trip's pieces have landed (the copies complete in commit
-  // order, kRing pieces are outstanding), takes them into registers, and refills their slots with the pieces
-  // kRing on. The warp barriers order the scale words between lanes (a lane reads words other lanes copied,
-  // and must have read them before they are overwritten).
-  auto take_from_ring = [&](int i0, int s) {
-    wait_async_copies<kRing - TRIP>();
-    __syncwarp();
-#pragma unroll
-    for (int u = 0; u < TRIP; ++u) {
-      const int slot = (i0 + s + u) % kSlots;
-      w[u] = ring_q[warp][slot][lane];
-      wd[u] = __half2float(reinterpret_cast<const __half*>(ring_d[warp][slot])[lane >> 1]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int u = 0; u < TRIP; ++u) copy_to_ring(i0 + s + u + kRing, (s + u + kRing) * 512, (s + u + kRing) * 16);
-  };
-  // One step of whole pieces (own pieces i0 ..) from the cursors' place (`last`: the warp's last whole step;
-  // `in_ring` and `last` are uniform, so no branch is left between a trip's loads). T = 1 takes a trip's
-  // weights from the ring, or loads them from global memory, after issuing its activations' loads. The T-row
-  // forms hold fewer pieces of x at a time, so they keep weights in flight otherwise: the next trip's weights
-  // are loaded before this trip's math (after the warp's last whole step, this trip's again: a branch-free
-  // no-op).
-  auto step = [&](int i0, bool in_ring, bool last) {
+  // One step of whole pieces from the cursors' place (`last`: the warp's last whole step). T = 1 loads a trip's
+  // weights with its activations (its first trip's are already in w, wd when `first_loaded`; both flags are
+  // constants or uniform, so no branch is left between a trip's loads). The T-row forms hold fewer pieces of
+  // x at a time, so they keep weights in flight otherwise: the next trip's weights are loaded before this
+  // trip's math (after the warp's last whole step, this trip's again: a branch-free no-op).
+  auto step = [&](bool first_loaded, bool last) {
 #pragma unroll
     for (int s = 0; s < kStep; s += TRIP) {
+      if (!kPrefetch && !(first_loaded && s == 0)) load_weights(s, w, wd);
       int4 w_next[TRIP];
       float wd_next[TRIP];
       if constexpr (ACT == Q8Act::F32) {
-        if (kRing > 0 && in_ring) {
-          take_from_ring(i0, s);
-        } else {
-          load_weights(s, w, wd);
-        }
         // A scheduling fence (no instruction in the SASS): without it ptxas sinks the trip's later weight
         // loads to just before their math, so a 4-piece trip had ~2 pieces in flight, not 4.
         __syncwarp();
@@ -480,13 +400,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
         XPiece<ACT, TOKENS> x[TRIP];
 #pragma unroll
         for (int u = 0; u < TRIP; ++u) x[u] = xc.at((s + u) * kSplit);
-        if (kRing > 0 && in_ring) {
-          take_from_ring(i0, s);
-        } else if (!kPrefetch) {
-          load_weights(s, w, wd);
-        } else {
-          load_weights(s + TRIP < kStep || !last ? s + TRIP : s, w_next, wd_next);
-        }
+        if (kPrefetch) load_weights(s + TRIP < kStep || !last ? s + TRIP : s, w_next, wd_next);
 #pragma unroll
         for (int u = 0; u < TRIP; ++u) add_piece(s + u, w[u], wd[u], x[u]);
       }
@@ -502,17 +416,12 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
     xc.advance(kStep * kSplit);
   };
 
-  // PDL wait: before it, only weights and scales (constants) are loaded: the ring's first kRing pieces, or the
-  // T-row forms' first trip; x, x_d and out may belong to the predecessor.
-  if (kPrefetch && whole_steps_end > 0) load_weights(0, w, wd);
+  // PDL wait: before it, only the first trip's weights and scales (constants) are loaded; x, x_d and out
+  // may belong to the predecessor.
+  if (whole_steps_end > 0) load_weights(0, w, wd);
   pdl_wait_for_predecessor();
-  for (int i0 = 0; i0 < whole_steps_end; i0 += kStep) {
-    if (kRing > 0 && ring) {
-      step(i0, true, false);
-    } else {
-      step(i0, false, i0 + kStep == whole_steps_end);
-    }
-  }
+  if (whole_steps_end > 0) step(true, whole_steps_end == kStep);
+  for (int i0 = kStep; i0 < whole_steps_end; i0 += kStep) step(false, i0 + kStep == whole_steps_end);
 
   // The tail: fewer than kStep whole pieces and the partial last piece, one piece at a time; lanes past the
   // row's end load nothing and add zero.
@@ -634,15 +543,15 @@ cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream
 
 }  // namespace
 
-// trip: at T = 1 the ring keeps the weights in flight, so a trip only groups the activation loads issued
-// before its pieces are taken from the ring: 1 piece in the int lanes (2-piece trips spilled next to the ring,
-// ptxas -v), 2 in f32 (the ring's 4 pieces then stay 2 ahead of the math). The int lanes' T = 2 form runs the
-// same trip with the next trip's weights prefetched into registers; from T = 3 they run 1 anyway.
+// trip: 2 pieces for the int lanes (decode-gap.md: 2-piece trips measured best; 4 spilled at 48 registers
+// and lost 3-6 points); 4 for f32, which loads its 64-byte activation chunks a piece at a time, so 4 pieces
+// of weights fit 48 registers without a spill: 2 KB a warp, 80 KB an SM in flight, where its 1-piece trips
+// measured 38-43% of the read probe (benchmarks/NOTES.md, "f32 regressed").
 // parts: the order of the previous form of this kernel, so the int lanes keep their bits: it split the rows
 // of N <= 8192 over 4 warps by piece (p % 4) and added the 4 warp sums in order; above, one warp per row.
 Q8GemvConfig q8_0_gemv_default_config(Q8Act act, int N) {
   Q8GemvConfig cfg;
-  cfg.trip = act == Q8Act::F32 ? 2 : 1;
+  cfg.trip = act == Q8Act::F32 ? 4 : 2;
   cfg.parts = act != Q8Act::F32 && N <= 8192 ? 4 : 1;
   return cfg;
 }

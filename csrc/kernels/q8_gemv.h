@@ -29,10 +29,9 @@ struct Q8GemvArgs {
 
 // How a launch maps the work (template instantiations of one kernel; see q8_gemv.cu). One warp owns one
 // weight row for the whole K range, in 512-byte pieces (one 16-byte load per lane):
-//   trip   pieces a warp takes together before their math: at T = 1 from its ring of shared memory (which
-//          keeps 8 pieces of weights in flight, f32 4), with their activations' loads issued first; in the
-//          T-row forms pieces whose weights and activations are loaded together (the int forms from 3 rows
-//          use 1 and load the next piece's weights ahead instead; f32 caps trip at 2 there)
+//   trip   pieces whose loads (weights, scales, activations) a warp issues together before any math (the
+//          int T-row forms from 3 rows use 1 and load the next piece's weights ahead instead; f32 loads only
+//          the trip's weights together, its activations a piece at a time, and its T-row forms cap trip at 2)
 //   parts  the summation order: piece p adds into partial sum p % parts, and the parts are added in order
 //          at the end. It decides the last bits of the result, and a T-row call uses the T = 1 config: each
 //          row of it is bitwise the T = 1 call on that row (the int lanes' T-row forms give each part of a
