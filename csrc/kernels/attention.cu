@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "pdl.cuh"
 #include "quantize.cuh"
 
 namespace qwen38 {
@@ -46,6 +47,9 @@ __global__ void qk_norm_rope_store_kernel(const float* __restrict__ qgkv, int64_
                                           int rotary_dim, float* __restrict__ q_out, CacheT* __restrict__ k_cache,
                                           CacheT* __restrict__ v_cache, int32_t* __restrict__ bad_position,
                                           int num_heads, int num_kv_heads, int head_dim, int max_seq) {
+  // PDL (pdl.cuh): nothing is read before the wait; qgkv is the predecessor's output.
+  pdl_allow_successor();
+  pdl_wait_for_predecessor();
   const int head = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
   const bool is_query = head < num_heads;
   const int kv_head = head - num_heads;
@@ -237,6 +241,9 @@ attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k
   using Tile = AttnTile<CacheT, kHeadDim, Split::kRowWarps>;
   constexpr int kHeads = Split::kHeadsPerWarp;  // query heads this warp serves
   extern __shared__ __align__(16) unsigned char smem[];
+  // PDL (pdl.cuh): nothing is read before the wait; q and this token's K/V rows are the predecessor's.
+  pdl_allow_successor();
+  pdl_wait_for_predecessor();
   const int split = blockIdx.x, kv_head = blockIdx.y, t = blockIdx.z;
   const int ctx = context_length(positions, t, max_seq);
   const SplitRange range = split_range(ctx, num_splits, Tile::kRows);
@@ -440,6 +447,9 @@ attention_combine_kernel(const int32_t* __restrict__ positions, const float* __r
                          int num_splits, int tile_rows) {
   constexpr int head_dim = kHeadDim;  // compile-time, so the 64 partial addresses are immediate offsets
   __shared__ float split_max[kAttentionSplits], split_sum[kAttentionSplits], split_weight[kAttentionSplits];
+  // PDL (pdl.cuh): nothing is read before the wait; the splits' partials are the predecessor's.
+  pdl_allow_successor();
+  pdl_wait_for_predecessor();
   const int head = blockIdx.x, t = blockIdx.y;
   const int ctx = context_length(positions, t, max_seq);
   const int active = split_range(ctx, num_splits, tile_rows).active_splits;  // <= num_splits <= 64
@@ -490,14 +500,13 @@ cudaError_t launch_attention(const float* q, const CacheT* k_cache, const CacheT
   float* ws_acc = workspace;
   float* ws_ml = workspace + (int64_t)num_tokens * num_heads * num_splits * kHeadDim;
   const dim3 grid(num_splits, num_kv_heads, num_tokens);
-  kernel<<<grid, kAttnThreads, kSmemBytes, stream>>>(q, k_cache, v_cache, positions, scale * kLog2e, out, ws_acc,
-                                                     ws_ml, num_heads, num_kv_heads, num_heads / num_kv_heads,
-                                                     max_seq, num_splits);
-  err = cudaGetLastError();
+  err = launch_maybe_pdl(kernel, grid, dim3(kAttnThreads), kSmemBytes, stream, pdl_enabled(), q, k_cache, v_cache,
+                         positions, scale * kLog2e, out, ws_acc, ws_ml, num_heads, num_kv_heads,
+                         num_heads / num_kv_heads, max_seq, num_splits);
   if (err != cudaSuccess || num_splits == 1) return err;
-  attention_combine_kernel<kHeadDim><<<dim3(num_heads, num_tokens), kCombineThreads, 0, stream>>>(
-      positions, ws_acc, ws_ml, out, num_heads, max_seq, num_splits, Tile::kRows);
-  return cudaGetLastError();
+  return launch_maybe_pdl(attention_combine_kernel<kHeadDim>, dim3(num_heads, num_tokens), dim3(kCombineThreads), 0,
+                          stream, pdl_enabled(), positions, ws_acc, ws_ml, out, num_heads, max_seq, num_splits,
+                          Tile::kRows);
 }
 
 template <typename CacheT, int kHeadDim>
@@ -531,6 +540,9 @@ __global__ void attn_output_gate_kernel(const float* __restrict__ attn, const fl
   const int width = num_heads * head_dim;
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (int64_t)num_tokens * width) return;  // whole warps: width % 32 == 0 on the quantized lanes
+  // PDL (pdl.cuh): nothing is read before the wait; attn is the predecessor's output.
+  pdl_allow_successor();
+  pdl_wait_for_predecessor();
   const int t = (int)(i / width), c = (int)(i - (int64_t)t * width);
   const int head = c / head_dim, d = c - head * head_dim;
   const float gate = qgkv[t * qgkv_row_stride + (int64_t)head * 2 * head_dim + head_dim + d];
@@ -565,10 +577,10 @@ cudaError_t attn_qk_norm_rope_store_launch(const float* qgkv, int64_t qgkv_row_s
   if (head_dim <= 0 || head_dim > 1024 || rotary_dim < 0 || rotary_dim > head_dim || rotary_dim % 2 != 0)
     return cudaErrorInvalidValue;
   const int threads = (head_dim + 31) / 32 * 32;
-  qk_norm_rope_store_kernel<CacheT><<<dim3(num_heads + num_kv_heads, num_tokens), threads, 0, stream>>>(
-      qgkv, qgkv_row_stride, q_norm, k_norm, positions, eps, rope_theta, rotary_dim, q_out, k_cache, v_cache,
-      bad_position, num_heads, num_kv_heads, head_dim, max_seq);
-  return cudaGetLastError();
+  return launch_maybe_pdl(qk_norm_rope_store_kernel<CacheT>, dim3(num_heads + num_kv_heads, num_tokens),
+                          dim3(threads), 0, stream, pdl_enabled(), qgkv, qgkv_row_stride, q_norm, k_norm, positions,
+                          eps, rope_theta, rotary_dim, q_out, k_cache, v_cache, bad_position, num_heads,
+                          num_kv_heads, head_dim, max_seq);
 }
 
 template <typename CacheT>
@@ -599,17 +611,11 @@ cudaError_t attn_output_gate_launch(const float* attn, const float* qgkv, int64_
   if (n <= 0) return cudaSuccess;
   const int threads = 256;
   const unsigned blocks = (unsigned)((n + threads - 1) / threads);
-  if (out_q == nullptr) {
-    attn_output_gate_kernel<GateLane::kFloat><<<blocks, threads, 0, stream>>>(
-        attn, qgkv, qgkv_row_stride, out, out_row_stride, nullptr, nullptr, nullptr, num_tokens, num_heads, head_dim);
-  } else if (out_q_lo == nullptr) {
-    attn_output_gate_kernel<GateLane::kInt8><<<blocks, threads, 0, stream>>>(
-        attn, qgkv, qgkv_row_stride, out, out_row_stride, out_q, nullptr, out_d, num_tokens, num_heads, head_dim);
-  } else {
-    attn_output_gate_kernel<GateLane::kInt8x2><<<blocks, threads, 0, stream>>>(
-        attn, qgkv, qgkv_row_stride, out, out_row_stride, out_q, out_q_lo, out_d, num_tokens, num_heads, head_dim);
-  }
-  return cudaGetLastError();
+  auto kernel = out_q == nullptr      ? attn_output_gate_kernel<GateLane::kFloat>
+                : out_q_lo == nullptr ? attn_output_gate_kernel<GateLane::kInt8>
+                                      : attn_output_gate_kernel<GateLane::kInt8x2>;
+  return launch_maybe_pdl(kernel, dim3(blocks), dim3(threads), 0, stream, pdl_enabled(), attn, qgkv, qgkv_row_stride,
+                          out, out_row_stride, out_q, out_q_lo, out_d, num_tokens, num_heads, head_dim);
 }
 
 template cudaError_t attn_qk_norm_rope_store_launch<float>(const float*, int64_t, const float*, const float*,

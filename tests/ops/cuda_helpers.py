@@ -1,6 +1,6 @@
 """Shared by the CUDA tests of tests/ops: the markers, a registered-kernel assertion, a misaligned
-row-strided view, running a check in a child interpreter (with progress lines), and capturing a CUDA graph
-after a side-stream warm-up.
+row-strided view, running a check in a child interpreter (with progress lines; with PDL on and off), and
+capturing a CUDA graph after a side-stream warm-up.
 
 Imported as a top-level module (tests/ops has no __init__.py, so pytest's rootdir/prepend import mode
 puts tests/ops on sys.path).
@@ -62,6 +62,27 @@ def run_in_child(test_file: str, function: str, preamble: str = "") -> None:
     result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+def child_env(**values) -> str:
+    """A run_in_child preamble setting environment variables before the extension reads them (it reads
+    QWEN38_Q8_GEMV_CONFIG and QWEN38_PDL once per process)."""
+    return "import os\n" + "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in values.items())
+
+
+def assert_same_bits_pdl_on_and_off(test_file: str, function: str, out_dir) -> None:
+    """Runs `function` of the test module (which saves its results to the safetensors file named by
+    QWEN38_TEST_OUT) in a child with programmatic dependent launch on and in one with it off: a kernel that
+    read its predecessor's output before its griddepcontrol.wait would be a race that only PDL exposes."""
+    from safetensors.torch import load_file
+
+    for pdl in ("1", "0"):
+        run_in_child(test_file, function,
+                     child_env(QWEN38_PDL=pdl, QWEN38_TEST_OUT=os.path.join(out_dir, f"pdl{pdl}.safetensors")))
+    on, off = (load_file(os.path.join(out_dir, f"pdl{pdl}.safetensors")) for pdl in ("1", "0"))
+    assert on.keys() == off.keys()
+    for name in on:
+        assert torch.equal(on[name], off[name]), f"{name}: PDL on and off differ"
 
 
 def progress() -> None:

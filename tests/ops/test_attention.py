@@ -5,9 +5,10 @@ complex pairs, attention as an explicit per-token softmax loop, the quantized ga
 gguf-style block rounding). CUDA (-m cuda): every kernel against the reference in float64 on the CPU, on
 random inputs, outputs and unread cache rows poisoned, at odd sizes and the 27B shapes, both cache dtypes;
 two runs give the same bits; a captured graph replays bit for bit like eager, also after the device-held
-positions move; bad arguments raise.
+positions move, and gives the same bits with programmatic dependent launch on and off; bad arguments raise.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -17,8 +18,8 @@ from qwen38_ops.attention import workspace_numel
 from qwen38_ops.reference import attention as ref
 from qwen38_ops.reference import norm_quant as ref_quant
 
-from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, cuda, needs_gpu, progress,
-                          rows_view, run_in_child)
+from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, assert_same_bits_pdl_on_and_off, capture_graph,
+                          cuda, needs_gpu, progress, rows_view, run_in_child)
 
 ops = torch.ops.qwen38
 
@@ -302,42 +303,56 @@ def test_attention_graph_serves_every_position_bitwise():
 
 @cuda
 @needs_gpu
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_layer_graph_replay_bitwise(cache_dtype):
-    """store -> attention -> gate (int8 lane) captured once, replayed at a moved position == eager."""
+def test_layer_graph_replay_bitwise_pdl_on_and_off(tmp_path):
+    """check_layer_graph_replay_bitwise with programmatic dependent launch on and off (each in its own child:
+    QWEN38_PDL is read once per process): the same bits both ways."""
+    assert_same_bits_pdl_on_and_off(__file__, "check_layer_graph_replay_bitwise", str(tmp_path))
+
+
+def check_layer_graph_replay_bitwise():
+    """store -> attention (split-K + combine) -> gate (int8 lane), launched back to back, captured once and
+    replayed at a moved position == eager, for both cache dtypes; saves the eager results."""
+    from safetensors.torch import save_file
+
     hq, hkv, hd, rd = M27B
     max_seq = 600
-    qgkv, q_norm, k_norm = [x.cuda() for x in make_qgkv(1, hq, hkv, hd, seed=4)]
-    k0, v0 = make_cache(max_seq, hkv, hd, cache_dtype, device="cuda", seed=4)
-    bufs = dict(k=k0.clone(), v=v0.clone(), q=torch.empty(1, hq, hd, device="cuda"),
-                attn=torch.empty(1, hq, hd, device="cuda"), out=torch.empty(1, hq * hd, device="cuda"),
-                out_q=torch.empty(1, hq * hd, dtype=torch.int8, device="cuda"),
-                out_d=torch.empty(1, hq * hd // 32, device="cuda"))
-    positions = torch.tensor([100], dtype=torch.int32, device="cuda")
-    workspace = torch.empty(workspace_numel(1, hq, hd), device="cuda")
+    results = {}
+    for cache_dtype in CACHE_DTYPES:
+        qgkv, q_norm, k_norm = [x.cuda() for x in make_qgkv(1, hq, hkv, hd, seed=4)]
+        k0, v0 = make_cache(max_seq, hkv, hd, cache_dtype, device="cuda", seed=4)
+        bufs = dict(k=k0.clone(), v=v0.clone(), q=torch.empty(1, hq, hd, device="cuda"),
+                    attn=torch.empty(1, hq, hd, device="cuda"), out=torch.empty(1, hq * hd, device="cuda"),
+                    out_q=torch.empty(1, hq * hd, dtype=torch.int8, device="cuda"),
+                    out_d=torch.empty(1, hq * hd // 32, device="cuda"))
+        positions = torch.tensor([100], dtype=torch.int32, device="cuda")
+        workspace = torch.empty(workspace_numel(1, hq, hd), device="cuda")
 
-    def step():
-        ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, bufs["q"], bufs["k"], bufs["v"])
-        ops.attention(bufs["q"], bufs["k"], bufs["v"], positions, hd**-0.5, bufs["attn"], workspace)
-        ops.attn_output_gate(bufs["attn"], qgkv, bufs["out"], bufs["out_q"], None, bufs["out_d"])
+        def step():
+            ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, bufs["q"], bufs["k"],
+                                        bufs["v"])
+            ops.attention(bufs["q"], bufs["k"], bufs["v"], positions, hd**-0.5, bufs["attn"], workspace)
+            ops.attn_output_gate(bufs["attn"], qgkv, bufs["out"], bufs["out_q"], None, bufs["out_d"])
 
-    def reset():
-        bufs["k"].copy_(k0)
-        bufs["v"].copy_(v0)
-        for name in ("q", "attn", "out", "out_d"):
-            bufs[name].fill_(float("nan"))
-        bufs["out_q"].fill_(0x7F)
+        def reset():
+            bufs["k"].copy_(k0)
+            bufs["v"].copy_(v0)
+            for name in ("q", "attn", "out", "out_d"):
+                bufs[name].fill_(float("nan"))
+            bufs["out_q"].fill_(0x7F)
 
-    graph = capture_graph(step)
-    positions.fill_(517)
-    reset()
-    step()
-    eager = {k: v.clone() for k, v in bufs.items()}
-    reset()
-    graph.replay()
-    torch.cuda.synchronize()
-    for name in bufs:
-        assert torch.equal(bufs[name], eager[name]), name
+        graph = capture_graph(step)
+        positions.fill_(517)
+        reset()
+        step()
+        eager = {k: v.clone() for k, v in bufs.items()}
+        reset()
+        graph.replay()
+        torch.cuda.synchronize()
+        for name in bufs:
+            assert torch.equal(bufs[name], eager[name]), (cache_dtype, name)
+            results[f"{str(cache_dtype).split('.')[-1]}_{name}"] = eager[name].cpu()
+        assert torch.isfinite(eager["out"]).all()
+    save_file(results, os.environ["QWEN38_TEST_OUT"])
 
 
 @cuda

@@ -24,7 +24,7 @@ import torch
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import q8_gemv as ref
 
-from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
+from cuda_helpers import assert_same_bits_pdl_on_and_off, capture_graph, child_env, cuda, needs_gpu, run_in_child
 
 ops = torch.ops.qwen38
 
@@ -245,12 +245,6 @@ def test_cuda_odd_shapes(lane, N, K, T):
     check_against_reference(lane, act, weight_q, weight_d, run_cuda(lane, act, weight_q, weight_d))
 
 
-def child_env(**values):
-    """A run_in_child preamble setting environment variables before the extension reads them (it reads
-    QWEN38_Q8_GEMV_CONFIG and QWEN38_PDL once per process)."""
-    return "import os\n" + "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in values.items())
-
-
 def first_rows(act, T):
     return tuple(a[:T] for a in act)
 
@@ -431,15 +425,7 @@ def check_graph_replay_bitwise():
 def test_cuda_graph_replay_bitwise_pdl_on_and_off(tmp_path):
     """check_graph_replay_bitwise with PDL on and with PDL off (QWEN38_PDL is read once per process, so each
     runs in its own child), and both give the same bits."""
-    from safetensors.torch import load_file
-
-    for pdl in ("1", "0"):
-        run_in_child(__file__, "check_graph_replay_bitwise",
-                     child_env(QWEN38_PDL=pdl, QWEN38_TEST_OUT=str(tmp_path / f"pdl{pdl}.safetensors")))
-    on, off = load_file(tmp_path / "pdl1.safetensors"), load_file(tmp_path / "pdl0.safetensors")
-    assert on.keys() == off.keys()
-    for name in on:
-        assert torch.equal(on[name], off[name]), f"{name}: PDL on and off differ"
+    assert_same_bits_pdl_on_and_off(__file__, "check_graph_replay_bitwise", str(tmp_path))
 
 
 def check_bad_arguments():
