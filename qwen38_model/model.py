@@ -168,17 +168,10 @@ class Qwen38ForCausalLM(nn.Module):
         pair with the previous call's last hidden (state.mtp_hidden) first when the state had tokens before
         `start`. Returns the logits rows and the MTP logits of this call's pairs (None unless asked)."""
         total = ids.shape[0]
-        first_kept = total - (logits_to_keep if 0 < logits_to_keep < total else total)
         first_mtp_kept = (total - 1) - (logits_to_keep if 0 < logits_to_keep < total - 1 else total - 1)
-        scratch = Scratch(self.device)
-        logits, mtp_logits = [], []
-        for chunk_start in range(0, total, PREFILL_CHUNK):
-            end = min(chunk_start + PREFILL_CHUNK, total)
-            residual, delta = self.trunk(ids[chunk_start:end], positions[chunk_start:end], state, scratch)
-            normed = self.final_norm(residual, delta, scratch)  # every row: the block reads them all
-            if end > first_kept:
-                kept = _rows(normed, max(chunk_start, first_kept) - chunk_start)
-                logits.append(self.lm_head(kept, scratch).clone())  # the block's head call reuses the buffer
+        mtp_logits = []
+
+        def mtp_pairs(normed: Activation, chunk_start: int, end: int, scratch: Scratch) -> None:
             h = normed.x
             if start + chunk_start > 0:  # the pair (h_{p-1}, x_p) of the chunk's first position p is pending
                 hidden, pair_ids = torch.cat([state.mtp_hidden, h[:-1]]), ids[chunk_start:end]
@@ -191,16 +184,22 @@ class Qwen38ForCausalLM(nn.Module):
                 act = self.mtp(hidden, pair_ids, pair_positions, state.mtp_cache, scratch)
                 skip = max(first_mtp_kept - first_pair, 0)
                 if return_mtp_logits and skip < hidden.shape[0]:
-                    mtp_logits.append(self.lm_head(_rows(act, skip), scratch).clone())
+                    mtp_logits.append(self.lm_head(_rows(act, skip), scratch).clone())  # the chunk's head reuses it
             state.mtp_hidden.copy_(h[-1:])
+
+        logits = self.prefill(ids, positions, state, logits_to_keep, on_hidden=mtp_pairs)
+        if not return_mtp_logits:
+            return logits, None
         empty = torch.empty(0, self.config.vocab_size, device=self.device)
-        return torch.cat(logits), (torch.cat(mtp_logits) if mtp_logits else empty) if return_mtp_logits else None
+        return logits, torch.cat(mtp_logits) if mtp_logits else empty
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen38State, logits_to_keep: int = 0,
-                chunk_size: int = PREFILL_CHUNK, progress=None) -> torch.Tensor:
+                chunk_size: int = PREFILL_CHUNK, progress=None, on_hidden=None) -> torch.Tensor:
         """run() over a prompt in chunks of chunk_size tokens, so scratch memory is bounded by the chunk
         whatever the prompt length; returns the logits of the last logits_to_keep rows (0: all).
-        progress: optional callable(tokens_done, tokens_total), called after each chunk."""
+        progress: optional callable(tokens_done, tokens_total), called after each chunk.
+        on_hidden: optional callable(normed, begin, end, scratch) given the normed hidden of every row of the
+        chunk ids[begin:end] (the MTP block's input) before the chunk's LM head; it may use the scratch."""
         total = ids.shape[0]
         first_kept = total - (logits_to_keep if 0 < logits_to_keep < total else total)
         scratch = Scratch(self.device)
@@ -208,8 +207,16 @@ class Qwen38ForCausalLM(nn.Module):
         for start in range(0, total, chunk_size):
             end = min(start + chunk_size, total)
             residual, delta = self.trunk(ids[start:end], positions[start:end], state, scratch)
+            if on_hidden is not None:
+                normed = self.final_norm(residual, delta, scratch)
+                on_hidden(normed, start, end, scratch)
             if end > first_kept:
-                rows = self.head(residual, delta, scratch, end - max(start, first_kept))
+                kept = end - max(start, first_kept)
+                if on_hidden is None:
+                    act = self.final_norm(residual, delta, scratch, kept)
+                else:
+                    act = _rows(normed, end - start - kept)
+                rows = self.lm_head(act, scratch)
                 logits.append(rows if end == total else rows.clone())  # scratch is reused by the next chunk
             if progress is not None:
                 progress(end, total)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import Q8Tensor
-from .generation import GenerationStats, StopCondition, check_run, keep_only
+from .generation import DecodeEngine, GenerationStats, StopCondition, check_run, keep_only
 from .layers import INT_GEMM_MIN_ROWS, Linear
 from .sampling import SamplerState, SamplingConfig, select_next_token, select_speculative
 from .scratch import Activation, Scratch
@@ -246,38 +246,29 @@ class SpeculativeEngine:
             scratch.freeze()
 
     # --- a generation ----------------------------------------------------------------------------------
-    def reset(self, history: torch.Tensor, seed: int, cfg: SamplingConfig, start: StateSnapshot | None) -> None:
-        if start is None:
-            self.state.clear()
-        else:
-            self.state.restore(start)
-        self.sampler.reset(history, seed, cfg.eos_token_ids)
+    reset = DecodeEngine.reset  # the same state and sampler attributes
 
     def prefill(self, history: torch.Tensor, cfg: SamplingConfig, chunk_size: int, progress=None) -> None:
-        """The prompt (history past the state's position) through the trunk in chunks, the MTP block over
-        every prompt row but the last (pairs (h_t, x_{t+1})), and t_0 from the last row's logits. The last
-        row's pair (h_{n-1}, t_0) is left to the first step's MTP pass, as if a verify had accepted 0."""
+        """The prompt (history past the state's position) through the model's chunked prefill, the MTP block
+        over every prompt row but the last (pairs (h_t, x_{t+1})), and t_0 from the last row's logits. The
+        last row's pair (h_{n-1}, t_0) is left to the first step's MTP pass, as if a verify had accepted 0."""
         m, state = self.model, self.state
-        start = state.position
-        total = history.shape[0]
-        positions = state.reserve(total - start)
-        scratch = Scratch(self.device)
-        for begin in range(start, total, chunk_size):
-            end = min(begin + chunk_size, total)
-            pos = positions[begin - start : end - start]
-            residual, delta = m.trunk(history[begin:end], pos, state, scratch)
-            normed = m.final_norm(residual, delta, scratch)
+        prompt = history[state.position:]
+        total = prompt.shape[0]
+        positions = state.reserve(total)
+
+        def mtp_pairs(normed: Activation, begin: int, end: int, scratch: Scratch) -> None:
             rows = end - begin - (end == total)  # rows whose next token is in the prompt
             if rows > 0:
-                m.mtp(normed.x[:rows], history[begin + 1 : begin + 1 + rows], pos[:rows], state.mtp_cache, scratch)
+                m.mtp(normed.x[:rows], prompt[begin + 1 : begin + 1 + rows], positions[begin : begin + rows],
+                      state.mtp_cache, scratch)
             if end == total:
-                last = Activation(*(None if t is None else t[-1:] for t in normed.outs()))
-                logits = m.lm_head(last, scratch)
-                self.tokens.fill_(-1)
-                select_next_token(logits[0], self.sampler, cfg, self.tokens[:1], self.dummy_position)
                 self.hidden[0].copy_(normed.x[-1])
-            if progress is not None:
-                progress(end - start, total - start)
+
+        logits = m.prefill(prompt, positions, state, logits_to_keep=1, chunk_size=chunk_size, progress=progress,
+                           on_hidden=mtp_pairs)
+        self.tokens.fill_(-1)
+        select_next_token(logits[0], self.sampler, cfg, self.tokens[:1], self.dummy_position)
         self.num_accepted.zero_()
 
 
