@@ -99,6 +99,10 @@ TORCH_LIBRARY(qwen38, m) {
   // contents undefined afterwards.
   m.def("attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, "
         "Tensor(a!) out, Tensor(b!) workspace) -> ()");
+  // attention, then attn_output_gate applied in the split-K combine: one launch fewer for the decode step and
+  // the verify (T <= 8; each row bitwise the two ops' result).
+  m.def("attention_gated(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, Tensor qgkv, "
+        "Tensor(a!) workspace, Tensor(b!) out, Tensor(c!)? out_q, Tensor(d!)? out_q_lo, Tensor(e!)? out_d) -> ()");
   // out [T, Hq*hd] = attn [T, Hq, hd] * sigmoid(gate) with gate read from qgkv's interleaved q|gate rows.
   m.def("attn_output_gate(Tensor attn, Tensor qgkv, Tensor(a!) out, Tensor(b!)? out_q, Tensor(c!)? out_q_lo, "
         "Tensor(d!)? out_d) -> ()");

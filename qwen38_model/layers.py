@@ -186,16 +186,16 @@ class GatedAttention(nn.Module):
         q = scratch.empty(self, "q", (rows, c.num_attention_heads, c.head_dim))
         ops.attn_qk_norm_rope_store(qgkv, self.q_norm, self.k_norm, positions, c.rms_norm_eps, c.rope_theta,
                                     c.rotary_dim, q, cache.k, cache.v, cache.bad_position)
-        attn = scratch.empty(self, "attn", q.shape)
-        if rows > SAME_SPLIT_TOKENS:  # a prompt chunk: flash attention on tensor cores
+        out = scratch.activation(self, "gated", rows, c.num_attention_heads * c.head_dim, input_lane(self.o_proj))
+        if rows > SAME_SPLIT_TOKENS:  # a prompt chunk: flash attention on tensor cores, then the gate
+            attn = scratch.empty(self, "attn", q.shape)
             workspace = scratch.empty(self, "prefill_workspace", (prefill_workspace_numel(
                 rows, c.num_attention_heads, c.num_key_value_heads, c.head_dim),))
             ops.attention_prefill(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)
-        else:  # a decode step or a verify: split-K, each row in the decode step's float order
+            ops.attn_output_gate(attn, qgkv, *out.outs())
+        else:  # a decode step or a verify: split-K, each row in the decode step's float order, gate in the combine
             workspace = scratch.empty(self, "workspace", (workspace_numel(rows, c.num_attention_heads, c.head_dim),))
-            ops.attention(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)
-        out = scratch.activation(self, "gated", rows, c.num_attention_heads * c.head_dim, input_lane(self.o_proj))
-        ops.attn_output_gate(attn, qgkv, *out.outs())
+            ops.attention_gated(q, cache.k, cache.v, positions, c.head_dim**-0.5, qgkv, workspace, *out.outs())
         return self.o_proj(out, scratch)
 
 

@@ -1,8 +1,9 @@
-"""Gated attention ops: QK norm + RoPE + KV store, split-K causal attention, sigmoid output gate."""
+"""Gated attention ops: QK norm + RoPE + KV store, split-K causal attention, sigmoid output gate (alone, or
+applied in the attention's combine: attention_gated)."""
 from ._registry import register
 from .reference import attention as ref
 
-for _name in ("attn_qk_norm_rope_store", "attention", "attn_output_gate"):
+for _name in ("attn_qk_norm_rope_store", "attention", "attention_gated", "attn_output_gate"):
     register(_name, getattr(ref, _name))
 
 # The CUDA kernel splits each (token, head) over the context into num_splits(T) parts and keeps

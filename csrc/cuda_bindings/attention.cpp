@@ -67,12 +67,17 @@ void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, c
   QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 
-void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& positions,
-               double scale, at::Tensor& out, at::Tensor& workspace) {
-  constexpr const char* op = "attention";
-  QWEN38_CHECK_CUDA("attention", q);
-  QWEN38_CHECK_DTYPE("attention", q, at::kFloat);
-  QWEN38_CHECK_CONTIGUOUS("attention", q);
+struct AttentionSizes {
+  int64_t num_tokens, num_heads, head_dim, num_kv_heads, max_seq;
+};
+
+// q [T, Hq, hd], the caches, positions and the workspace of attention and attention_gated.
+AttentionSizes check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& positions,
+                                      const at::Tensor& workspace) {
+  QWEN38_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, found device ", q.device());
+  QWEN38_CHECK(q.scalar_type() == at::kFloat, op, ": q must be ", at::kFloat, ", found ", q.scalar_type());
+  QWEN38_CHECK(q.is_contiguous(), op, ": q must be contiguous (strides ", q.strides(), ")");
   QWEN38_CHECK(q.dim() == 3, op, ": q must be [T, Hq, hd], found ", q.sizes());
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   QWEN38_CHECK(attention_head_dim_supported((int)head_dim), op,
@@ -85,30 +90,119 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   QWEN38_CHECK(aligned16(q) && aligned16(k_cache) && aligned16(v_cache), op,
               ": q, k_cache and v_cache must be 16-byte aligned (the kernel reads them with 16-byte loads)");
   check_positions(op, q, positions, num_tokens);
+  QWEN38_CHECK(workspace.device() == q.device() && workspace.scalar_type() == at::kFloat && workspace.is_contiguous(),
+              op, ": workspace must be contiguous float32 on ", q.device(), ", found ", workspace.scalar_type(), " on ",
+              workspace.device());
+  const int64_t needed = attention_workspace_numel((int)num_tokens, (int)num_heads, (int)head_dim);
+  QWEN38_CHECK(workspace.numel() >= needed, op, ": workspace must hold T * splits(T) * Hq * (hd + 2) = ", needed,
+              " floats (qwen38_ops.attention.workspace_numel), found ", workspace.numel());
+  return {num_tokens, num_heads, head_dim, num_kv_heads, max_seq};
+}
+
+// The output gate's operands for T rows of Hq heads of hd values (attn_output_gate, attention_gated): qgkv
+// [T, >= Hq*2*hd] (strided rows), out [T, Hq*hd] (strided rows) or [T, Hq, hd] (contiguous), the quantized
+// outputs of the GEMV's lane.
+GateOutputs check_gate_outputs(const char* op, const at::Device& device, int64_t num_tokens, int64_t num_heads,
+                               int64_t head_dim, const at::Tensor& qgkv, at::Tensor& out,
+                               const std::optional<at::Tensor>& out_q, const std::optional<at::Tensor>& out_q_lo,
+                               const std::optional<at::Tensor>& out_d) {
+  const int64_t width = num_heads * head_dim;
+  QWEN38_CHECK(qgkv.device() == device && qgkv.scalar_type() == at::kFloat && qgkv.dim() == 2 && qgkv.stride(1) == 1,
+              op, ": qgkv must be float32 2-D [T, n] with a contiguous last dimension on ", device, ", found ",
+              qgkv.scalar_type(), " ", qgkv.sizes(), " strides ", qgkv.strides(), " on ", qgkv.device());
+  QWEN38_CHECK(qgkv.size(0) == num_tokens && qgkv.size(1) >= 2 * width, op, ": qgkv must be [T, >= Hq*2*hd] = [",
+              num_tokens, ", >= ", 2 * width, "], found ", qgkv.sizes());
+  QWEN38_CHECK(out.device() == device && out.scalar_type() == at::kFloat, op, ": out must be float32 on ", device,
+              ", found ", out.scalar_type(), " on ", out.device());
+  GateOutputs g;
+  g.qgkv = qgkv.data_ptr<float>();
+  g.qgkv_row_stride = qgkv.stride(0);
+  if (out.dim() == 3) {  // [T, Hq, hd]
+    QWEN38_CHECK(out.size(0) == num_tokens && out.size(1) == num_heads && out.size(2) == head_dim &&
+                    out.is_contiguous(),
+                op, ": a 3-D out must be contiguous [T, Hq, hd] = [", num_tokens, ", ", num_heads, ", ", head_dim,
+                "], found ", out.sizes());
+    g.out_row_stride = width;
+  } else {
+    QWEN38_CHECK(out.dim() == 2 && out.stride(1) == 1, op, ": out must be 2-D [rows, n] with a contiguous last "
+                "dimension, found sizes ", out.sizes(), " strides ", out.strides());
+    QWEN38_CHECK(out.size(0) == num_tokens && out.size(1) == width, op, ": out must be [T, Hq*hd] = [", num_tokens,
+                ", ", width, "], found ", out.sizes());
+    g.out_row_stride = out.stride(0);
+  }
+  g.out = out.data_ptr<float>();
+  QWEN38_CHECK(!out_q_lo.has_value() || out_q.has_value(), op, ": out_q_lo needs out_q (the two-word lane)");
+  QWEN38_CHECK(out_q.has_value() == out_d.has_value(), op, ": out_q and out_d come together");
+  if (out_q.has_value()) {
+    QWEN38_CHECK(width % 32 == 0, op, ": the quantized lanes need Hq*hd % 32 == 0, found ", width);
+    for (const at::Tensor* t : {&*out_q, out_q_lo.has_value() ? &*out_q_lo : &*out_q}) {
+      QWEN38_CHECK(t->device() == device && t->scalar_type() == at::kChar && t->dim() == 2 &&
+                      t->size(0) == num_tokens && t->size(1) == width && t->is_contiguous(),
+                  op, ": out_q and out_q_lo must be contiguous int8 [T, Hq*hd] = [", num_tokens, ", ", width,
+                  "] on ", device, ", found ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+    }
+    QWEN38_CHECK(out_d->device() == device && out_d->scalar_type() == at::kFloat && out_d->dim() == 2 &&
+                    out_d->size(0) == num_tokens && out_d->size(1) == width / 32 && out_d->is_contiguous(),
+                op, ": out_d must be contiguous float32 [T, Hq*hd/32] = [", num_tokens, ", ", width / 32, "] on ",
+                device, ", found ", out_d->scalar_type(), " ", out_d->sizes(), " on ", out_d->device());
+    g.out_q = out_q->data_ptr<int8_t>();
+    g.out_q_lo = out_q_lo.has_value() ? out_q_lo->data_ptr<int8_t>() : nullptr;
+    g.out_d = out_d->data_ptr<float>();
+  }
+  return g;
+}
+
+void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& positions,
+               double scale, at::Tensor& out, at::Tensor& workspace) {
+  constexpr const char* op = "attention";
+  const AttentionSizes n = check_attention_inputs(op, q, k_cache, v_cache, positions, workspace);
   QWEN38_CHECK_SAME_DEVICE("attention", q, out);
   QWEN38_CHECK_DTYPE("attention", out, at::kFloat);
   QWEN38_CHECK_CONTIGUOUS("attention", out);
   QWEN38_CHECK(out.sizes() == q.sizes(), op, ": out must be shaped like q ", q.sizes(), ", found ", out.sizes());
-  QWEN38_CHECK_SAME_DEVICE("attention", q, workspace);
-  QWEN38_CHECK_DTYPE("attention", workspace, at::kFloat);
-  QWEN38_CHECK_CONTIGUOUS("attention", workspace);
-  const int64_t needed = attention_workspace_numel((int)num_tokens, (int)num_heads, (int)head_dim);
-  QWEN38_CHECK(workspace.numel() >= needed, op, ": workspace must hold T * splits(T) * Hq * (hd + 2) = ", needed,
-              " floats (qwen38_ops.attention.workspace_numel), found ", workspace.numel());
 
   const c10::cuda::CUDAGuard guard(q.device());
   cudaError_t err;
   if (k_cache.scalar_type() == at::kFloat) {
     err = attention_launch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                                   positions.data_ptr<int32_t>(), (float)scale, out.data_ptr<float>(),
-                                  workspace.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads,
-                                  (int)head_dim, (int)max_seq, current_stream());
+                                  workspace.data_ptr<float>(), (int)n.num_tokens, (int)n.num_heads,
+                                  (int)n.num_kv_heads, (int)n.head_dim, (int)n.max_seq, current_stream());
   } else {
     err = attention_launch<__nv_bfloat16>(
         q.data_ptr<float>(), reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), positions.data_ptr<int32_t>(), (float)scale,
-        out.data_ptr<float>(), workspace.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads,
-        (int)head_dim, (int)max_seq, current_stream());
+        out.data_ptr<float>(), workspace.data_ptr<float>(), (int)n.num_tokens, (int)n.num_heads, (int)n.num_kv_heads,
+        (int)n.head_dim, (int)n.max_seq, current_stream());
+  }
+  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void attention_gated(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& positions, double scale, const at::Tensor& qgkv, at::Tensor& workspace,
+                     at::Tensor& out, const std::optional<at::Tensor>& out_q, const std::optional<at::Tensor>& out_q_lo,
+                     const std::optional<at::Tensor>& out_d) {
+  constexpr const char* op = "attention_gated";
+  const AttentionSizes n = check_attention_inputs(op, q, k_cache, v_cache, positions, workspace);
+  QWEN38_CHECK(n.num_tokens <= kAttentionSameSplitTokens, op, ": T must be at most ", kAttentionSameSplitTokens,
+              " (the decode step and the verify; longer inputs: attention_prefill, then attn_output_gate), found ",
+              n.num_tokens);
+  const GateOutputs gate =
+      check_gate_outputs(op, q.device(), n.num_tokens, n.num_heads, n.head_dim, qgkv, out, out_q, out_q_lo, out_d);
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  cudaError_t err;
+  if (k_cache.scalar_type() == at::kFloat) {
+    err = attention_gated_launch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                                        positions.data_ptr<int32_t>(), (float)scale, gate, workspace.data_ptr<float>(),
+                                        (int)n.num_tokens, (int)n.num_heads, (int)n.num_kv_heads, (int)n.head_dim,
+                                        (int)n.max_seq, current_stream());
+  } else {
+    err = attention_gated_launch<__nv_bfloat16>(
+        q.data_ptr<float>(), reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), positions.data_ptr<int32_t>(), (float)scale, gate,
+        workspace.data_ptr<float>(), (int)n.num_tokens, (int)n.num_heads, (int)n.num_kv_heads, (int)n.head_dim,
+        (int)n.max_seq, current_stream());
   }
   QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -122,51 +216,12 @@ void attn_output_gate(const at::Tensor& attn, const at::Tensor& qgkv, at::Tensor
   QWEN38_CHECK_CONTIGUOUS("attn_output_gate", attn);
   QWEN38_CHECK(attn.dim() == 3, op, ": attn must be [T, Hq, hd], found ", attn.sizes());
   const int64_t num_tokens = attn.size(0), num_heads = attn.size(1), head_dim = attn.size(2);
-  const int64_t width = num_heads * head_dim;
-  QWEN38_CHECK_SAME_DEVICE("attn_output_gate", attn, qgkv);
-  QWEN38_CHECK_DTYPE("attn_output_gate", qgkv, at::kFloat);
-  QWEN38_CHECK_ROWS("attn_output_gate", qgkv);
-  QWEN38_CHECK(qgkv.size(0) == num_tokens && qgkv.size(1) >= 2 * width, op, ": qgkv must be [T, >= Hq*2*hd] = [",
-              num_tokens, ", >= ", 2 * width, "], found ", qgkv.sizes());
-  QWEN38_CHECK_SAME_DEVICE("attn_output_gate", attn, out);
-  QWEN38_CHECK_DTYPE("attn_output_gate", out, at::kFloat);
-  int64_t out_row_stride;
-  if (out.dim() == 3) {  // [T, Hq, hd], as attn
-    QWEN38_CHECK(out.sizes() == attn.sizes() && out.is_contiguous(), op,
-                ": a 3-D out must be contiguous and shaped like attn ", attn.sizes(), ", found ", out.sizes());
-    out_row_stride = width;
-  } else {
-    QWEN38_CHECK_ROWS("attn_output_gate", out);
-    QWEN38_CHECK(out.size(0) == num_tokens && out.size(1) == width, op, ": out must be [T, Hq*hd] = [", num_tokens,
-                ", ", width, "], found ", out.sizes());
-    out_row_stride = out.stride(0);
-  }
-  QWEN38_CHECK(!out_q_lo.has_value() || out_q.has_value(), op, ": out_q_lo needs out_q (the two-word lane)");
-  QWEN38_CHECK(out_q.has_value() == out_d.has_value(), op, ": out_q and out_d come together");
-  int8_t* q_ptr = nullptr;
-  int8_t* q_lo_ptr = nullptr;
-  float* d_ptr = nullptr;
-  if (out_q.has_value()) {
-    QWEN38_CHECK(width % 32 == 0, op, ": the quantized lanes need Hq*hd % 32 == 0, found ", width);
-    for (const at::Tensor* t : {&*out_q, out_q_lo.has_value() ? &*out_q_lo : &*out_q}) {
-      QWEN38_CHECK(t->device() == attn.device() && t->scalar_type() == at::kChar && t->dim() == 2 &&
-                      t->size(0) == num_tokens && t->size(1) == width && t->is_contiguous(),
-                  op, ": out_q and out_q_lo must be contiguous int8 [T, Hq*hd] = [", num_tokens, ", ", width,
-                  "] on ", attn.device(), ", found ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
-    }
-    QWEN38_CHECK(out_d->device() == attn.device() && out_d->scalar_type() == at::kFloat && out_d->dim() == 2 &&
-                    out_d->size(0) == num_tokens && out_d->size(1) == width / 32 && out_d->is_contiguous(),
-                op, ": out_d must be contiguous float32 [T, Hq*hd/32] = [", num_tokens, ", ", width / 32, "] on ",
-                attn.device(), ", found ", out_d->scalar_type(), " ", out_d->sizes(), " on ", out_d->device());
-    q_ptr = out_q->data_ptr<int8_t>();
-    q_lo_ptr = out_q_lo.has_value() ? out_q_lo->data_ptr<int8_t>() : nullptr;
-    d_ptr = out_d->data_ptr<float>();
-  }
+  const GateOutputs gate =
+      check_gate_outputs(op, attn.device(), num_tokens, num_heads, head_dim, qgkv, out, out_q, out_q_lo, out_d);
 
   const c10::cuda::CUDAGuard guard(attn.device());
-  const cudaError_t err = attn_output_gate_launch(attn.data_ptr<float>(), qgkv.data_ptr<float>(), qgkv.stride(0),
-                                                  out.data_ptr<float>(), out_row_stride, q_ptr, q_lo_ptr, d_ptr,
-                                                  (int)num_tokens, (int)num_heads, (int)head_dim, current_stream());
+  const cudaError_t err = attn_output_gate_launch(attn.data_ptr<float>(), gate, (int)num_tokens, (int)num_heads,
+                                                  (int)head_dim, current_stream());
   QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 
@@ -176,5 +231,6 @@ void attn_output_gate(const at::Tensor& attn, const at::Tensor& qgkv, at::Tensor
 TORCH_LIBRARY_IMPL(qwen38, CUDA, m) {
   m.impl("attn_qk_norm_rope_store", &qwen38::attn_qk_norm_rope_store);
   m.impl("attention", &qwen38::attention);
+  m.impl("attention_gated", &qwen38::attention_gated);
   m.impl("attn_output_gate", &qwen38::attn_output_gate);
 }

@@ -434,17 +434,52 @@ attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k
   }
 }
 
+// The sigmoid output gate (attn_output_gate, and fused into the combine by attention_gated): out = attn *
+// sigmoid(gate), gate from qgkv's interleaved [query_h | gate_h] rows, plus the int8 / two-word int8 form the
+// o_proj GEMV reads. kNone: the combine writes attention's plain output.
+enum class GateLane { kNone, kFloat, kInt8, kInt8x2 };
+
+__device__ __forceinline__ float gate_of(const GateOutputs& g, int t, int c, int head_dim) {
+  const int head = c / head_dim, d = c - head * head_dim;
+  return g.qgkv[t * g.qgkv_row_stride + (int64_t)head * 2 * head_dim + head_dim + d];
+}
+
+// Value c of row t (flat index i = t * Hq*hd + c). The 32 lanes of the calling warp must hold one quantization
+// block (32 consecutive c of one row): its amax is a warp shuffle.
+template <GateLane kLane>
+__device__ __forceinline__ void store_gated(float attn, float gate, int t, int c, int64_t i, const GateOutputs& g) {
+  const float y = attn * (1.0f / (1.0f + expf(-gate)));
+  g.out[t * g.out_row_stride + c] = y;
+  if constexpr (kLane == GateLane::kInt8 || kLane == GateLane::kInt8x2) {
+    const float amax = quant_block_amax<32>(fabsf(y));
+    if constexpr (kLane == GateLane::kInt8) {
+      const Int8BlockScale scale = int8_block_scale(amax);
+      g.out_q[i] = int8_quantize(y, scale.inv_d);
+      if ((threadIdx.x & 31) == 0) g.out_d[i / kQuantBlock] = scale.stored_d;
+    } else {
+      const float s = int8x2_block_scale(amax);
+      int8_t hi, lo;
+      int8x2_quantize(y, s, hi, lo);
+      g.out_q[i] = hi;
+      g.out_q_lo[i] = lo;
+      if ((threadIdx.x & 31) == 0) g.out_d[i / kQuantBlock] = s;
+    }
+  }
+}
+
 // The fixed-order combine of the splits of one (token, query head): weights 2^(m_s - max m), summed in
 // split order. The per-split (m, l) pairs are fetched by one thread each into shared memory first, and
 // every partial accumulator a thread needs is in flight at once: the combine is latency-bound (its
 // data, <= 64 x Hq x hd floats, was just written to L2), so what counts is round trips to L2.
 constexpr int kCombineThreads = 256;
 
-template <int kHeadDim>
+// With a gate lane it also applies the output gate (attention_gated: one launch fewer a layer); a warp's 32
+// values of d are then one quantization block (head_dim % 32 == 0).
+template <int kHeadDim, GateLane kLane>
 __global__ void __launch_bounds__(kCombineThreads)
 attention_combine_kernel(const int32_t* __restrict__ positions, const float* __restrict__ ws_acc,
-                         const float* __restrict__ ws_ml, float* __restrict__ out, int num_heads, int max_seq,
-                         int num_splits, int tile_rows) {
+                         const float* __restrict__ ws_ml, float* __restrict__ out, GateOutputs gate, int num_heads,
+                         int max_seq, int num_splits, int tile_rows) {
   constexpr int head_dim = kHeadDim;  // compile-time, so the 64 partial addresses are immediate offsets
   __shared__ float split_max[kAttentionSplits], split_sum[kAttentionSplits], split_weight[kAttentionSplits];
   // PDL (pdl.cuh): nothing is read before the wait; the splits' partials are the predecessor's.
@@ -474,19 +509,36 @@ attention_combine_kernel(const int32_t* __restrict__ positions, const float* __r
     float part[kAttentionSplits];
 #pragma unroll
     for (int s = 0; s < kAttentionSplits; ++s) part[s] = s < active ? partials[s * head_dim] : 0.0f;
+    const int64_t i = ((int64_t)t * num_heads + head) * head_dim + d;
+    const float gate_value = kLane == GateLane::kNone ? 0.0f : gate_of(gate, t, head * head_dim + d, head_dim);
     float acc_all = 0.0f;
 #pragma unroll
     for (int s = 0; s < kAttentionSplits; ++s) {
       if (s < active) acc_all += part[s] * split_weight[s];
     }
-    out[((int64_t)t * num_heads + head) * head_dim + d] = acc_all / l_all;
+    if constexpr (kLane == GateLane::kNone) {
+      out[i] = acc_all / l_all;
+    } else {
+      store_gated<kLane>(acc_all / l_all, gate_value, t, head * head_dim + d, i, gate);
+    }
   }
 }
 
+template <int kHeadDim, GateLane kLane>
+cudaError_t launch_combine(dim3 grid, cudaStream_t stream, const int32_t* positions, const float* ws_acc,
+                           const float* ws_ml, float* out, const GateOutputs& gate, int num_heads, int max_seq,
+                           int num_splits, int tile_rows) {
+  return launch_maybe_pdl(attention_combine_kernel<kHeadDim, kLane>, grid, dim3(kCombineThreads), 0, stream,
+                          pdl_enabled(), positions, ws_acc, ws_ml, out, gate, num_heads, max_seq, num_splits,
+                          tile_rows);
+}
+
+// gate: null for attention's plain output, else the output gate fused into the combine (which then must run:
+// the caller guarantees more than one split).
 template <typename CacheT, int kHeadDim, int kGroup>
 cudaError_t launch_attention(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                             float scale, float* out, float* workspace, int num_tokens, int num_heads,
-                             int num_kv_heads, int max_seq, cudaStream_t stream) {
+                             float scale, float* out, const GateOutputs* gate, float* workspace, int num_tokens,
+                             int num_heads, int num_kv_heads, int max_seq, cudaStream_t stream) {
   using Split = GroupSplit<kGroup>;
   using Tile = AttnTile<CacheT, kHeadDim, Split::kRowWarps>;
   const int num_splits = attention_num_splits(num_tokens);
@@ -504,20 +556,27 @@ cudaError_t launch_attention(const float* q, const CacheT* k_cache, const CacheT
                          positions, scale * kLog2e, out, ws_acc, ws_ml, num_heads, num_kv_heads,
                          num_heads / num_kv_heads, max_seq, num_splits);
   if (err != cudaSuccess || num_splits == 1) return err;
-  return launch_maybe_pdl(attention_combine_kernel<kHeadDim>, dim3(num_heads, num_tokens), dim3(kCombineThreads), 0,
-                          stream, pdl_enabled(), positions, ws_acc, ws_ml, out, num_heads, max_seq, num_splits,
-                          Tile::kRows);
+  const dim3 combine_grid(num_heads, num_tokens);
+  const GateOutputs g = gate != nullptr ? *gate : GateOutputs{};
+#define QWEN38_COMBINE(LANE) \
+  launch_combine<kHeadDim, LANE>(combine_grid, stream, positions, ws_acc, ws_ml, out, g, num_heads, max_seq, \
+                                 num_splits, Tile::kRows)
+  if (gate == nullptr) return QWEN38_COMBINE(GateLane::kNone);
+  if (g.out_q == nullptr) return QWEN38_COMBINE(GateLane::kFloat);
+  if (g.out_q_lo == nullptr) return QWEN38_COMBINE(GateLane::kInt8);
+  return QWEN38_COMBINE(GateLane::kInt8x2);
+#undef QWEN38_COMBINE
 }
 
 template <typename CacheT, int kHeadDim>
 cudaError_t dispatch_group(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                           float scale, float* out, float* workspace, int num_tokens, int num_heads,
-                           int num_kv_heads, int max_seq, cudaStream_t stream) {
+                           float scale, float* out, const GateOutputs* gate, float* workspace, int num_tokens,
+                           int num_heads, int num_kv_heads, int max_seq, cudaStream_t stream) {
   // Group sizes share an instance rounded up (the surplus heads are computed on zeros and never written):
   // 1, 2, 4 (3, 4), 6 (5, 6: the 27B model), 8 (7, 8).
   const int group = num_heads / num_kv_heads;
 #define QWEN38_ATTN_GROUP(G)                                                                                 \
-  return launch_attention<CacheT, kHeadDim, G>(q, k_cache, v_cache, positions, scale, out, workspace,       \
+  return launch_attention<CacheT, kHeadDim, G>(q, k_cache, v_cache, positions, scale, out, gate, workspace, \
                                                num_tokens, num_heads, num_kv_heads, max_seq, stream)
   if (group <= 1) QWEN38_ATTN_GROUP(1);
   if (group <= 2) QWEN38_ATTN_GROUP(2);
@@ -530,13 +589,9 @@ cudaError_t dispatch_group(const float* q, const CacheT* k_cache, const CacheT* 
 // ---------------------------------------------------------------------------------------------------
 // attn_output_gate. One thread per output value and one warp per 32-value quantization block, so the
 // block's amax is a warp shuffle (requires Hq*hd % 32 == 0 when quantizing, checked by the binding).
-enum class GateLane { kFloat, kInt8, kInt8x2 };
-
 template <GateLane kLane>
-__global__ void attn_output_gate_kernel(const float* __restrict__ attn, const float* __restrict__ qgkv,
-                                        int64_t qgkv_row_stride, float* __restrict__ out, int64_t out_row_stride,
-                                        int8_t* __restrict__ out_q, int8_t* __restrict__ out_q_lo,
-                                        float* __restrict__ out_d, int num_tokens, int num_heads, int head_dim) {
+__global__ void attn_output_gate_kernel(const float* __restrict__ attn, GateOutputs g, int num_tokens, int num_heads,
+                                        int head_dim) {
   const int width = num_heads * head_dim;
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (int64_t)num_tokens * width) return;  // whole warps: width % 32 == 0 on the quantized lanes
@@ -544,25 +599,7 @@ __global__ void attn_output_gate_kernel(const float* __restrict__ attn, const fl
   pdl_allow_successor();
   pdl_wait_for_predecessor();
   const int t = (int)(i / width), c = (int)(i - (int64_t)t * width);
-  const int head = c / head_dim, d = c - head * head_dim;
-  const float gate = qgkv[t * qgkv_row_stride + (int64_t)head * 2 * head_dim + head_dim + d];
-  const float y = attn[i] * (1.0f / (1.0f + expf(-gate)));
-  out[t * out_row_stride + c] = y;
-  if constexpr (kLane != GateLane::kFloat) {
-    const float amax = quant_block_amax<32>(fabsf(y));
-    if constexpr (kLane == GateLane::kInt8) {
-      const Int8BlockScale scale = int8_block_scale(amax);
-      out_q[i] = int8_quantize(y, scale.inv_d);
-      if ((threadIdx.x & 31) == 0) out_d[i / kQuantBlock] = scale.stored_d;
-    } else {
-      const float s = int8x2_block_scale(amax);
-      int8_t hi, lo;
-      int8x2_quantize(y, s, hi, lo);
-      out_q[i] = hi;
-      out_q_lo[i] = lo;
-      if ((threadIdx.x & 31) == 0) out_d[i / kQuantBlock] = s;
-    }
-  }
+  store_gated<kLane>(attn[i], gate_of(g, t, c, head_dim), t, c, i, g);
 }
 
 }  // namespace
@@ -583,16 +620,17 @@ cudaError_t attn_qk_norm_rope_store_launch(const float* qgkv, int64_t qgkv_row_s
                           num_kv_heads, head_dim, max_seq);
 }
 
+// attention_launch and attention_gated_launch: gate null for the plain output.
 template <typename CacheT>
-cudaError_t attention_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                             float scale, float* out, float* workspace, int num_tokens, int num_heads,
-                             int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream) {
+cudaError_t dispatch_head_dim(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
+                              float scale, float* out, const GateOutputs* gate, float* workspace, int num_tokens,
+                              int num_heads, int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kAttentionMaxGroup)
     return cudaErrorInvalidValue;
 #define QWEN38_ATTN_HEAD_DIM(D)                                                                              \
   case D:                                                                                                     \
-    return dispatch_group<CacheT, D>(q, k_cache, v_cache, positions, scale, out, workspace, num_tokens,      \
+    return dispatch_group<CacheT, D>(q, k_cache, v_cache, positions, scale, out, gate, workspace, num_tokens,\
                                      num_heads, num_kv_heads, max_seq, stream);
   switch (head_dim) {
     QWEN38_ATTN_HEAD_DIM(32)
@@ -604,18 +642,35 @@ cudaError_t attention_launch(const float* q, const CacheT* k_cache, const CacheT
   }
 }
 
-cudaError_t attn_output_gate_launch(const float* attn, const float* qgkv, int64_t qgkv_row_stride, float* out,
-                                    int64_t out_row_stride, int8_t* out_q, int8_t* out_q_lo, float* out_d,
-                                    int num_tokens, int num_heads, int head_dim, cudaStream_t stream) {
+template <typename CacheT>
+cudaError_t attention_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
+                             float scale, float* out, float* workspace, int num_tokens, int num_heads,
+                             int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream) {
+  return dispatch_head_dim(q, k_cache, v_cache, positions, scale, out, nullptr, workspace, num_tokens, num_heads,
+                           num_kv_heads, head_dim, max_seq, stream);
+}
+
+template <typename CacheT>
+cudaError_t attention_gated_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache,
+                                   const int32_t* positions, float scale, const GateOutputs& gate, float* workspace,
+                                   int num_tokens, int num_heads, int num_kv_heads, int head_dim, int max_seq,
+                                   cudaStream_t stream) {
+  if (num_tokens > kAttentionSameSplitTokens || head_dim % 32 != 0) return cudaErrorInvalidValue;
+  return dispatch_head_dim(q, k_cache, v_cache, positions, scale, nullptr, &gate, workspace, num_tokens, num_heads,
+                           num_kv_heads, head_dim, max_seq, stream);
+}
+
+cudaError_t attn_output_gate_launch(const float* attn, const GateOutputs& gate, int num_tokens, int num_heads,
+                                    int head_dim, cudaStream_t stream) {
   const int64_t n = (int64_t)num_tokens * num_heads * head_dim;
   if (n <= 0) return cudaSuccess;
   const int threads = 256;
   const unsigned blocks = (unsigned)((n + threads - 1) / threads);
-  auto kernel = out_q == nullptr      ? attn_output_gate_kernel<GateLane::kFloat>
-                : out_q_lo == nullptr ? attn_output_gate_kernel<GateLane::kInt8>
-                                      : attn_output_gate_kernel<GateLane::kInt8x2>;
-  return launch_maybe_pdl(kernel, dim3(blocks), dim3(threads), 0, stream, pdl_enabled(), attn, qgkv, qgkv_row_stride,
-                          out, out_row_stride, out_q, out_q_lo, out_d, num_tokens, num_heads, head_dim);
+  auto kernel = gate.out_q == nullptr      ? attn_output_gate_kernel<GateLane::kFloat>
+                : gate.out_q_lo == nullptr ? attn_output_gate_kernel<GateLane::kInt8>
+                                           : attn_output_gate_kernel<GateLane::kInt8x2>;
+  return launch_maybe_pdl(kernel, dim3(blocks), dim3(threads), 0, stream, pdl_enabled(), attn, gate, num_tokens,
+                          num_heads, head_dim);
 }
 
 template cudaError_t attn_qk_norm_rope_store_launch<float>(const float*, int64_t, const float*, const float*,
@@ -630,5 +685,10 @@ template cudaError_t attention_launch<float>(const float*, const float*, const f
 template cudaError_t attention_launch<__nv_bfloat16>(const float*, const __nv_bfloat16*, const __nv_bfloat16*,
                                                      const int32_t*, float, float*, float*, int, int, int, int, int,
                                                      cudaStream_t);
+template cudaError_t attention_gated_launch<float>(const float*, const float*, const float*, const int32_t*, float,
+                                                   const GateOutputs&, float*, int, int, int, int, int, cudaStream_t);
+template cudaError_t attention_gated_launch<__nv_bfloat16>(const float*, const __nv_bfloat16*, const __nv_bfloat16*,
+                                                           const int32_t*, float, const GateOutputs&, float*, int, int,
+                                                           int, int, int, cudaStream_t);
 
 }  // namespace qwen38

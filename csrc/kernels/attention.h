@@ -1,6 +1,6 @@
 // Gated full attention kernels: per-head QK RMSNorm + partial NEOX RoPE + KV-cache store at the
 // device-held position, split-K causal flash-decode over the cache (GQA) with a fixed-order combine, and
-// the sigmoid output gate (with the optional int8 / two-word int8 activation outputs). Host launchers take
+// the sigmoid output gate (with the optional int8 / two-word int8 activation outputs), alone or in the combine. Host launchers take
 // raw device pointers, sizes and a stream; they launch asynchronously and return the cudaError_t.
 // Layouts are those of csrc/bindings.cpp. The cache element type is float or __nv_bfloat16.
 #pragma once
@@ -50,11 +50,30 @@ cudaError_t attention_launch(const float* q, const CacheT* k_cache, const CacheT
                              float scale, float* out, float* workspace, int num_tokens, int num_heads,
                              int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream);
 
-// attn [T, Hq*hd] contiguous, gate = qgkv's interleaved gate halves (row stride qgkv_row_stride),
-// out [T, Hq*hd] (row stride out_row_stride). out_q (and out_q_lo for the two-word lane) int8 [T, Hq*hd]
-// and out_d float32 [T, Hq*hd/32], contiguous, when not null; Hq*hd % 32 == 0 then.
-cudaError_t attn_output_gate_launch(const float* attn, const float* qgkv, int64_t qgkv_row_stride, float* out,
-                                    int64_t out_row_stride, int8_t* out_q, int8_t* out_q_lo, float* out_d,
-                                    int num_tokens, int num_heads, int head_dim, cudaStream_t stream);
+// The sigmoid output gate's operands: out [T, Hq*hd] = attn * sigmoid(gate), the gate read from qgkv's
+// interleaved [query_h | gate_h] halves (row stride qgkv_row_stride); out row stride out_row_stride. out_q (and
+// out_q_lo for the two-word lane) int8 [T, Hq*hd] and out_d float32 [T, Hq*hd/32], contiguous, when not null;
+// Hq*hd % 32 == 0 then.
+struct GateOutputs {
+  const float* qgkv = nullptr;
+  int64_t qgkv_row_stride = 0;
+  float* out = nullptr;
+  int64_t out_row_stride = 0;
+  int8_t* out_q = nullptr;
+  int8_t* out_q_lo = nullptr;
+  float* out_d = nullptr;
+};
+
+// attention_launch, then the output gate applied in its split-K combine (one launch fewer): the decode step and
+// the verify, T <= kAttentionSameSplitTokens (so the combine always runs), head_dim % 32 == 0.
+template <typename CacheT>
+cudaError_t attention_gated_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache,
+                                   const int32_t* positions, float scale, const GateOutputs& gate, float* workspace,
+                                   int num_tokens, int num_heads, int num_kv_heads, int head_dim, int max_seq,
+                                   cudaStream_t stream);
+
+// attn [T, Hq, hd] contiguous.
+cudaError_t attn_output_gate_launch(const float* attn, const GateOutputs& gate, int num_tokens, int num_heads,
+                                    int head_dim, cudaStream_t stream);
 
 }  // namespace qwen38

@@ -79,6 +79,15 @@ def attention(q, k_cache, v_cache, positions, scale, out, workspace) -> None:
         out[start:end] = block.reshape(end - start, num_heads, head_dim)
 
 
+def attention_gated(q, k_cache, v_cache, positions, scale, qgkv, workspace, out, out_q=None, out_q_lo=None,
+                    out_d=None) -> None:
+    """attention, then attn_output_gate on its float32 output: what the CUDA kernel computes with the gate
+    applied in its split-K combine."""
+    attn = torch.empty(q.shape, dtype=out.dtype, device=q.device)
+    attention(q, k_cache, v_cache, positions, scale, attn, workspace)
+    attn_output_gate(attn, qgkv, out, out_q, out_q_lo, out_d)
+
+
 def attn_output_gate(attn, qgkv, out, out_q=None, out_q_lo=None, out_d=None) -> None:
     num_tokens, num_heads, head_dim = attn.shape
     gate = qgkv[:, : 2 * num_heads * head_dim].reshape(num_tokens, num_heads, 2 * head_dim)[..., head_dim:]

@@ -69,6 +69,8 @@ def test_opcheck_cpu():
     torch.library.opcheck(ops.attn_output_gate.default, (out, qgkv, gated, None, None, None))
     out_q, out_d = torch.empty(T, width, dtype=torch.int8), torch.empty(T, width // 32)
     torch.library.opcheck(ops.attn_output_gate.default, (out, qgkv, gated, out_q, None, out_d))
+    torch.library.opcheck(ops.attention_gated.default,
+                          (q_out, k_cache, v_cache, positions, hd**-0.5, qgkv, workspace, gated, out_q, None, out_d))
 
 
 def test_qk_norm_rope_reference_vs_complex_rotation():
@@ -310,8 +312,9 @@ def test_layer_graph_replay_bitwise_pdl_on_and_off(tmp_path):
 
 
 def check_layer_graph_replay_bitwise():
-    """store -> attention (split-K + combine) -> gate (int8 lane), launched back to back, captured once and
-    replayed at a moved position == eager, for both cache dtypes; saves the eager results."""
+    """store -> attention (split-K + combine) -> gate (int8 lane) -> attention_gated, launched back to back,
+    captured once and replayed at a moved position == eager, for both cache dtypes; the fused op equals the
+    two; saves the eager results."""
     from safetensors.torch import save_file
 
     hq, hkv, hd, rd = M27B
@@ -324,6 +327,8 @@ def check_layer_graph_replay_bitwise():
                     attn=torch.empty(1, hq, hd, device="cuda"), out=torch.empty(1, hq * hd, device="cuda"),
                     out_q=torch.empty(1, hq * hd, dtype=torch.int8, device="cuda"),
                     out_d=torch.empty(1, hq * hd // 32, device="cuda"))
+        bufs.update(fused=torch.empty_like(bufs["out"]), fused_q=torch.empty_like(bufs["out_q"]),
+                    fused_d=torch.empty_like(bufs["out_d"]))
         positions = torch.tensor([100], dtype=torch.int32, device="cuda")
         workspace = torch.empty(workspace_numel(1, hq, hd), device="cuda")
 
@@ -332,13 +337,16 @@ def check_layer_graph_replay_bitwise():
                                         bufs["v"])
             ops.attention(bufs["q"], bufs["k"], bufs["v"], positions, hd**-0.5, bufs["attn"], workspace)
             ops.attn_output_gate(bufs["attn"], qgkv, bufs["out"], bufs["out_q"], None, bufs["out_d"])
+            ops.attention_gated(bufs["q"], bufs["k"], bufs["v"], positions, hd**-0.5, qgkv, workspace,
+                                bufs["fused"], bufs["fused_q"], None, bufs["fused_d"])
 
         def reset():
             bufs["k"].copy_(k0)
             bufs["v"].copy_(v0)
-            for name in ("q", "attn", "out", "out_d"):
+            for name in ("q", "attn", "out", "out_d", "fused", "fused_d"):
                 bufs[name].fill_(float("nan"))
             bufs["out_q"].fill_(0x7F)
+            bufs["fused_q"].fill_(0x7F)
 
         graph = capture_graph(step)
         positions.fill_(517)
@@ -352,6 +360,8 @@ def check_layer_graph_replay_bitwise():
             assert torch.equal(bufs[name], eager[name]), (cache_dtype, name)
             results[f"{str(cache_dtype).split('.')[-1]}_{name}"] = eager[name].cpu()
         assert torch.isfinite(eager["out"]).all()
+        for name in ("", "_q", "_d"):  # the gate in the combine: the bits of the separate gate
+            assert torch.equal(eager[f"fused{name}"], eager[f"out{name}"]), (cache_dtype, name)
     save_file(results, os.environ["QWEN38_TEST_OUT"])
 
 
@@ -391,6 +401,61 @@ def test_output_gate_cuda(shape, T, lane):
     assert torch.equal(out_d.cpu(), d)
 
 
+GATED_CASES = [  # (Hq, Hkv, hd, T, last position): the 27B shape (decode, verify of 3 and of 8 rows), the
+    # oracle, odd head counts and the smallest head_dim
+    (24, 4, 256, 1, 4999),
+    (24, 4, 256, 3, 77),
+    (24, 4, 256, 8, 2000),
+    (4, 2, 32, 2, 40),
+    (5, 1, 64, 1, 999),
+    (6, 3, 128, 5, 300),
+]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("case", GATED_CASES, ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_T{c[3]}_p{c[4]}")
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("lane", ["f32", "int8", "int8x2"])
+def test_attention_gated_cuda_equals_attention_then_gate(case, cache_dtype, lane):
+    """The gate applied in the combine gives the bits of attention followed by attn_output_gate (same float
+    expressions, same order), every output poisoned first; and the float output is within the float64
+    reference's bound."""
+    assert_cuda_kernel("attention_gated")
+    hq, hkv, hd, T, last = case
+    width = hq * hd
+    max_seq = last + 9
+    positions = torch.arange(last - T + 1, last + 1, dtype=torch.int32)
+    k_cache, v_cache = make_cache(max_seq, hkv, hd, cache_dtype, seed=hd + T, poison_from=last + 1)
+    q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
+    qgkv, _, _ = make_qgkv(T, hq, hkv, hd, seed=T + 1)
+    args = (q.cuda(), k_cache.cuda(), v_cache.cuda(), positions.cuda(), hd**-0.5)
+
+    def outputs():
+        out = rows_view(torch.full((T, width), float("nan"), device="cuda"))
+        if lane == "f32":
+            return out, None, None, None
+        out_q = torch.full((T, width), 0x7F, dtype=torch.int8, device="cuda")
+        out_q_lo = torch.full((T, width), 0x7F, dtype=torch.int8, device="cuda") if lane == "int8x2" else None
+        return out, out_q, out_q_lo, torch.full((T, width // 32), float("nan"), device="cuda")
+
+    workspace = torch.full((workspace_numel(T, hq, hd),), float("nan"), device="cuda")
+    attn = torch.full((T, hq, hd), float("nan"), device="cuda")
+    ops.attention(*args, attn, workspace)
+    unfused = outputs()
+    ops.attn_output_gate(attn, rows_view(qgkv.cuda()), *unfused)
+    workspace.fill_(float("nan"))
+    fused = outputs()
+    ops.attention_gated(*args, rows_view(qgkv.cuda()), workspace, *fused)
+    for name, got, want in zip(("out", "out_q", "out_q_lo", "out_d"), fused, unfused):
+        if want is not None:
+            assert torch.equal(got, want), name
+    expected = torch.empty(T, width, dtype=torch.float64)
+    ref.attention_gated(q.double(), k_cache.double(), v_cache.double(), positions, hd**-0.5, qgkv.double(), None,
+                        expected)
+    torch.testing.assert_close(fused[0].cpu().double(), expected, rtol=0, atol=2e-5)
+
+
 @cuda
 @needs_gpu
 def test_opcheck_cuda():
@@ -406,10 +471,11 @@ def test_opcheck_cuda():
     workspace = torch.empty(workspace_numel(T, hq, hd), device="cuda")
     torch.library.opcheck(ops.attention.default, (q_out, k_cache, v_cache, positions, hd**-0.5, out, workspace))
     width = hq * hd
-    torch.library.opcheck(ops.attn_output_gate.default,
-                          (out, qgkv, torch.empty(T, width, device="cuda"), torch.empty(T, width, dtype=torch.int8,
-                           device="cuda"), torch.empty(T, width, dtype=torch.int8, device="cuda"),
-                           torch.empty(T, width // 32, device="cuda")))
+    gate_outs = (torch.empty(T, width, device="cuda"), torch.empty(T, width, dtype=torch.int8, device="cuda"),
+                 torch.empty(T, width, dtype=torch.int8, device="cuda"), torch.empty(T, width // 32, device="cuda"))
+    torch.library.opcheck(ops.attn_output_gate.default, (out, qgkv, *gate_outs))
+    torch.library.opcheck(ops.attention_gated.default,
+                          (q_out, k_cache, v_cache, positions, hd**-0.5, qgkv, workspace, *gate_outs))
 
 
 def check_bad_inputs():
@@ -466,6 +532,23 @@ def check_bad_inputs():
     progress()
     with pytest.raises(RuntimeError, match="attn_output_gate"):
         ops.attn_output_gate(out.cpu(), qgkv, torch.empty(T, width, device="cuda"), None, None, None)
+    progress()
+    rows = 9  # one past the decode step's same-split rows
+    q9 = torch.zeros(rows, hq, hd, device="cuda")
+    with pytest.raises(RuntimeError, match="attention_gated: T must be at most 8"):
+        ops.attention_gated(q9, k_cache, v_cache, torch.zeros(rows, dtype=torch.int32, device="cuda"), 0.1,
+                            torch.zeros(rows, qgkv.shape[1], device="cuda"),
+                            torch.empty(workspace_numel(rows, hq, hd), device="cuda"),
+                            torch.empty(rows, width, device="cuda"), None, None, None)
+    progress()
+    with pytest.raises(RuntimeError, match="attention_gated: out_q and out_d come together"):
+        ops.attention_gated(q_out, k_cache, v_cache, positions, 0.1, qgkv, workspace,
+                            torch.empty(T, width, device="cuda"),
+                            torch.empty(T, width, dtype=torch.int8, device="cuda"), None, None)
+    progress()
+    with pytest.raises(RuntimeError, match="attention_gated: qgkv must be"):
+        ops.attention_gated(q_out, k_cache, v_cache, positions, 0.1, qgkv[:, :width], workspace,
+                            torch.empty(T, width, device="cuda"), None, None, None)
 
 
 @cuda
