@@ -55,6 +55,11 @@ def patched_copy(src, dst, offset: int, data: bytes):
     return dst
 
 
+def relabelled(src, dst, name: str, ggml_type: str):
+    """A copy of src whose tensor `name` claims another ggml type (its directory entry only, not its bytes)."""
+    return patched_copy(src, dst, tensor_position(src, name, "type"), u32(gguf.GGMLQuantizationType[ggml_type]))
+
+
 def u32(value: int) -> bytes:
     return struct.pack("<I", value)
 
@@ -195,8 +200,7 @@ def test_tensor_info_limits(oracle_dir, tmp_path):
     with pytest.raises(CheckpointError, match=r"type\.gguf: tensor 'blk\.0\.ssm_norm\.weight' has ggml type 1000, not "
                                               r"a ggml type"):
         load(path)
-    path = patched_copy(src, tmp_path / "block.gguf", tensor_position(src, "blk.1.ssm_a", "type"),
-                        u32(gguf.GGMLQuantizationType.Q8_0))
+    path = relabelled(src, tmp_path / "block.gguf", "blk.1.ssm_a", "Q8_0")
     with pytest.raises(CheckpointError, match=r"block\.gguf: tensor 'blk\.1\.ssm_a' of ggml type Q8_0 has rows of 6 "
                                               r"values, not a multiple of its block of 32"):
         load(path)
@@ -226,8 +230,7 @@ def test_q8_0_relabelled(oracle_dir, tmp_path, new_type):
     """Relabelled, the tensor's bytes no longer fill its slot: the next tensor's offset gives it away."""
     src = oracle_dir / "mini-q8_0.gguf"
     name = "blk.0.ffn_up.weight"
-    path = patched_copy(src, tmp_path / "r.gguf", tensor_position(src, name, "type"),
-                        u32(gguf.GGMLQuantizationType[new_type]))
+    path = relabelled(src, tmp_path / "r.gguf", name, new_type)
     with pytest.raises(CheckpointError, match=rf"r\.gguf: tensor '.*' starts at data offset \d+, expected \d+: the "
                                               rf"previous tensor '{name}' \({new_type}, ne \[128, 320\]"):
         load(path)
@@ -235,8 +238,7 @@ def test_q8_0_relabelled(oracle_dir, tmp_path, new_type):
 
 def test_f32_relabelled_f16(oracle_dir, tmp_path):
     src = oracle_dir / "mini-f32.gguf"
-    path = patched_copy(src, tmp_path / "r.gguf", tensor_position(src, "output.weight", "type"),
-                        u32(gguf.GGMLQuantizationType.F16))
+    path = relabelled(src, tmp_path / "r.gguf", "output.weight", "F16")
     with pytest.raises(CheckpointError, match=r"r\.gguf: .*the previous tensor 'output\.weight' \(F16"):
         load(path)
 
@@ -244,8 +246,7 @@ def test_f32_relabelled_f16(oracle_dir, tmp_path):
 def test_small_tensor_relabelled_within_its_padding(oracle_dir, tmp_path):
     """ssm_a [6] is 24 bytes as F32, 12 as BF16: both fit the 32-byte padded slot (found by the fuzz test)."""
     src = oracle_dir / "mini-f32.gguf"
-    path = patched_copy(src, tmp_path / "r.gguf", tensor_position(src, "blk.1.ssm_a", "type"),
-                        u32(gguf.GGMLQuantizationType.BF16))
+    path = relabelled(src, tmp_path / "r.gguf", "blk.1.ssm_a", "BF16")
     with pytest.raises(CheckpointError, match=r"r\.gguf: tensor 'blk\.1\.ssm_a' has ggml type BF16, expected F32"):
         load(path)
 
@@ -253,8 +254,7 @@ def test_small_tensor_relabelled_within_its_padding(oracle_dir, tmp_path):
 def test_unsupported_ggml_type(oracle_dir, tmp_path):
     src = oracle_dir / "mini-f32.gguf"
     name = "blk.0.ffn_up.weight"  # as I32 the same dims fill the same bytes, so the file parses
-    path = patched_copy(src, tmp_path / "i32.gguf", tensor_position(src, name, "type"),
-                        u32(gguf.GGMLQuantizationType.I32))
+    path = relabelled(src, tmp_path / "i32.gguf", name, "I32")
     with pytest.raises(CheckpointError, match=r"i32\.gguf: tensor 'blk\.0\.ffn_up\.weight' has ggml type I32"):
         load(path)
 

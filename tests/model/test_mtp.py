@@ -116,6 +116,20 @@ def poisoned_state(model, length: int):
     return state
 
 
+def mtp_row_by_row(model, ids, state, scratch):
+    """The trunk over ids [1, T] on state, then the MTP block one pair (h_t, x_{t+1}) at a time (decode
+    attention, the GEMV: the speculative engine's draft call). Returns the T-1 rows of MTP logits, and the
+    last call's act and the positions (for a further draft step)."""
+    tokens = ids[0].to(model.device, torch.int32)
+    positions = state.reserve(tokens.shape[0])
+    normed = model.final_norm(*model.trunk(tokens, positions, state, scratch), scratch).x.clone()
+    rows = []
+    for t in range(tokens.shape[0] - 1):
+        act = model.mtp(normed[t : t + 1], tokens[t + 1 : t + 2], positions[t : t + 1], state.mtp_cache, scratch)
+        rows.append(model.lm_head(act, scratch).clone())
+    return torch.cat(rows), act, positions
+
+
 # --------------------------------------------------------------------------------------------------
 # f32 path vs transformers
 # --------------------------------------------------------------------------------------------------
@@ -193,14 +207,8 @@ def test_draft_steps_through_the_block_api(f32_model, ids):
     full = f32_model(ids, return_mtp_logits=True).mtp_logits[0]
     scratch = Scratch("cpu")
     state = poisoned_state(f32_model, PROMPT_LENGTH + 1)
-    tokens = ids[0].to(torch.int32)
-    positions = state.reserve(PROMPT_LENGTH)
-    normed = f32_model.final_norm(*f32_model.trunk(tokens, positions, state, scratch), scratch).x.clone()
-    rows = []
-    for t in range(PROMPT_LENGTH - 1):
-        act = f32_model.mtp(normed[t : t + 1], tokens[t + 1 : t + 2], positions[t : t + 1], state.mtp_cache, scratch)
-        rows.append(f32_model.lm_head(act, scratch).clone())
-    err = rel_l2(torch.cat(rows), full)
+    rows, act, positions = mtp_row_by_row(f32_model, ids, state, scratch)
+    err = rel_l2(rows, full)
     print(f"MTPBlock.forward row by row vs teacher-forced: rel L2 {err:.2e}")
     assert err <= 1e-6
     # The last row drafted token T from (h_{T-2}, x_{T-1}) at T-2; the next draft step pairs the block's own
@@ -403,16 +411,8 @@ def test_mtp_on_gpu(files, ids, lane):
     print(f"GPU {lane}: MTP rel L2 {err:.2e} vs dequantized f32 on CPU (trunk logits {trunk_err:.2e})")
     assert err <= {"f32": 1e-5, "int8x2": 1e-3, "int8": max(2 * trunk_err, 1e-3)}[lane]
 
-    scratch = Scratch("cuda")
-    state = poisoned_state(model, PROMPT_LENGTH)
-    tokens = ids[0].to("cuda", torch.int32)
-    positions = state.reserve(PROMPT_LENGTH)
-    normed = model.final_norm(*model.trunk(tokens, positions, state, scratch), scratch).x.clone()
-    rows = []
-    for t in range(PROMPT_LENGTH - 1):
-        act = model.mtp(normed[t : t + 1], tokens[t + 1 : t + 2], positions[t : t + 1], state.mtp_cache, scratch)
-        rows.append(model.lm_head(act, scratch).clone())
-    step_err = rel_l2(torch.cat(rows), out.mtp_logits[0])
+    rows, _, _ = mtp_row_by_row(model, ids, poisoned_state(model, PROMPT_LENGTH), Scratch("cuda"))
+    step_err = rel_l2(rows, out.mtp_logits[0])
     print(f"GPU {lane}: MTPBlock.forward row by row vs teacher-forced: rel L2 {step_err:.2e}")
     # int8: GEMV and GEMM may round a later activation to the other q8_0 level (test_cuda_decode.py).
     assert step_err <= {"f32": 1e-5, "int8x2": 1e-3, "int8": max(2 * trunk_err, 1e-3)}[lane]
@@ -436,15 +436,7 @@ def test_mtp_at_the_27b_shape_on_gpu(lane, bar):
     ids = torch.randint(0, config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
     out = model(ids, state=poisoned_state(model, 6), return_mtp_logits=True)
     assert bool(torch.isfinite(out.mtp_logits).all())
-    scratch = Scratch("cuda")
-    state = poisoned_state(model, 6)
-    tokens = ids[0].to("cuda", torch.int32)
-    positions = state.reserve(6)
-    normed = model.final_norm(*model.trunk(tokens, positions, state, scratch), scratch).x.clone()
-    rows = []
-    for t in range(5):
-        act = model.mtp(normed[t : t + 1], tokens[t + 1 : t + 2], positions[t : t + 1], state.mtp_cache, scratch)
-        rows.append(model.lm_head(act, scratch).clone())
-    err = rel_l2(torch.cat(rows), out.mtp_logits[0])
+    rows, _, _ = mtp_row_by_row(model, ids, poisoned_state(model, 6), Scratch("cuda"))
+    err = rel_l2(rows, out.mtp_logits[0])
     print(f"GPU 27B shape, {lane}: MTP row by row vs teacher-forced: rel L2 {err:.2e}")
     assert err <= bar

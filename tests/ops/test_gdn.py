@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import gdn as ref
 
-from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, cuda, needs_gpu, progress,
-                          rows_view, run_in_child)
+from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, child_env, cuda, needs_gpu,
+                          progress, rows_view, run_in_child)
 
 ops = torch.ops.qwen38
 
@@ -653,18 +653,12 @@ def test_verify_27b_equals_decode_steps(T, gates, view):
     assert torch.isfinite(out).all() and torch.isfinite(tokens).all()
 
 
-def pdl_preamble(pdl: str) -> str:
-    """A run_in_child preamble: QWEN38_PDL is read once per process (csrc/kernels/pdl.cuh), so each setting
-    runs in its own child."""
-    return f"import os\nos.environ['QWEN38_PDL'] = {pdl!r}\n"
-
-
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
 def test_back_to_back_recurrent_on_one_state(pdl):
     """check_back_to_back_recurrent_on_one_state with programmatic dependent launch on and off (children)."""
-    run_in_child(__file__, "check_back_to_back_recurrent_on_one_state", preamble=pdl_preamble(pdl))
+    run_in_child(__file__, "check_back_to_back_recurrent_on_one_state", preamble=child_env(QWEN38_PDL=pdl))
 
 
 def check_back_to_back_recurrent_on_one_state():
@@ -707,7 +701,7 @@ def check_back_to_back_recurrent_on_one_state():
 def test_deterministic_and_graph_replay_bitwise(pdl):
     """check_deterministic_and_graph_replay_bitwise with programmatic dependent launch on and off (children):
     a decode step, a 100-token prompt (the chunked kernel) and an 8-token verify with per-token states."""
-    run_in_child(__file__, "check_deterministic_and_graph_replay_bitwise", preamble=pdl_preamble(pdl))
+    run_in_child(__file__, "check_deterministic_and_graph_replay_bitwise", preamble=child_env(QWEN38_PDL=pdl))
 
 
 def check_deterministic_and_graph_replay_bitwise():

@@ -15,7 +15,8 @@ import torch
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.gdn_step import MAX_TOKENS
 
-from cuda_helpers import TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, cuda, needs_gpu, progress, run_in_child
+from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, child_env, cuda, needs_gpu, progress,
+                          run_in_child)
 
 ops = torch.ops.qwen38
 NAN = float("nan")
@@ -273,17 +274,12 @@ def test_one_launch():
                                                                         for n in names), names
 
 
-def pdl_preamble(pdl: str) -> str:
-    """QWEN38_PDL is read once per process (csrc/kernels/pdl.cuh): each setting runs in its own child."""
-    return f"import os\nos.environ['QWEN38_PDL'] = {pdl!r}\n"
-
-
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
 def test_back_to_back_and_graph_replay(pdl):
     """check_back_to_back_and_graph_replay with programmatic dependent launch on and off (children)."""
-    run_in_child(__file__, "check_back_to_back_and_graph_replay", preamble=pdl_preamble(pdl))
+    run_in_child(__file__, "check_back_to_back_and_graph_replay", preamble=child_env(QWEN38_PDL=pdl))
 
 
 def check_back_to_back_and_graph_replay():

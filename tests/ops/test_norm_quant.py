@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import norm_quant as ref
 
-from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
+from cuda_helpers import capture_graph, child_env, cuda, needs_gpu, run_in_child
 
 ops = torch.ops.qwen38
 EPS = 1e-6
@@ -283,8 +283,7 @@ def check_deterministic_and_graph_replay_bitwise():
 def test_cuda_deterministic_and_graph_replay_bitwise(pdl):
     """check_deterministic_and_graph_replay_bitwise with PDL on and off: QWEN38_PDL is read once per process
     (csrc/kernels/pdl.cuh), so each setting runs in its own child."""
-    run_in_child(__file__, "check_deterministic_and_graph_replay_bitwise",
-                 f"import os\nos.environ['QWEN38_PDL'] = {pdl!r}\n")
+    run_in_child(__file__, "check_deterministic_and_graph_replay_bitwise", child_env(QWEN38_PDL=pdl))
 
 
 def check_bad_arguments():
