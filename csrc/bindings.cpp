@@ -107,8 +107,11 @@ TORCH_LIBRARY(qwen38, m) {
   m.def("attn_output_gate(Tensor attn, Tensor qgkv, Tensor(a!) out, Tensor(b!)? out_q, Tensor(c!)? out_q_lo, "
         "Tensor(d!)? out_d) -> ()");
 
-  // ---- sampling: token[0] = argmax(logits[V]) (lowest index among ties), position[0] += 1; both int32.
-  m.def("argmax_advance(Tensor logits, Tensor(a!) token, Tensor(b!) position) -> ()");
+  // ---- sampling: token[0] = argmax(logits[V]) (lowest index among ties), position[0] += 1; both int32. The
+  // sampler's bookkeeping when given: seen[token] = generated[token] = True (bool [V]), num_generated[0] += 1
+  // (int32 [1]), nonfinite[0] |= some logit is NaN or infinite (bool [1]).
+  m.def("argmax_advance(Tensor logits, Tensor(a!) token, Tensor(b!) position, Tensor(c!)? seen=None, "
+        "Tensor(d!)? generated=None, Tensor(e!)? num_generated=None, Tensor(f!)? nonfinite=None) -> ()");
 }
 
 // `import qwen38_ops._C` loads this library (and with it the registrations above); the module itself is

@@ -140,17 +140,18 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Te
 def select_next_token(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig, token: torch.Tensor,
                       position: torch.Tensor) -> None:
     """token <- argmax (greedy) or a sample (Gumbel-max) of the processed logits; position += 1.
-    A NaN or infinite logit sets s.nonfinite (one sum: finite float32 logits cannot add up to infinity
-    unless some exceeds 1e33), for generate() to report after the run without a host sync per step."""
-    s.nonfinite.logical_or_(~torch.isfinite(logits.sum()))
+    A NaN or infinite logit sets s.nonfinite, for generate() to report after the run without a host sync per
+    step. The bookkeeping rides on argmax_advance's launch; so does the finiteness check when the scores are
+    the raw logits (greedy without penalties, the common decode step)."""
     scores = process_logits(logits, s, cfg)
+    raw = scores is logits
+    if not raw:
+        s.nonfinite.logical_or_(~torch.isfinite(logits).all())
     if cfg.do_sample:
         u = uniform_noise(s.seed, s.num_generated, scores.shape[-1])
         scores = scores - torch.log(-torch.log(u))
-    ops.argmax_advance(scores.contiguous(), token, position)
-    s.seen.index_fill_(0, token.long(), True)
-    s.generated.index_fill_(0, token.long(), True)
-    s.num_generated.add_(1)
+    ops.argmax_advance(scores.contiguous(), token, position, s.seen, s.generated, s.num_generated,
+                       s.nonfinite if raw else None)
 
 
 def _with_drafts(mask: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
-// CUDA binding of argmax_advance: argument checks, device guard, launch on the current stream.
+// CUDA binding of argmax_advance (and the sampler's bookkeeping): argument checks, device guard, launch on the
+// current stream.
 #include <ATen/ATen.h>
 
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "checks.h"
@@ -12,7 +14,23 @@
 namespace qwen38 {
 namespace {
 
-void argmax_advance_cuda(const at::Tensor& logits, at::Tensor& token, at::Tensor& position) {
+// An optional bookkeeping tensor: dtype, numel, contiguous, on the logits' device; its pointer or null.
+template <typename T>
+T* book(const char* name, const std::optional<at::Tensor>& t, at::ScalarType dtype, int64_t numel,
+        const at::Tensor& logits) {
+  constexpr const char* op = "argmax_advance";
+  if (!t.has_value()) return nullptr;
+  QWEN38_CHECK(t->device() == logits.device(), op, ": ", name, " must be on ", logits.device(), ", found ",
+              t->device());
+  QWEN38_CHECK(t->scalar_type() == dtype && t->numel() == numel && t->is_contiguous(), op, ": ", name,
+              " must be contiguous ", dtype, " with ", numel, " values, found ", t->scalar_type(), " ",
+              text(t->sizes()));
+  return t->data_ptr<T>();
+}
+
+void argmax_advance_cuda(const at::Tensor& logits, at::Tensor& token, at::Tensor& position,
+                         const std::optional<at::Tensor>& seen, const std::optional<at::Tensor>& generated,
+                         const std::optional<at::Tensor>& num_generated, const std::optional<at::Tensor>& nonfinite) {
   constexpr const char* op = "argmax_advance";
   QWEN38_CHECK_CUDA("argmax_advance", logits);
   QWEN38_CHECK_DTYPE("argmax_advance", logits, at::kFloat);
@@ -25,10 +43,16 @@ void argmax_advance_cuda(const at::Tensor& logits, at::Tensor& token, at::Tensor
   QWEN38_CHECK_DTYPE("argmax_advance", position, at::kInt);
   QWEN38_CHECK(token.numel() == 1, op, ": token must hold one value, found sizes ", text(token.sizes()));
   QWEN38_CHECK(position.numel() == 1, op, ": position must hold one value, found sizes ", text(position.sizes()));
+  SamplerBooks books;
+  books.seen = book<bool>("seen", seen, at::kBool, logits.numel(), logits);
+  books.generated = book<bool>("generated", generated, at::kBool, logits.numel(), logits);
+  books.num_generated = book<int32_t>("num_generated", num_generated, at::kInt, 1, logits);
+  books.nonfinite = book<bool>("nonfinite", nonfinite, at::kBool, 1, logits);
 
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaError_t err = argmax_advance(logits.data_ptr<float>(), static_cast<int>(logits.numel()),
-                                         token.data_ptr<int32_t>(), position.data_ptr<int32_t>(), current_stream());
+                                         token.data_ptr<int32_t>(), position.data_ptr<int32_t>(), books,
+                                         current_stream());
   QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 
