@@ -103,13 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "max_tokens of a request must fit")
     v.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait for the slot")
     v.add_argument("--cache-gb", type=float, default=4.0, metavar="GB", help="prefix cache budget")
-    v.add_argument("--device", type=device_arg, help="cuda or cpu (default: cuda when available)")
-    v.add_argument("--dtype", choices=DTYPES, help="dense-weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    v.add_argument("--quantize", choices=["q8_0"], help="quantize dense weights at load")
-    v.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
-    v.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV cache dtype")
-    v.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
-    add_speculative_options(v)
+    add_runtime_options(v)
     sub.add_parser("bench", help="GPU benchmarks at the 27B shape: decode (benchmarks/decode.py), or prefill "
                    "with --prefill (benchmarks/prefill.py); `bench [--prefill] --help` lists their options")
     argv = sys.argv[1:] if argv is None else argv
@@ -119,7 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def add_generation_options(g: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    """The options generate and chat share: token limits, sampling, stop strings, device and dtypes."""
+    """The options generate and chat share: token limits, sampling, stop strings, then the runtime options."""
     g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help="stop after N new tokens")
     g.add_argument("--min-new-tokens", type=int, default=0, metavar="N", help="no end-of-sequence before N tokens")
     g.add_argument("--max-context", type=int, metavar="N", help="KV cache size in tokens; prompt + new tokens must fit "
@@ -137,16 +131,17 @@ def add_generation_options(g: argparse.ArgumentParser, max_new_tokens: int) -> N
                    "token's logit (vLLM's meaning)")
     s.add_argument("--seed", type=int, metavar="N", help="default: a random seed, printed so that the run can be repeated")
     g.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
+    add_runtime_options(g)
+
+
+def add_runtime_options(g: argparse.ArgumentParser) -> None:
+    """The options of every command that runs the model (generate, chat, serve): device, dtypes, decoding."""
     g.add_argument("--device", type=device_arg, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", choices=DTYPES, help="dense-weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--quantize", choices=["q8_0"], help="quantize dense weights at load")
     g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV cache dtype")
     g.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
-    add_speculative_options(g)
-
-
-def add_speculative_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", choices=["mtp"], help="speculative decoding: the checkpoint's MTP block drafts, "
                    "one pass verifies (same output as without it)")
     g.add_argument("--num-draft-tokens", type=int, default=3, metavar="K", help="with --speculative: tokens drafted "

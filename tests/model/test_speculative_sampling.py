@@ -10,12 +10,17 @@ graph replays what eager computes.
 """
 import dataclasses
 import functools
+import pathlib
+import sys
 
 import pytest
 import torch
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*, argmax_advance of the plain path)
 from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits, select_next_token, select_speculative
+
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "ops"))  # the op tests' CUDA helpers
+from cuda_helpers import capture_graph, cuda, needs_gpu  # noqa: E402
 
 VOCAB_27B = 248320
 EOS = 5
@@ -26,9 +31,6 @@ GREEDY = {
 # Every processor on: rows must each be processed with their own state and counters.
 ALL_PROCESSORS = SamplingConfig(do_sample=True, temperature=0.8, top_k=40, top_p=0.9, min_p=0.01,
                                 repetition_penalty=1.3, presence_penalty=0.5, min_new_tokens=2, eos_token_ids=(EOS,))
-
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def new_state(vocab, prompt, seed, cfg, device="cpu") -> SamplerState:
@@ -329,19 +331,6 @@ def test_cuda_sampling_follows_the_target(kind):
     check_sampling_follows_target(kind, 2500, "cuda")
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    """fn warmed up on a side stream (its allocations off the capture), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("cfg", [GREEDY["penalties"], ALL_PROCESSORS], ids=["greedy", "sampling"])
@@ -355,7 +344,7 @@ def test_cuda_graph_replay_equals_eager(cfg):
     accepted = torch.zeros(1, dtype=torch.int32, device="cuda")
     graph_state = new_state(vocab, [12, 40, 13], 9, cfg, "cuda")
     start = copy_state(graph_state)
-    graph = capture(lambda: select_speculative(logits, drafts, graph_state, cfg, tokens, accepted))
+    graph = capture_graph(lambda: select_speculative(logits, drafts, graph_state, cfg, tokens, accepted))
     for f in dataclasses.fields(start):
         getattr(graph_state, f.name).copy_(getattr(start, f.name))  # undo the warm-up's step
     eager_state = copy_state(start)
