@@ -403,7 +403,7 @@ def test_truncated_safetensors(hf_copy):
 def test_overlapping_data_offsets(hf_copy):
     def overlap(header):
         names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
-        a, b = header[names[3]], header[names[4]]
+        b = header[names[4]]  # moved 4 bytes back into names[3]'s data
         b["data_offsets"] = [b["data_offsets"][0] - 4, b["data_offsets"][1] - 4]
 
     rewrite_header(hf_copy, overlap)

@@ -1,4 +1,4 @@
-"""Shared by the CUDA tests of tests/ops: the markers, a registered-kernel assertion, a misaligned
+"""Shared by the CUDA tests of tests/ops (and tests/model/test_speculative_sampling.py): the markers, a registered-kernel assertion, a misaligned
 row-strided view, running a check in a child interpreter (with progress lines; with PDL on and off), and
 capturing a CUDA graph after a side-stream warm-up.
 
