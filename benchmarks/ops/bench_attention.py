@@ -3,7 +3,8 @@
 attention: context 1k, 8k, 32k with a bfloat16 and a float32 KV cache, rotating over 16 layers' caches
 (as the model does; 16 x 2 x ctx x 4 x 256 x 2|4 B >> the 60 MB L2). Figure of merit: KV bytes read per
 second over the streaming-read probe. qk_norm_rope_store and the output gate are latency-bound (a few
-tens of KB): reported as time per layer. Baseline: torch SDPA (enable_gqa) over the same bf16 cache.
+tens of KB): reported as time per layer. Baseline: torch SDPA (enable_gqa) over the same bf16 cache. With the
+bf16 cache also attention + attn_output_gate against attention_gated (the gate in the combine), per layer.
 
 Run: python3 -m benchmarks.ops.bench_attention --json PATH
 """
@@ -48,9 +49,32 @@ def bench_attention(probe_gbps: float) -> list[dict]:
                              ratio_vs_read_probe=gbps / probe_gbps))
             if dtype == torch.bfloat16:
                 rows.append(sdpa_baseline(q, caches, ctx, kv_bytes, probe_gbps))
+                rows.extend(gated_rows(q, caches, positions, ctx, workspace))
             del caches
             torch.cuda.empty_cache()
     return rows
+
+
+def gated_rows(q, caches, positions, ctx, workspace) -> list[dict]:
+    """attention then attn_output_gate (int8 lane), against attention_gated (the gate in the combine): the
+    decode step's two launches against its one."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    qgkv = torch.randn(1, 2 * HQ * HD + 2 * HKV * HD, device="cuda", generator=g)
+    attn = torch.empty(1, HQ, HD, device="cuda")
+    outs = (torch.empty(1, HQ * HD, device="cuda"), torch.empty(1, HQ * HD, dtype=torch.int8, device="cuda"), None,
+            torch.empty(1, HQ * HD // 32, device="cuda"))
+
+    def separate(i):
+        k, v = caches[i % LAYERS]
+        ops.attention(q, k, v, positions, HD**-0.5, attn, workspace)
+        ops.attn_output_gate(attn, qgkv, *outs)
+
+    def fused(i):
+        k, v = caches[i % LAYERS]
+        ops.attention_gated(q, k, v, positions, HD**-0.5, qgkv, workspace, *outs)
+
+    return [dict(op=name, ctx=ctx, us_per_layer=time_graph(step, LAYERS)["median_s"] * 1e6)
+            for name, step in (("attention + attn_output_gate int8", separate), ("attention_gated int8", fused))]
 
 
 def sdpa_baseline(q, caches, ctx, kv_bytes, probe_gbps) -> dict:
