@@ -72,6 +72,21 @@ inline void check_row_layout(const char* op, const char* name, const at::Tensor&
                                                why, "), found address ", t.data_ptr(), " row stride ", t.stride(0)));
 }
 
+// `name` is contiguous float32 of exactly `shape`, on the device of the argument `like` names.
+inline void check_float_tensor(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
+                               const at::Device& device, const char* like) {
+  TORCH_CHECK(t.device() == device, message(op, ": ", name, " is on ", t.device(), " but ", like, " is on ", device));
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == shape,
+              message(op, ": ", name, " must be contiguous float32 ", shape, ", found ", t.scalar_type(), " ",
+                      t.sizes(), " strides ", t.strides()));
+}
+
+// `name` starts 16-byte aligned; `why` says what needs it.
+inline void check_aligned16(const char* op, const char* name, const at::Tensor& t, const char* why) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              message(op, ": ", name, " must start 16-byte aligned (", why, "), found address ", t.data_ptr()));
+}
+
 inline void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), message(op, ": ", name, " must be contiguous (strides ", t.strides(), ")"));
 }

@@ -39,14 +39,9 @@ void gdn_conv(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tensor& c
               ", found num_k_heads ", num_k_heads, ", head_k_dim ", head_k_dim);
   float* token_conv_states_ptr = nullptr;
   if (token_conv_states.has_value()) {
-    const at::Tensor& t = *token_conv_states;
-    QWEN38_CHECK(t.device() == qkv.device(), "gdn_conv: token_conv_states is on ", t.device(), " but qkv is on ",
-                qkv.device());
-    QWEN38_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == num_tokens &&
-                    t.size(1) == taps - 1 && t.size(2) == channels,
-                "gdn_conv: token_conv_states must be contiguous float32 [T, K-1, C] = [", num_tokens, ", ", taps - 1,
-                ", ", channels, "], found ", t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
-    token_conv_states_ptr = t.data_ptr<float>();
+    check_float_tensor("gdn_conv", "token_conv_states", *token_conv_states, {num_tokens, taps - 1, channels},
+                       qkv.device(), "qkv");  // [T, K-1, C]
+    token_conv_states_ptr = token_conv_states->data_ptr<float>();
   }
 
   const c10::cuda::CUDAGuard guard(qkv.device());
@@ -129,17 +124,10 @@ void gdn_recurrent(const at::Tensor& qkv, const at::Tensor& beta, const at::Tens
               out.sizes());
   float* token_states_ptr = nullptr;
   if (token_states.has_value()) {
-    const at::Tensor& t = *token_states;
-    QWEN38_CHECK(t.device() == qkv.device(), "gdn_recurrent: token_states is on ", t.device(), " but qkv is on ",
-                qkv.device());
-    QWEN38_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 4 && t.size(0) == num_tokens &&
-                    t.size(1) == num_v_heads && t.size(2) == dv && t.size(3) == dk,
-                "gdn_recurrent: token_states must be contiguous float32 [T, Hv, dv, dk] = [", num_tokens, ", ",
-                num_v_heads, ", ", dv, ", ", dk, "], found ", t.scalar_type(), " ", t.sizes(), " strides ",
-                t.strides());
-    QWEN38_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "gdn_recurrent: token_states must start 16-byte aligned (written with 16-byte ",
-                "stores), found address ", t.data_ptr());
-    token_states_ptr = t.data_ptr<float>();
+    check_float_tensor("gdn_recurrent", "token_states", *token_states, {num_tokens, num_v_heads, dv, dk},
+                       qkv.device(), "qkv");  // [T, Hv, dv, dk]
+    check_aligned16("gdn_recurrent", "token_states", *token_states, "written with 16-byte stores");
+    token_states_ptr = token_states->data_ptr<float>();
   }
 
   const c10::cuda::CUDAGuard guard(qkv.device());

@@ -13,18 +13,6 @@ namespace {
 
 constexpr const char* kOp = "gdn_step";
 
-void check_float_tensor(const char* name, const at::Tensor& t, at::IntArrayRef shape, const at::Device& device) {
-  QWEN38_CHECK(t.device() == device, kOp, ": ", name, " is on ", t.device(), " but x is on ", device);
-  QWEN38_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == shape, kOp, ": ", name,
-              " must be contiguous float32 ", shape, ", found ", t.scalar_type(), " ", t.sizes(), " strides ",
-              t.strides());
-}
-
-void check_aligned16(const char* name, const at::Tensor& t, const char* why) {
-  QWEN38_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, kOp, ": ", name, " must start 16-byte aligned (",
-              why, "), found address ", t.data_ptr());
-}
-
 void check_rows(const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t width,
                 int64_t align_bytes, const at::Device& device) {
   QWEN38_CHECK(t.device() == device, kOp, ": ", name, " is on ", t.device(), " but x is on ", device);
@@ -46,7 +34,7 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
   QWEN38_CHECK(state.device() == device, kOp, ": state is on ", state.device(), " but x is on ", device);
   QWEN38_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 3, kOp,
               ": state must be contiguous float32 [Hv, dv, dk], found ", state.scalar_type(), " ", state.sizes());
-  check_aligned16("state", state, "16-byte loads");
+  check_aligned16(kOp, "state", state, "16-byte loads");
   const int64_t Hv = state.size(0), dv = state.size(1), dk = state.size(2);
   QWEN38_CHECK(dk > 0 && dk <= kGdnStepMaxHeadDim && dv > 0 && dv <= kGdnStepMaxHeadDim && dv % 4 == 0, kOp,
               ": the kernel needs dk, dv in [1, ", kGdnStepMaxHeadDim, "] and dv % 4 == 0, found dk ", dk, ", dv ", dv);
@@ -54,7 +42,7 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
   const int64_t C = conv_weight.size(0), taps = conv_weight.size(1);
   QWEN38_CHECK(taps >= 2 && taps <= kGdnMaxConvTaps, kOp, ": conv_weight's K (taps) must be in [2, ", kGdnMaxConvTaps,
               "], found ", taps);
-  check_float_tensor("conv_weight", conv_weight, {C, taps}, device);
+  check_float_tensor(kOp, "conv_weight", conv_weight, {C, taps}, device, "x");
   const int64_t qk = C - Hv * dv;
   QWEN38_CHECK(qk > 0 && qk % (2 * dk) == 0, kOp, ": conv_weight's C = ", C, " must be 2*Hk*dk + Hv*dv with Hv*dv = ",
               Hv * dv, " and dk = ", dk, " (state's sizes)");
@@ -63,10 +51,10 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
               ", at most ", kGdnStepMaxGroup, " times it (the value heads of a key head run as one cluster)");
   QWEN38_CHECK(x.size(1) == C + Hv * dv + 2 * Hv, kOp, ": x must be [T, C + Hv*dv + 2*Hv] = [T, ",
               C + Hv * dv + 2 * Hv, "] (q | k | v | z | b | a), found ", x.sizes());
-  check_float_tensor("conv_state", conv_state, {taps - 1, C}, device);
-  check_float_tensor("a_neg", a_neg, {Hv}, device);
-  check_float_tensor("dt_bias", dt_bias, {Hv}, device);
-  check_float_tensor("norm_weight", norm_weight, {dv}, device);
+  check_float_tensor(kOp, "conv_state", conv_state, {taps - 1, C}, device, "x");
+  check_float_tensor(kOp, "a_neg", a_neg, {Hv}, device, "x");
+  check_float_tensor(kOp, "dt_bias", dt_bias, {Hv}, device, "x");
+  check_float_tensor(kOp, "norm_weight", norm_weight, {dv}, device, "x");
 
   GdnStepArgs a;
   a.T = (int)T, a.taps = (int)taps, a.Hk = (int)Hk, a.Hv = (int)Hv, a.dk = (int)dk, a.dv = (int)dv;
@@ -100,12 +88,12 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
     a.out_d_stride = out_d->stride(0);
   }
   if (token_conv_states.has_value()) {
-    check_float_tensor("token_conv_states", *token_conv_states, {T, taps - 1, C}, device);
+    check_float_tensor(kOp, "token_conv_states", *token_conv_states, {T, taps - 1, C}, device, "x");
     a.token_conv_states = token_conv_states->data_ptr<float>();
   }
   if (token_states.has_value()) {
-    check_float_tensor("token_states", *token_states, {T, Hv, dv, dk}, device);
-    check_aligned16("token_states", *token_states, "16-byte stores");
+    check_float_tensor(kOp, "token_states", *token_states, {T, Hv, dv, dk}, device, "x");
+    check_aligned16(kOp, "token_states", *token_states, "16-byte stores");
     a.token_states = token_states->data_ptr<float>();
   }
 
