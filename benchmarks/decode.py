@@ -134,26 +134,43 @@ def time_steps(engine: DecodeEngine, run_step, steps: int, context: int) -> floa
 
 # Kernel name fragments -> the part of a token they belong to (first match wins).
 KERNEL_PARTS = (("q8_0_gemv", "gemv"), ("gemm", "gemv"), ("gdn", "gdn_small_ops"), ("attention", "attention"),
-                ("qk_norm_rope", "attention"), ("attn_output_gate", "attention"), ("rms_norm", "norms"),
-                ("silu_mul", "silu_mul"), ("quantize", "norms"), ("embedding", "embedding"))
+                ("qk_norm_rope", "attention"), ("attn_output_gate", "attention"), ("produce_kernel", "produce"),
+                ("embedding", "embedding"), ("argmax", "sampling"))
+
+
+def short_kernel_name(name: str) -> str:
+    """The kernel's name with its template arguments, without namespaces and the parameter list: the
+    instances of one template (produce_kernel<AddRmsNorm>, <SiluMul>, ..) stay apart."""
+    name = name.removeprefix("void ").replace("qwen38::", "").replace("(anonymous namespace)::", "")
+    depth = 0
+    for i, c in enumerate(name):
+        depth += c == "<"
+        depth -= c == ">"
+        if c == "(" and depth == 0 and i > 0:
+            return name[:i]
+    return name
 
 
 def kernel_split(replay, steps: int = 8) -> dict:
-    """GPU time per part of a token and kernels per token, from the CUDA profiler's kernel records over
-    `steps` graph replays (no instrumentation: what the replayed graph runs, not eager launches)."""
+    """GPU time per part of a token, per kernel, and kernels per token, from the CUDA profiler's kernel records
+    over `steps` graph replays (no instrumentation: what the replayed graph runs, not eager launches). With PDL
+    a kernel's record starts at its launch, before it waits for its predecessor, so overlapped time is counted
+    in every kernel that spans it: the parts add up to more than the token."""
     parts: dict[str, float] = {}
-    launches, other = 0, {}
+    kernels: dict[str, list] = {}
+    launches = 0
     for name, count, us in kernel_records(replay, steps):
         launches += count
-        part = next((part for fragment, part in KERNEL_PARTS if fragment in name), None)
-        if part is None:
-            part = "other"
-            other[name[:60]] = round(us / steps / 1e3, 4)
+        part = next((part for fragment, part in KERNEL_PARTS if fragment in name), "other")
         parts[part] = parts.get(part, 0.0) + us / steps / 1e3
+        entry = kernels.setdefault(short_kernel_name(name), [0.0, 0.0])
+        entry[0] += us / steps / 1e3
+        entry[1] += count / steps
     result = {k: round(v, 4) for k, v in sorted(parts.items())}
     result["kernels_total_ms"] = round(sum(parts.values()), 4)
     result["launches_per_token"] = launches / steps
-    result["other_kernels_ms"] = dict(sorted(other.items(), key=lambda kv: -kv[1])[:8])
+    result["kernels"] = {k: {"ms": round(ms, 4), "launches": n}
+                         for k, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])}
     return result
 
 
