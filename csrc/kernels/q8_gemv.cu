@@ -48,8 +48,10 @@
 // per-position rel L2 1.8e-2) where the double sum stays within 7e-8 up to position 17.
 // The two-word lane's s = amax/127 is a full fp32 value, so its scale product stays in double (35 bits,
 // exact); 127 hi + lo is exact in int32 and the 1/127 is applied once at the end (a double division per
-// block measured 67% -> 52% of the read probe at 16384 x 5120). The f32 lane dequantizes in float32
-// (16 FMAs per chunk in four chains, then one FMA by the block scale) and sums in float.
+// block measured 67% -> 52% of the read probe at 16384 x 5120). The f32 lane dequantizes in float32 (4
+// FMAs per 4-byte word, four words of four blocks in four chains, each chain times its block scale) and sums
+// in float. Its lanes hold words 32 apart, not 16 consecutive bytes, so that its float32 x loads coalesce
+// (WCursor).
 // The summation order is fixed per config (q8_gemv.h: PARTS), never by T: every row of a T-row call gets the
 // bits of a T = 1 call on that row, only the weight loads and the lanes doing the work are shared out
 // differently (why the bits survive: at kRowsByParity and kWarpsPerRow).
@@ -75,6 +77,12 @@ __device__ __forceinline__ int4 load_weights16(const int8_t* p) {
   asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ int load_weights4(const int8_t* p) {
+  int v;
+  asm volatile("ld.global.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -117,13 +125,14 @@ __device__ __forceinline__ float dot4_f32(uint32_t word, float4 x, float acc) {
   return acc;
 }
 
-__device__ __forceinline__ float dot16_f32(int4 w, const float4 (&x)[4]) {
-  // Four independent chains (one per word) for ILP, combined in a fixed order.
+// The f32 lane's four words of a piece (f32 layout at WCursor): each in its own block, so each has its scale.
+// Four independent chains (one per word) for ILP, combined in a fixed order.
+__device__ __forceinline__ float dot16_f32(int4 w, float4 d, const float4 (&x)[4]) {
   const float s0 = dot4_f32(static_cast<uint32_t>(w.x), x[0], 0.f);
   const float s1 = dot4_f32(static_cast<uint32_t>(w.y), x[1], 0.f);
   const float s2 = dot4_f32(static_cast<uint32_t>(w.z), x[2], 0.f);
   const float s3 = dot4_f32(static_cast<uint32_t>(w.w), x[3], 0.f);
-  return (s0 + s1) + (s2 + s3);
+  return fmaf(s0, d.x, s1 * d.y) + fmaf(s2, d.z, s3 * d.w);
 }
 
 // How the two lanes of a pair (the two 16-weight halves of one block) share the work of a block in the int
@@ -177,7 +186,7 @@ struct XPiece<Q8Act::Int8x2, TOKENS> {
 template <Q8Act ACT, int TOKENS>
 struct XRows {
   static constexpr int kChunkInt4 = ACT == Q8Act::F32 ? 4 : 1;
-  const int4* q[TOKENS];                    // Int8 lanes: x_q (16 bytes a chunk); F32: x (64 bytes a chunk)
+  const int4* q[TOKENS];                    // Int8 lanes: x_q (16 bytes a chunk); F32: x (the float4 of word 0)
   const int4* lo[TOKENS];                   // Int8x2: x_q_lo
   const float* d[kOwnRows<ACT, TOKENS>];    // Int8 lanes: x_d of the lane's block, in the rows it owns
 
@@ -192,11 +201,13 @@ struct XRows {
     for (int r = 0; r < kOwnRows<ACT, TOKENS>; ++r) x.d[r] = load_act_scale(d[r] + u * 16);
     return x;
   }
-  // F32: row t's chunk of the piece u pieces on.
-  __device__ __forceinline__ void f32_chunk(int u, int t, float4 (&v)[4]) const {
+  // F32: row t's four float4s of the piece u pieces on (the f32 layout at WCursor: float4 i of lane l is
+  // x[4 l + 128 i ..]); `words` of them hold weights of the row, the rest are zero.
+  __device__ __forceinline__ void f32_chunk(int u, int t, float4 (&v)[4], int words = 4) const {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int4 c = load_act16(q[t] + u * 32 * kChunkInt4 + i);
+      if (i >= words) break;
+      const int4 c = load_act16(q[t] + u * 32 * kChunkInt4 + 32 * i);
       v[i] = make_float4(__int_as_float(c.x), __int_as_float(c.y), __int_as_float(c.z), __int_as_float(c.w));
     }
   }
@@ -213,12 +224,44 @@ struct XRows {
   }
 };
 
-// The same for the weight row: 16 quants and the block scale of this lane's chunk.
+template <Q8Act ACT>
+using WScale = std::conditional_t<ACT == Q8Act::F32, float4, float>;
+
+// The same for the weight row: the lane's 16 quants of a piece and their block scale(s).
+// Int lanes: the 16 consecutive quants of chunk l (one 16-byte load, half a block; the pair's x is the 16
+// bytes of int8 x at the same place: a warp's x load is 512 contiguous bytes).
+// F32: the 4-byte words l, l + 32, l + 64, l + 96 of the piece (four 4-byte loads, four blocks, four scales).
+// Its x is 4 bytes a weight: with 16 consecutive quants a lane's 64 bytes of x sit 64 bytes from its
+// neighbour's, so each 16-byte x load of a warp touches 16 cache lines, 64 L1 wavefronts a piece where this
+// layout's coalesced loads take 16 (that layout measured 39-43% of the read probe whatever the trip).
+template <Q8Act ACT>
 struct WCursor {
   const int8_t* q;
   const __half* d;
-  __device__ __forceinline__ int4 quants(int u) const { return load_weights16(q + u * 512); }
-  __device__ __forceinline__ float scale(int u) const { return load_weight_scale(d + u * 16); }
+  __device__ WCursor(const int8_t* row_q, const __half* row_d, int lane)
+      : q(row_q + (ACT == Q8Act::F32 ? 4 * lane : 16 * lane)), d(row_d + (ACT == Q8Act::F32 ? lane >> 3 : lane >> 1)) {}
+  __device__ __forceinline__ int4 quants(int u, int words = 4) const {
+    if constexpr (ACT == Q8Act::F32) {
+      int v[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (i < words) v[i] = load_weights4(q + u * 512 + 128 * i);
+      return make_int4(v[0], v[1], v[2], v[3]);
+    } else {
+      return load_weights16(q + u * 512);
+    }
+  }
+  __device__ __forceinline__ WScale<ACT> scale(int u, int words = 4) const {
+    if constexpr (ACT == Q8Act::F32) {
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (i < words) v[i] = load_weight_scale(d + u * 16 + 4 * i);
+      return make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+      return load_weight_scale(d + u * 16);
+    }
+  }
   __device__ __forceinline__ void advance(int pieces) {
     q += pieces * 512;
     d += pieces * 16;
@@ -272,11 +315,10 @@ constexpr int kMinBlocks = TOKENS == 1 ? 5
 // The trip a config runs with (the kernel's TRIP): the config's at T = 1 and in the int lanes' T = 2 form;
 // else 1 in the int lanes, which the weight prefetch of their T-row forms (below) makes 2 in flight (two
 // pieces of x for more rows would cost blocks per SM). The f32 lane holds one row's chunk of x at a time and
-// does not prefetch: its T-row forms run trips of up to 2 (4 spills in their loop, ptxas -v). The order is
-// PARTS', so this changes no bits.
+// does not prefetch: it runs the config's trip at every T (at trip 2 its 2- and 4-row forms spill 4 and 16
+// bytes, ptxas -v, CUDA 13.0). The order is PARTS', so this changes no bits.
 template <Q8Act ACT, int TOKENS, int TRIP>
-constexpr int kTrip = ACT == Q8Act::F32 ? (TOKENS == 1 || TRIP < 2 ? TRIP : 2)
-                      : TOKENS == 1 || TOKENS == 2 ? TRIP : 1;
+constexpr int kTrip = ACT == Q8Act::F32 || TOKENS <= 2 ? TRIP : 1;
 
 // Warp w of block b owns weight row b * kRowsPerBlock + w / kWarpsPerRow (its pieces w % kWarpsPerRow,
 // + kWarpsPerRow, ..), for TOKENS rows of x (t0 = TOKENS * blockIdx.y onwards).
@@ -313,12 +355,12 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
 
   // Rows past T (and an odd TOKENS' missing row of the last pair) are read from row T - 1 and not stored.
   auto x_row = [&](int t) { return static_cast<size_t>(t0 + t < a.T ? t0 + t : a.T - 1); };
-  WCursor wc{a.weight_q + row * a.K + lane * 16, a.weight_d + row * (a.K >> 5) + (lane >> 1)};
+  WCursor<ACT> wc(a.weight_q + row * a.K, a.weight_d + row * (a.K >> 5), lane);
   XRows<ACT, TOKENS> xc;
 #pragma unroll
   for (int t = 0; t < TOKENS; ++t) {
     if constexpr (ACT == Q8Act::F32) {
-      xc.q[t] = reinterpret_cast<const int4*>(static_cast<const float*>(a.x) + x_row(t) * a.x_stride) + lane * 4;
+      xc.q[t] = reinterpret_cast<const int4*>(static_cast<const float*>(a.x) + x_row(t) * a.x_stride) + lane;
     } else {
       xc.q[t] = reinterpret_cast<const int4*>(static_cast<const int8_t*>(a.x) + x_row(t) * a.x_stride) + lane;
       if constexpr (ACT == Q8Act::Int8x2) {
@@ -358,21 +400,21 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
       }
     }
   };
-  // The f32 lane's add_piece: row t's chunk of x is loaded right before its dot (an L1 hit; `in_row` false
-  // adds a zero chunk), so a lane holds 16 floats of x whatever TRIP and TOKENS, and the registers go to
-  // weights in flight instead.
-  auto add_piece_f32 = [&](int u, int4 w, float wd, bool in_row) {
+  // The f32 lane's add_piece: row t's chunk of x is loaded right before its dot (an L1 hit), so a lane holds
+  // 16 floats of x whatever TRIP and TOKENS, and the registers go to weights in flight instead. `words` < 4
+  // only in the row's last piece: the lane's words past the row's end are zero and their x is not read.
+  auto add_piece_f32 = [&](int u, int4 w, float4 wd, int words) {
 #pragma unroll
     for (int t = 0; t < TOKENS; ++t) {
       float4 x[4] = {};
-      if (in_row) xc.f32_chunk(u * kSplit, t, x);
-      acc[u % kWarpParts][t] = fmaf(dot16_f32(w, x), wd, acc[u % kWarpParts][t]);
+      xc.f32_chunk(u * kSplit, t, x, words);
+      acc[u % kWarpParts][t] += dot16_f32(w, wd, x);
     }
   };
 
   int4 w[TRIP];
-  float wd[TRIP];
-  auto load_weights = [&](int s, int4 (&wq)[TRIP], float (&ws)[TRIP]) {
+  WScale<ACT> wd[TRIP];
+  auto load_weights = [&](int s, int4 (&wq)[TRIP], WScale<ACT> (&ws)[TRIP]) {
 #pragma unroll
     for (int u = 0; u < TRIP; ++u) {
       wq[u] = wc.quants((s + u) * kSplit);
@@ -389,13 +431,13 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
     for (int s = 0; s < kStep; s += TRIP) {
       if (!kPrefetch && !(first_loaded && s == 0)) load_weights(s, w, wd);
       int4 w_next[TRIP];
-      float wd_next[TRIP];
+      WScale<ACT> wd_next[TRIP];
       if constexpr (ACT == Q8Act::F32) {
-        // A scheduling fence (no instruction in the SASS): without it ptxas sinks the trip's later weight
-        // loads to just before their math, so a 4-piece trip had ~2 pieces in flight, not 4.
+        // A scheduling fence (no instruction in the SASS): without it ptxas sank a 4-piece trip's later
+        // weight loads to just before their math (~2 pieces in flight, not 4).
         __syncwarp();
 #pragma unroll
-        for (int u = 0; u < TRIP; ++u) add_piece_f32(s + u, w[u], wd[u], true);
+        for (int u = 0; u < TRIP; ++u) add_piece_f32(s + u, w[u], wd[u], 4);
       } else {
         XPiece<ACT, TOKENS> x[TRIP];
 #pragma unroll
@@ -428,16 +470,16 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
 #pragma unroll
   for (int u = 0; u < kStep; ++u) {
     if (whole_steps_end + u < own_pieces) {  // warp-uniform
-      const bool in_row = (first + kSplit * (whole_steps_end + u)) * 32 + lane < chunks;
-      int4 wt = make_int4(0, 0, 0, 0);
-      float wdt = 0.f;
+      const int piece = first + kSplit * (whole_steps_end + u);
       if constexpr (ACT == Q8Act::F32) {
-        if (in_row) {
-          wt = wc.quants(u * kSplit);
-          wdt = wc.scale(u * kSplit);
-        }
-        add_piece_f32(u, wt, wdt, in_row);
+        // The lane's words in the row: word i starts at byte 4 lane + 128 i of the piece.
+        const int bytes_left = a.K - piece * 512 - 4 * lane;
+        const int words = bytes_left <= 0 ? 0 : bytes_left >= 512 ? 4 : (bytes_left + 127) / 128;
+        add_piece_f32(u, wc.quants(u * kSplit, words), wc.scale(u * kSplit, words), words);
       } else {
+        const bool in_row = piece * 32 + lane < chunks;
+        int4 wt = make_int4(0, 0, 0, 0);
+        float wdt = 0.f;
         XPiece<ACT, TOKENS> xt = {};
         if (in_row) {
           wt = wc.quants(u * kSplit);
@@ -543,15 +585,13 @@ cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream
 
 }  // namespace
 
-// trip: 2 pieces for the int lanes (decode-gap.md: 2-piece trips measured best; 4 spilled at 48 registers
-// and lost 3-6 points); 4 for f32, which loads its 64-byte activation chunks a piece at a time, so 4 pieces
-// of weights fit 48 registers without a spill: 2 KB a warp, 80 KB an SM in flight, where its 1-piece trips
-// measured 38-43% of the read probe (benchmarks/NOTES.md, "f32 regressed").
+// trip: 2 pieces (decode-gap.md: 2-piece trips measured best in the int lanes; 4 spilled at 48 registers and
+// lost 3-6 points). f32 holds four scales a piece (its WCursor layout), so 4-piece trips spill there too.
 // parts: the order of the previous form of this kernel, so the int lanes keep their bits: it split the rows
 // of N <= 8192 over 4 warps by piece (p % 4) and added the 4 warp sums in order; above, one warp per row.
 Q8GemvConfig q8_0_gemv_default_config(Q8Act act, int N) {
   Q8GemvConfig cfg;
-  cfg.trip = act == Q8Act::F32 ? 4 : 2;
+  cfg.trip = 2;
   cfg.parts = act != Q8Act::F32 && N <= 8192 ? 4 : 1;
   return cfg;
 }

@@ -28,7 +28,8 @@ struct Q8GemvArgs {
 };
 
 // How a launch maps the work (template instantiations of one kernel; see q8_gemv.cu). One warp owns one
-// weight row for the whole K range, in 512-byte pieces (one 16-byte load per lane):
+// weight row for the whole K range, in 512-byte pieces (int lanes: one 16-byte load per lane; f32: four
+// 4-byte loads, so that its float32 activations load coalesced):
 //   trip   pieces whose loads (weights, scales, activations) a warp issues together before any math (the
 //          int T-row forms from 3 rows use 1 and load the next piece's weights ahead instead; f32 loads only
 //          the trip's weights together, its activations a piece at a time, and its T-row forms cap trip at 2)
@@ -43,7 +44,7 @@ struct Q8GemvConfig {
 // The configs that are compiled; any other is refused with cudaErrorInvalidValue. T > 1 runs the same config
 // with all T rows of x in one pass, each weight load shared by them (up to 8 rows in the int lanes, 4 in f32;
 // more T in equal passes).
-#define QWEN38_Q8_GEMV_CONFIGS(X) X(4, 1) X(2, 1) X(2, 4) X(1, 1) X(1, 4)
+#define QWEN38_Q8_GEMV_CONFIGS(X) X(2, 1) X(2, 4) X(1, 1) X(1, 4)
 
 // The config the bindings use for a shape unless QWEN38_Q8_GEMV_CONFIG overrides it.
 Q8GemvConfig q8_0_gemv_default_config(Q8Act act, int N);
