@@ -5,24 +5,31 @@
 // the gated norm and its quantization follow norm_quant.cu's GatedRmsNorm producer operation for operation
 // (quantize.cuh shared), and every reduction runs over the same lanes in the same order.
 //
-// ONE BLOCK PER VALUE HEAD, in phases separated by __syncthreads:
-//  1. gates of the head's T tokens; z of the head into shared memory; the head's state rows into registers
-//     (issued before the conv so both round trips overlap).
-//  2. conv of the head's channels: its key head's q and k (dk each, computed by each of the Hv/Hk value
-//     heads that share them: 2*dk*T fmas, cheaper than exchanging them) and its own v (dv), with SiLU; q and
-//     k heads laid out on whole warps exactly as gdn_conv's blocks, so the L2 norm's partial sums are the
-//     same warp butterflies added in the same order. Results in shared memory.
-//  3. the recurrence, token by token, one warp per kRows state rows (gdn_recurrent's lane layout, so its
-//     three dot products reduce in its order); outputs into shared memory, per-token states to memory.
-//  4. the gated RMSNorm: one warp per token, lane g holding the head's float4s g, g + 32 (GatedRmsNorm's
-//     layout), then the int8 / two-word quantization of the out projection's input.
+// kSplit BLOCKS PER VALUE HEAD (gdn_step_split: 2 where the cluster below stays within 8 blocks), block `part`
+// owning the head's state rows [part * split_rows, (part + 1) * split_rows): one block a head put the 27B shape's
+// 6.3 MB of state traffic and its serial per-row dot products on 48 of 132 SMs (8.0 us a layer measured at
+// T = 1 against 3-4 predicted). Each block runs, in phases separated by barriers:
+//  1. gates of the head's T tokens; the head's z (norm block only) into shared memory; its state rows into
+//     registers (issued before the conv so both round trips overlap).
+//  2. conv of its channels: its key head's q and k (dk each, computed by every block of every value head
+//     that shares them: 2*dk*T fmas, cheaper than exchanging them) and its own rows' v channels, with SiLU;
+//     q and k heads laid out on whole warps exactly as gdn_conv's blocks, so the L2 norm's partial sums are
+//     the same warp butterflies added in the same order. Results in shared memory.
+//  3. the recurrence of its rows, token by token, one warp per kRows state rows (gdn_recurrent's lane layout,
+//     so its three dot products reduce in its order); outputs into shared memory, per-token states to memory.
+//  4. in the head's norm block (part 0) only, the gated RMSNorm: one warp per token, lane g holding the head's
+//     float4s g, g + 32 (GatedRmsNorm's layout), the float4s of other blocks' rows read from their shared
+//     memory (distributed shared memory; split_rows is a multiple of 4, so no float4 straddles two blocks),
+//     then the int8 / two-word quantization of the out projection's input.
 //
-// The conv state of a key head's q and k channels is read by all Hv/Hk blocks of its value heads and must
-// be rewritten by one of them after every one has read it. Those blocks form one thread-block cluster
-// (block index = key_head * group + j, value head key_head + j * Hk): each arrives on the cluster barrier
-// once its conv reads are done and waits on it only at its very end, where rank 0 writes the q/k state.
+// The blocks of a key head's Hv/Hk value heads form one thread-block cluster (block index = (key_head * group
+// + j) * kSplit + part, value head key_head + j * Hk), and two cluster barriers order what crosses blocks. The
+// first, after the recurrence: every block's reads of the key head's q/k conv state are done (cluster rank 0
+// then rewrites it) and every block's outputs are in its shared memory (the norm blocks then read them). The
+// second, at the end (with kSplit > 1): no block exits while a norm block may still read its shared memory.
 #include "gdn_step.h"
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include "gdn_math.cuh"
@@ -31,6 +38,8 @@
 
 namespace qwen38 {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = 512;  // 2*dk + dv = 384 conv channels at the 27B shape: one pass
 constexpr int kWarps = kThreads / 32;
@@ -43,10 +52,9 @@ constexpr int kNormItems = kMaxDim / (4 * 32);  // float4s of a head a lane hold
 // product there and here alike (gdn_silu pins that add, so it is NOT this function).
 __device__ __forceinline__ float gated_norm_silu(float v) { return v / (1.0f + expf(-v)); }
 
-// Split cluster barrier: arrive releases this thread's earlier memory operations, wait acquires every
-// other block's. No thread may exit between the two (every thread of the cluster must arrive).
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+// Blocks a value head's state rows are spread over: 2 (twice the SMs) where the cluster of a key head's
+// value heads stays within the portable cluster size, 8 blocks.
+constexpr int gdn_step_split(int group) { return 2 * group <= 8 ? 2 : 1; }
 
 __device__ __forceinline__ uint32_t pack_i8x4(const int8_t (&q)[4]) {
   uint32_t word = 0;
@@ -55,27 +63,47 @@ __device__ __forceinline__ uint32_t pack_i8x4(const int8_t (&q)[4]) {
   return word;
 }
 
+// The float4 at p's shared-memory address in block `rank` of the cluster (distributed shared memory). Not
+// cooperative_groups' map_shared_rank: its generic pointer put 32 bytes of the kernel on the stack.
+__device__ __forceinline__ float4 load_cluster_shared(const float* p, int rank) {
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+
 __device__ __forceinline__ float comp(const float4& v, int k) {
   return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
 }
 
-template <int kVec, int kChunks>
+template <int kVec, int kChunks, int kSplit>
 __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs a) {
-  // State rows a warp holds at once: <= 32 floats a lane, so a pass of 16 warps covers dv = 128 at dk = 128.
-  constexpr int kRows = kVec * kChunks <= 4 ? 8 : 4;
-  __shared__ __align__(16) float s_q[kMaxT][kMaxDim];  // conv outputs of the key head's q, k and the head's v
+  // State rows a warp holds at once: <= 32 floats a lane in one block a head, so that a pass of 16 warps
+  // covers dv = 128 at dk = 128; half as many in two (the same pass covers the block's 64 rows).
+  constexpr int kRows = (kVec * kChunks <= 4 ? 8 : 4) / kSplit;
+  __shared__ __align__(16) float s_q[kMaxT][kMaxDim];  // conv outputs of the key head's q, k and the rows' v
   __shared__ __align__(16) float s_k[kMaxT][kMaxDim];
   __shared__ __align__(16) float s_v[kMaxT][kMaxDim];
-  __shared__ __align__(16) float s_z[kMaxT][kMaxDim];  // the gate of the norm
-  __shared__ __align__(16) float s_o[kMaxT][kMaxDim];  // the recurrence's outputs (gdn_recurrent's out)
+  __shared__ __align__(16) float s_z[kMaxT][kMaxDim];  // the gate of the norm (norm block)
+  __shared__ __align__(16) float s_o[kMaxT][kMaxDim];  // the recurrence's outputs of this block's rows
   __shared__ float s_sumsq[kMaxT][2 * kMaxDim / 32];   // per token: q's warp partials of y^2, then k's
   __shared__ float s_beta[kMaxT], s_decay[kMaxT];
   __shared__ __align__(16) float s_norm_weight[kMaxDim];
 
   const int T = a.T, dk = a.dk, dv = a.dv, taps = a.taps, Hk = a.Hk, Hv = a.Hv;
   const int group = Hv / Hk;
-  const int key_head = blockIdx.x / group, rank = blockIdx.x % group;  // rank in the cluster
-  const int head = key_head + rank * Hk;  // ggml's tiled order: value head h reads key head h % Hk
+  const int key_head = blockIdx.x / (group * kSplit);
+  const int rank = blockIdx.x % (group * kSplit);  // rank in the cluster
+  const int part = rank % kSplit;                  // this block's share of the head's rows
+  const int head = key_head + rank / kSplit * Hk;  // ggml's tiled order: value head h reads key head h % Hk
+  const bool norm_block = part == 0;
+  const int split_rows = (dv + 4 * kSplit - 1) / (4 * kSplit) * 4;  // whole float4s of the norm's layout
+  const int row_begin = min(dv, part * split_rows), row_end = min(dv, row_begin + split_rows);
   const int C = 2 * Hk * dk + Hv * dv;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float* const head_state = a.state + (int64_t)head * dv * dk;
@@ -85,14 +113,16 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   for (int i = 0; i < kChunks; ++i) owns[i] = (i * 32 + lane) * kVec < dk;
   // PDL wait below. Before it: the L2 prefetch of this warp's first state rows and the norm weight's copy
   // (a constant); everything else may belong to the predecessor.
+  const int warp_first_row = row_begin + warp * kRows;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int row = warp * kRows + r;
+    const int row = warp_first_row + r;
 #pragma unroll
     for (int i = 0; i < kChunks; ++i)
-      if (row < dv && owns[i]) gdn_prefetch_l2(head_state + (int64_t)row * dk + (i * 32 + lane) * kVec);
+      if (row < row_end && owns[i]) gdn_prefetch_l2(head_state + (int64_t)row * dk + (i * 32 + lane) * kVec);
   }
-  for (int e = threadIdx.x; e < dv; e += kThreads) s_norm_weight[e] = a.norm_weight[e];
+  if (norm_block)
+    for (int e = threadIdx.x; e < dv; e += kThreads) s_norm_weight[e] = a.norm_weight[e];
   gdn_wait_then_release();
 
   // ---- 1. gates, z, and the first state rows in flight.
@@ -101,8 +131,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
     s_beta[threadIdx.x] = gdn_beta(ba[head]);
     s_decay[threadIdx.x] = gdn_decay(ba[Hv + head], a.a_neg[head], a.dt_bias[head]);
   }
-  for (int i = threadIdx.x; i < T * dv; i += kThreads)
-    s_z[i / dv][i % dv] = a.x[(i / dv) * a.x_stride + C + head * dv + i % dv];
+  if (norm_block)
+    for (int i = threadIdx.x; i < T * dv; i += kThreads)
+      s_z[i / dv][i % dv] = a.x[(i / dv) * a.x_stride + C + head * dv + i % dv];
 
   float s[kRows][kChunks][kVec];
   auto load_rows = [&](int first_row) {
@@ -111,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
 #pragma unroll
       for (int i = 0; i < kChunks; ++i) {
         const int row = first_row + r, key = (i * 32 + lane) * kVec;
-        if (row < dv && owns[i]) {
+        if (row < row_end && owns[i]) {
           gdn_load_vec<kVec>(head_state + (int64_t)row * dk + key, s[r][i]);
         } else {
 #pragma unroll
@@ -120,18 +151,18 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
       }
     }
   };
-  load_rows(warp * kRows);
+  load_rows(warp_first_row);
 
   // ---- 2. conv. Slots [0, 2*qk_width) are the q then k head on whole warps (gdn_conv's q/k blocks: lanes
-  // past dk compute an exact 0 and add it to the butterfly, as there), then the head's dv v channels.
+  // past dk compute an exact 0 and add it to the butterfly, as there), then the v channels of this block's rows.
   const int qk_width = (dk + 31) / 32 * 32;
   const int qk_warps = qk_width / 32;
-  float qk_window[kMaxTaps - 1];  // the new conv state of this thread's q/k channel, written at the end
+  float qk_window[kMaxTaps - 1];  // the new conv state of this thread's q/k channel, written after phase 3
   int qk_state_channel = -1;      // that channel when this block writes it (cluster rank 0)
-  for (int slot = threadIdx.x; slot < 2 * qk_width + dv; slot += kThreads) {
+  for (int slot = threadIdx.x; slot < 2 * qk_width + row_end - row_begin; slot += kThreads) {
     const bool is_qk = slot < 2 * qk_width;  // whole warps: the shuffles below are warp-uniform
     const int which = is_qk ? slot / qk_width : 2;  // 0 q, 1 k, 2 v
-    const int i = is_qk ? slot % qk_width : slot - 2 * qk_width;
+    const int i = is_qk ? slot % qk_width : row_begin + slot - 2 * qk_width;
     const bool active = i < (is_qk ? dk : dv);
     const int channel = is_qk ? (which * Hk + key_head) * dk + i : 2 * Hk * dk + head * dv + i;
     const bool writes = active && (!is_qk || rank == 0);  // one block per key head writes its q/k channels
@@ -170,7 +201,6 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
         if (tap < taps - 1) a.conv_state[(int64_t)tap * C + channel] = window[tap];
     }
   }
-  cluster_arrive();  // this block's conv_state reads are done
   __syncthreads();
   if (threadIdx.x < 2 * qk_width && threadIdx.x % qk_width < dk) {  // L2 norm: gdn_conv's sum over warps
     const int which = threadIdx.x / qk_width, i = threadIdx.x % qk_width;
@@ -184,8 +214,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   __syncthreads();
 
   // ---- 3. recurrence: gdn_recurrent's per-row token loop, kRows rows a warp.
-  for (int first_row = warp * kRows; first_row < dv; first_row += kWarps * kRows) {
-    if (first_row != warp * kRows) load_rows(first_row);
+  for (int first_row = warp_first_row; first_row < row_end; first_row += kWarps * kRows) {
+    if (first_row != warp_first_row) load_rows(first_row);
     for (int t = 0; t < T; ++t) {
       float k[kChunks][kVec], q[kChunks][kVec];
 #pragma unroll
@@ -203,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int row = first_row + r;
-        if (row >= dv) break;  // warp-uniform
+        if (row >= row_end) break;  // warp-uniform
         float sk, sq, kq;
         gdn_row_dots<kVec, kChunks>(s[r], k, q, sk, sq, kq);
         const float delta = gdn_delta(beta, decay, sk, s_v[t][row]);
@@ -222,16 +252,29 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
       const int row = first_row + r;
 #pragma unroll
       for (int i = 0; i < kChunks; ++i)
-        if (row < dv && owns[i]) gdn_store_vec<kVec>(head_state + (int64_t)row * dk + (i * 32 + lane) * kVec, s[r][i]);
+        if (row < row_end && owns[i])
+          gdn_store_vec<kVec>(head_state + (int64_t)row * dk + (i * 32 + lane) * kVec, s[r][i]);
     }
   }
-  __syncthreads();
+
+  // Every thread of every block of the cluster passes both cluster barriers (none returns early). This one
+  // orders every block's conv_state reads before rank 0's rewrite, and its s_o writes before the norm
+  // block's reads (its own block's too: it is a block barrier as well).
+  const cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+
+  // ---- the key head's new q/k conv state, now that every block of the cluster has read the old one.
+  if (qk_state_channel >= 0) {
+#pragma unroll
+    for (int tap = 0; tap < kMaxTaps - 1; ++tap)
+      if (tap < taps - 1) a.conv_state[(int64_t)tap * C + qk_state_channel] = qk_window[tap];
+  }
 
   // ---- 4. gated RMSNorm of token `warp`, as norm_quant.cu's GatedRmsNorm: x * rsqrt(mean(x^2) + eps)
   // * weight * silu(z), the lane's float4s summed as ((0 + |v0|^2) + |v1|^2) with |v|^2 =
   // fma(w, w, fma(z, z, fma(x, x, y*y))) (nvcc's contraction of x*x + y*y + z*z + w*w there), then the
   // warp butterfly; 1/sqrt rounded twice.
-  if (warp < T) {
+  if (norm_block && warp < T) {
     const int t = warp;
     float4 v[kNormItems];
     float ss = 0.0f;
@@ -240,7 +283,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
       const int e = 4 * (lane + 32 * i);
       v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (e < dv) {
-        v[i] = *reinterpret_cast<const float4*>(&s_o[t][e]);
+        const int owner = kSplit == 1 ? 0 : e / split_rows;  // the block of the head (rank + owner) holding e
+        v[i] = owner == 0 ? *reinterpret_cast<const float4*>(&s_o[t][e])
+                          : load_cluster_shared(&s_o[t][e], rank + owner);
         ss = __fadd_rn(ss, fmaf(v[i].w, v[i].w, fmaf(v[i].z, v[i].z, fmaf(v[i].x, v[i].x, __fmul_rn(v[i].y, v[i].y)))));
       }
     }
@@ -287,32 +332,28 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
       }
     }
   }
-
-  // ---- the key head's new q/k conv state, once every block of the cluster has read the old one.
-  cluster_wait();
-  if (qk_state_channel >= 0) {
-#pragma unroll
-    for (int tap = 0; tap < kMaxTaps - 1; ++tap)
-      if (tap < taps - 1) a.conv_state[(int64_t)tap * C + qk_state_channel] = qk_window[tap];
-  }
+  if (kSplit > 1) cluster.sync();  // keep every block's s_o alive until its head's norm block has read it
 }
 
 template <int kVec, int kChunks>
 cudaError_t launch(const GdnStepArgs& a, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(a.Hv);
+  const int split = gdn_step_split(a.Hv / a.Hk);
+  void (*const kernel)(GdnStepArgs) =
+      split == 2 ? gdn_step_kernel<kVec, kChunks, 2> : gdn_step_kernel<kVec, kChunks, 1>;
+  config.gridDim = dim3(a.Hv * split);
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute attributes[2];
   attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = a.Hv / a.Hk;
+  attributes[0].val.clusterDim.x = a.Hv / a.Hk * split;
   attributes[0].val.clusterDim.y = 1;
   attributes[0].val.clusterDim.z = 1;
   attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attributes;
   config.numAttrs = pdl_enabled() ? 2 : 1;
-  const cudaError_t err = cudaLaunchKernelEx(&config, gdn_step_kernel<kVec, kChunks>, a);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, a);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
