@@ -59,23 +59,43 @@ class Linear(nn.Module):
     def in_features(self) -> int:
         return (self.weight_q if self.lane else self.weight).shape[1]
 
+    def runs_gemv(self, rows: int) -> bool:
+        """Whether `rows` rows go through our Q8_0 GEMV (not a dense matmul, not a GEMM)."""
+        if self.lane is None:
+            return False
+        if self.lane == "f32":
+            return rows < F32_GEMM_MIN_ROWS or self.weight_q.device.type != "cuda"
+        return rows < INT_GEMM_MIN_ROWS or self.in_features % 64 != 0  # the GEMM's stage is 64 wide
+
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
         rows = act.x.shape[0]
         out = scratch.empty(self, "out", (rows, self.out_features))
-        gemm = rows >= INT_GEMM_MIN_ROWS and self.in_features % 64 == 0  # the GEMM's stage is 64 wide
         if self.lane is None:
             self._dense(act.x, out, scratch)
         elif self.lane == "f32":
-            if rows >= F32_GEMM_MIN_ROWS and out.is_cuda:
-                self._dequantized_matmul(act.x, out, scratch)
-            else:
+            if self.runs_gemv(rows):
                 ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
+            else:
+                self._dequantized_matmul(act.x, out, scratch)
         elif self.lane == "int8":
-            (ops.q8_0_gemm_int8 if gemm else ops.q8_0_gemv_int8)(act.q, act.d, self.weight_q, self.weight_d, out)
+            gemv = self.runs_gemv(rows)
+            (ops.q8_0_gemv_int8 if gemv else ops.q8_0_gemm_int8)(act.q, act.d, self.weight_q, self.weight_d, out)
         else:
-            (ops.q8_0_gemm_int8x2 if gemm else ops.q8_0_gemv_int8x2)(
+            gemv = self.runs_gemv(rows)
+            (ops.q8_0_gemv_int8x2 if gemv else ops.q8_0_gemm_int8x2)(
                 act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out)
         return out
+
+    def gemv_swiglu(self, act: Activation, counters: torch.Tensor, hidden: Activation, scratch: Scratch) -> None:
+        """This [gate | up] projection's GEMV with silu_mul into `hidden` in its epilogue (one launch)."""
+        out = scratch.empty(self, "out", (act.x.shape[0], self.out_features))
+        if self.lane == "f32":
+            ops.q8_0_gemv_swiglu(act.x, self.weight_q, self.weight_d, out, counters, *hidden.outs())
+        elif self.lane == "int8":
+            ops.q8_0_gemv_int8_swiglu(act.q, act.d, self.weight_q, self.weight_d, out, counters, *hidden.outs())
+        else:
+            ops.q8_0_gemv_int8x2_swiglu(act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out, counters,
+                                        *hidden.outs())
 
     def _dequantized_matmul(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
         """The f32 lane's contract, literally: dequantize to float32, float32 cuBLAS GEMM (no TF32 unless
@@ -204,10 +224,21 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up = Linear(w["gate_up"], lane, "mlp.gate_up")  # rows [gate | up]
         self.down = Linear(w["ffn_down"], lane, "mlp.down")
+        # The GEMV's SwiGLU epilogue needs 32-column groups (one quantization block each) and its group
+        # arrival counters, zero between launches (the kernel leaves them so).
+        width = self.down.in_features
+        self.fused_swiglu = self.gate_up.lane is not None and width % 32 == 0
+        if self.fused_swiglu:
+            counters = torch.zeros(width // 32, dtype=torch.int32, device=self.gate_up.weight_q.device)
+            self.register_buffer("swiglu_counters", counters, persistent=False)
 
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
-        hidden = scratch.activation(self, "hidden", act.x.shape[0], self.down.in_features, input_lane(self.down))
-        ops.silu_mul(self.gate_up(act, scratch), *hidden.outs())
+        rows = act.x.shape[0]
+        hidden = scratch.activation(self, "hidden", rows, self.down.in_features, input_lane(self.down))
+        if self.fused_swiglu and self.gate_up.runs_gemv(rows):
+            self.gate_up.gemv_swiglu(act, self.swiglu_counters, hidden, scratch)
+        else:
+            ops.silu_mul(self.gate_up(act, scratch), *hidden.outs())
         return self.down(hidden, scratch)
 
 

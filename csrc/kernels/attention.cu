@@ -451,19 +451,8 @@ __device__ __forceinline__ void store_gated(float attn, float gate, int t, int c
   const float y = attn * (1.0f / (1.0f + expf(-gate)));
   g.out[t * g.out_row_stride + c] = y;
   if constexpr (kLane == GateLane::kInt8 || kLane == GateLane::kInt8x2) {
-    const float amax = quant_block_amax<32>(fabsf(y));
-    if constexpr (kLane == GateLane::kInt8) {
-      const Int8BlockScale scale = int8_block_scale(amax);
-      g.out_q[i] = int8_quantize(y, scale.inv_d);
-      if ((threadIdx.x & 31) == 0) g.out_d[i / kQuantBlock] = scale.stored_d;
-    } else {
-      const float s = int8x2_block_scale(amax);
-      int8_t hi, lo;
-      int8x2_quantize(y, s, hi, lo);
-      g.out_q[i] = hi;
-      g.out_q_lo[i] = lo;
-      if ((threadIdx.x & 31) == 0) g.out_d[i / kQuantBlock] = s;
-    }
+    store_quantized_lane<kLane == GateLane::kInt8x2>(y, &g.out_q[i], kLane == GateLane::kInt8x2 ? &g.out_q_lo[i] : nullptr,
+                                                    &g.out_d[i / kQuantBlock]);
   }
 }
 

@@ -39,8 +39,6 @@ template <Producer OP>
 constexpr bool kNormalises =
     OP == Producer::RmsNorm || OP == Producer::AddRmsNorm || OP == Producer::GatedRmsNorm;
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
-
 __device__ __forceinline__ void prefetch_l1(const float* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }

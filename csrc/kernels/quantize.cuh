@@ -56,4 +56,27 @@ __device__ __forceinline__ void int8x2_quantize(float x, float s, int8_t& q, int
   q_lo = (int8_t)(int)roundf(__fmul_rn(__fsub_rn(t, hi), 127.0f));
 }
 
+// A 32-value block held one value a lane by the whole calling warp (lane l: value l of the block): its int8
+// lane or (kTwoWord) two-word lane, q / q_lo pointing at this lane's value and d at the block's scale (lane 0
+// writes it). Elementwise the same as the float4 producers' loops: the block amax does not depend on who
+// holds which value.
+template <bool kTwoWord>
+__device__ __forceinline__ void store_quantized_lane(float y, int8_t* q, int8_t* q_lo, float* d) {
+  const float amax = quant_block_amax<32>(fabsf(y));
+  float stored_d;
+  if constexpr (!kTwoWord) {
+    const Int8BlockScale scale = int8_block_scale(amax);
+    *q = int8_quantize(y, scale.inv_d);
+    stored_d = scale.stored_d;
+  } else {
+    stored_d = int8x2_block_scale(amax);
+    int8x2_quantize(y, stored_d, *q, *q_lo);
+  }
+  if ((threadIdx.x & 31) == 0) *d = stored_d;
+}
+
+// SiLU as every producer spells it. nvcc contracts `1 + expf(-v)` into one FMA with expf's last product;
+// the same expression inlined into each caller compiles the same way (the tests compare their bits).
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+
 }  // namespace qwen38
