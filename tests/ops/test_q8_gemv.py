@@ -558,19 +558,21 @@ def test_cuda_swiglu_graph_replay(lane):
 def test_cuda_swiglu_bad_arguments_raise():
     weight_q, weight_d = make_weights(96, 64, device="cuda")
     x = torch.randn(1, 64, device="cuda")
-    gate_up, outs = torch.empty(1, 96, device="cuda"), swiglu_outputs("int8", 1, 48, "cuda")
+    out, q, _, d = swiglu_outputs("int8", 1, 48, "cuda")
     counters = torch.zeros(1, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match="F % 32 == 0"):  # F = 48
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters, outs[0])
+        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, torch.empty(1, 96, device="cuda"), counters, out, q, None, d)
     weight_q, weight_d = make_weights(128, 64, device="cuda")
-    gate_up, outs = torch.empty(1, 128, device="cuda"), swiglu_outputs("int8", 1, 64, "cuda")
+    gate_up = torch.empty(1, 128, device="cuda")
+    out, q, _, d = swiglu_outputs("int8", 1, 64, "cuda")
+    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match="counters must be"):
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters.long(), outs[0])
+        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters.long(), out, q, None, d)
     with pytest.raises(RuntimeError, match="counters must be"):
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters[:0], outs[0])
+        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters[:1], out, q, None, d)
     with pytest.raises(RuntimeError, match="out must be"):
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, torch.zeros(2, dtype=torch.int32, device="cuda"),
-                             outs[0][:, :32])
+        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters, out[:, :32], q, None, d)
     with pytest.raises(RuntimeError, match="out_q and out_d come together"):
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, torch.zeros(2, dtype=torch.int32, device="cuda"),
-                             outs[0], outs[1])
+        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters, out, q, None, None)
+    with pytest.raises(RuntimeError, match="out_d must be"):
+        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters, out, q, None, d[:, :1])
