@@ -31,16 +31,6 @@ TORCH_LIBRARY(qwen38, m) {
   m.def("q8_0_gemm_int8(Tensor x_q, Tensor x_d, Tensor weight_q, Tensor weight_d, Tensor(a!) out) -> ()");
   m.def("q8_0_gemm_int8x2(Tensor x_q, Tensor x_q_lo, Tensor x_d, Tensor weight_q, Tensor weight_d, "
         "Tensor(a!) out) -> ()");
-  // The GEMV of the FFN's [gate | up] rows (F % 32 == 0) into gate_up [T, 2F], then silu_mul(gate_up, out,
-  // out_q, out_q_lo, out_d) in the same launch (its last block of each 32 columns computes them). counters
-  // int32 [F/32]: zero before the call, zero after it (a fresh buffer must be zeroed; one call at a time).
-  m.def("q8_0_gemv_swiglu(Tensor x, Tensor weight_q, Tensor weight_d, Tensor(a!) gate_up, Tensor(b!) counters, "
-        "Tensor(c!) out, Tensor(d!)? out_q, Tensor(e!)? out_q_lo, Tensor(f!)? out_d) -> ()");
-  m.def("q8_0_gemv_int8_swiglu(Tensor x_q, Tensor x_d, Tensor weight_q, Tensor weight_d, Tensor(a!) gate_up, "
-        "Tensor(b!) counters, Tensor(c!) out, Tensor(d!)? out_q, Tensor(e!)? out_q_lo, Tensor(f!)? out_d) -> ()");
-  m.def("q8_0_gemv_int8x2_swiglu(Tensor x_q, Tensor x_q_lo, Tensor x_d, Tensor weight_q, Tensor weight_d, "
-        "Tensor(a!) gate_up, Tensor(b!) counters, Tensor(c!) out, Tensor(d!)? out_q, Tensor(e!)? out_q_lo, "
-        "Tensor(f!)? out_d) -> ()");
 
   // ---- norm_quant: producers that emit the next GEMV's activation in the lane it needs.
   // Standalone quantizer of x float32 [T, K] into the int8 (out_q_lo None) or two-word lane.

@@ -26,11 +26,12 @@ ops = torch.ops.qwen38
 # dequantize + cuBLAS 240 and 247.
 INT_GEMM_MIN_ROWS = 8
 F32_GEMM_MIN_ROWS = 48
-# Rows up to which a GDN layer runs the fused gdn_step; above, conv, gates, recurrence and gated norm as four
-# ops. Measured at the 27B shape on the H200 (bench_gdn, 818aa4d, us a layer, with per-token states from T = 2):
-# gdn_step 8.04 / 11.2 / 14.0 / 16.7 at T = 1 / 2 / 3 / 4, the four ops 8.98 / 11.7 / 13.4 / 15.3: the fused
-# kernel's 48 blocks (one per value head) fall behind from 3 rows.
-GDN_STEP_ROWS = 2
+# Rows up to which a GDN layer runs the fused gdn_step (its limit, kGdnStepMaxTokens); above, conv, gates,
+# recurrence and gated norm as four ops. Measured at the 27B shape on the H200 (bench_gdn, 6a1f2f8, us a layer,
+# with per-token states from T = 2): gdn_step 7.71 / 9.74 / 11.4 / 13.1 / 15.0 / 16.7 / 18.5 / 20.4 at T = 1..8,
+# the four ops 9.06 / 11.8 / 13.5 / 15.4 / 17.4 / 19.3 / 21.4 / 23.5. (With one block per value head, 818aa4d,
+# gdn_step fell behind from 3 rows; two blocks a head, f5e03b0, win at every T.)
+GDN_STEP_ROWS = 8
 # The f32 lane dequantizes this many weight rows at a time (bounded scratch: 8192 x 17408 floats = 570 MB).
 DEQUANTIZE_ROWS = 8192
 
@@ -59,43 +60,23 @@ class Linear(nn.Module):
     def in_features(self) -> int:
         return (self.weight_q if self.lane else self.weight).shape[1]
 
-    def runs_gemv(self, rows: int) -> bool:
-        """Whether `rows` rows go through our Q8_0 GEMV (not a dense matmul, not a GEMM)."""
-        if self.lane is None:
-            return False
-        if self.lane == "f32":
-            return rows < F32_GEMM_MIN_ROWS or self.weight_q.device.type != "cuda"
-        return rows < INT_GEMM_MIN_ROWS or self.in_features % 64 != 0  # the GEMM's stage is 64 wide
-
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
         rows = act.x.shape[0]
         out = scratch.empty(self, "out", (rows, self.out_features))
+        gemm = rows >= INT_GEMM_MIN_ROWS and self.in_features % 64 == 0  # the GEMM's stage is 64 wide
         if self.lane is None:
             self._dense(act.x, out, scratch)
         elif self.lane == "f32":
-            if self.runs_gemv(rows):
-                ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
-            else:
+            if rows >= F32_GEMM_MIN_ROWS and out.is_cuda:
                 self._dequantized_matmul(act.x, out, scratch)
+            else:
+                ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
         elif self.lane == "int8":
-            gemv = self.runs_gemv(rows)
-            (ops.q8_0_gemv_int8 if gemv else ops.q8_0_gemm_int8)(act.q, act.d, self.weight_q, self.weight_d, out)
+            (ops.q8_0_gemm_int8 if gemm else ops.q8_0_gemv_int8)(act.q, act.d, self.weight_q, self.weight_d, out)
         else:
-            gemv = self.runs_gemv(rows)
-            (ops.q8_0_gemv_int8x2 if gemv else ops.q8_0_gemm_int8x2)(
+            (ops.q8_0_gemm_int8x2 if gemm else ops.q8_0_gemv_int8x2)(
                 act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out)
         return out
-
-    def gemv_swiglu(self, act: Activation, counters: torch.Tensor, hidden: Activation, scratch: Scratch) -> None:
-        """This [gate | up] projection's GEMV with silu_mul into `hidden` in its epilogue (one launch)."""
-        out = scratch.empty(self, "out", (act.x.shape[0], self.out_features))
-        if self.lane == "f32":
-            ops.q8_0_gemv_swiglu(act.x, self.weight_q, self.weight_d, out, counters, *hidden.outs())
-        elif self.lane == "int8":
-            ops.q8_0_gemv_int8_swiglu(act.q, act.d, self.weight_q, self.weight_d, out, counters, *hidden.outs())
-        else:
-            ops.q8_0_gemv_int8x2_swiglu(act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out, counters,
-                                        *hidden.outs())
 
     def _dequantized_matmul(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
         """The f32 lane's contract, literally: dequantize to float32, float32 cuBLAS GEMM (no TF32 unless
@@ -165,7 +146,7 @@ class GatedDeltaNet(nn.Module):
         x = self.qkvz(act, scratch)
         out = scratch.activation(self, "normed", rows, c.linear_value_dim, input_lane(self.out_proj))
         # gdn_step and the op sequence below give the same bits for up to GDN_STEP_ROWS rows (both recur token
-        # by token there); gdn_step is one launch instead of four but runs on one block per value head.
+        # by token there); gdn_step is one launch instead of four.
         if rows <= GDN_STEP_ROWS:
             ops.gdn_step(x, self.conv_weight, self.a_neg, self.dt_bias, self.norm_weight, c.rms_norm_eps, state.conv,
                          state.recurrent, *out.outs(), token_conv, token_recurrent)
@@ -224,21 +205,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up = Linear(w["gate_up"], lane, "mlp.gate_up")  # rows [gate | up]
         self.down = Linear(w["ffn_down"], lane, "mlp.down")
-        # The GEMV's SwiGLU epilogue needs 32-column groups (one quantization block each) and its group
-        # arrival counters, zero between launches (the kernel leaves them so).
-        width = self.down.in_features
-        self.fused_swiglu = self.gate_up.lane is not None and width % 32 == 0
-        if self.fused_swiglu:
-            counters = torch.zeros(width // 32, dtype=torch.int32, device=self.gate_up.weight_q.device)
-            self.register_buffer("swiglu_counters", counters, persistent=False)
 
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
-        rows = act.x.shape[0]
-        hidden = scratch.activation(self, "hidden", rows, self.down.in_features, input_lane(self.down))
-        if self.fused_swiglu and self.gate_up.runs_gemv(rows):
-            self.gate_up.gemv_swiglu(act, self.swiglu_counters, hidden, scratch)
-        else:
-            ops.silu_mul(self.gate_up(act, scratch), *hidden.outs())
+        hidden = scratch.activation(self, "hidden", act.x.shape[0], self.down.in_features, input_lane(self.down))
+        ops.silu_mul(self.gate_up(act, scratch), *hidden.outs())
         return self.down(hidden, scratch)
 
 

@@ -11,8 +11,7 @@ torch's own bf16 matmul at the same shape and T (the in-run peer; it reads 2 byt
 Q8_0's 1.0625, so its time ratio is the number to compare, not its GB/s).
 
 Also a decode-like pair, add_rms_norm (+ int8 quant) -> GEMV, to show what PDL buys between a producer and
-its GEMV: the GEMV's first weight loads overlap the norm; and the FFN's gate|up GEMV followed by silu_mul
-against the same GEMV with silu_mul in its epilogue (q8_0_gemv*_swiglu, one launch), each lane at T = 1.
+its GEMV: the GEMV's first weight loads overlap the norm.
 
 QWEN38_PDL and QWEN38_Q8_GEMV_CONFIG are read once per process (a captured graph keeps what it was captured
 with), so PDL off and each compiled config run in a child process of this script (at T = 1), each with its
@@ -174,39 +173,6 @@ def bench_norm_then_gemv(probe_gbps):
     return result
 
 
-def bench_gate_up_swiglu(probe_gbps):
-    """Per lane, us per FFN activation at T = 1: gate|up GEMV then silu_mul (two launches) against the GEMV
-    with silu_mul in its epilogue (one), into the lane's outputs, weights rotated as everywhere here."""
-    N, K = 34816, 5120
-    F = N // 2
-    qbytes = N * K + N * (K // 32) * 2
-    n_sets = rotation(qbytes)
-    sets = weight_sets(N, K, n_sets)
-    calls = calls_for(qbytes / (probe_gbps * 1e9), n_sets)
-    counters = torch.zeros(F // 32, dtype=torch.int32, device="cuda")
-    swiglu = {"f32": ops.q8_0_gemv_swiglu, "int8": ops.q8_0_gemv_int8_swiglu, "int8x2": ops.q8_0_gemv_int8x2_swiglu}
-    result = {}
-    for lane in LANES:
-        act = activation(lane, 1, K)
-        gate_up, out = torch.empty(1, N, device="cuda"), torch.empty(1, F, device="cuda")
-        q = torch.empty(1, F, device="cuda", dtype=torch.int8) if lane != "f32" else None
-        q_lo = torch.empty(1, F, device="cuda", dtype=torch.int8) if lane == "int8x2" else None
-        d = torch.empty(1, F // 32, device="cuda") if lane != "f32" else None
-
-        def separate(i, act=act, gate_up=gate_up, outs=(out, q, q_lo, d), lane=lane):
-            op_for(lane)(*act, *sets[i % n_sets], gate_up)
-            ops.silu_mul(gate_up, *outs)
-
-        def fused(i, act=act, gate_up=gate_up, outs=(out, q, q_lo, d), lane=lane):
-            swiglu[lane](*act, *sets[i % n_sets], gate_up, counters, *outs)
-
-        result[lane] = {name: time_graph(fn, calls)["median_s"] * 1e6
-                        for name, fn in (("gemv_then_silu_mul_us", separate), ("gemv_swiglu_us", fused))}
-    del sets
-    torch.cuda.empty_cache()
-    return result
-
-
 def measure(rows_of_x, with_torch):
     """Everything, with the config and PDL setting this process has: the probe first, then every shape."""
     probe = read_probe_result()
@@ -218,8 +184,7 @@ def measure(rows_of_x, with_torch):
         shape_rows = bench_shape(N, K, label, gbps, rows_of_x, with_torch)
         print_table(shape_rows, ["shape", "what", "lane", "T", "us", "GB/s", "%probe", "x_T1"])
         rows += shape_rows
-    return {"read_probe": probe, "gemv": rows, "norm_then_gemv": bench_norm_then_gemv(gbps),
-            "gate_up_swiglu": bench_gate_up_swiglu(gbps)}
+    return {"read_probe": probe, "gemv": rows, "norm_then_gemv": bench_norm_then_gemv(gbps)}
 
 
 def run_variant(env):
@@ -279,8 +244,6 @@ def main():
           {k: round(t, 2) for k, t in result["norm_then_gemv"].items()},
           "| PDL off:", next((v.get("norm_then_gemv") for v in variants if v["env"] == {"QWEN38_PDL": "0"}), None),
           flush=True)
-    print("FFN gate|up 34816x5120 at T = 1, us: GEMV then silu_mul / GEMV with the SwiGLU epilogue:",
-          {lane: {k: round(t, 2) for k, t in r.items()} for lane, r in result["gate_up_swiglu"].items()}, flush=True)
     print_table(result["gemv"], ["shape", "what", "lane", "T", "us", "GB/s", "%probe", "x_T1", "us_noPDL",
                                  "best_cfg", "best_us", "best_%probe", "torch_bf16_us", "speedup_vs_torch"],
                 title="Q8_0 GEMV, default config, PDL on (graph of many launches, weights rotated over >= 1 GiB)")

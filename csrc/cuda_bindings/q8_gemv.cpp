@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
 #include <string>
 
 #include "checks.h"
@@ -87,9 +86,8 @@ void run_gemm(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& 
               env != nullptr ? " (QWEN38_Q8_GEMM_TILE must be 32, 64 or 128)" : "");
 }
 
-// The lanes' arguments (x side, weights, out); the GEMV ops and their SwiGLU forms launch them.
-Q8GemvArgs f32_args(const char* op, const at::Tensor& x, const at::Tensor& weight_q, const at::Tensor& weight_d,
-                    at::Tensor& out) {
+void q8_0_gemv_f32(const at::Tensor& x, const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& out) {
+  constexpr const char* op = "q8_0_gemv";
   Q8GemvArgs a;
   check_weights(op, weight_q, weight_d, a);
   a.T = static_cast<int>(token_rows(op, x));
@@ -97,11 +95,13 @@ Q8GemvArgs f32_args(const char* op, const at::Tensor& x, const at::Tensor& weigh
   a.x = x.data_ptr<float>();
   a.x_stride = x.stride(0);
   check_out(op, out, a, weight_q);
-  return a;
+  run(op, Q8Act::F32, a, weight_q);
 }
 
-Q8GemvArgs int8_args(const char* op, const at::Tensor& x_q, const at::Tensor& x_d, const at::Tensor& weight_q,
-                     const at::Tensor& weight_d, at::Tensor& out) {
+template <bool kGemm>
+void q8_0_int8(const at::Tensor& x_q, const at::Tensor& x_d, const at::Tensor& weight_q, const at::Tensor& weight_d,
+               at::Tensor& out) {
+  const char* op = kGemm ? "q8_0_gemm_int8" : "q8_0_gemv_int8";
   Q8GemvArgs a;
   check_weights(op, weight_q, weight_d, a);
   a.T = static_cast<int>(token_rows(op, x_q));
@@ -112,99 +112,27 @@ Q8GemvArgs int8_args(const char* op, const at::Tensor& x_q, const at::Tensor& x_
   a.x_d = x_d.data_ptr<float>();
   a.x_d_stride = x_d.stride(0);
   check_out(op, out, a, weight_q);
-  return a;
-}
-
-Q8GemvArgs int8x2_args(const char* op, const at::Tensor& x_q, const at::Tensor& x_q_lo, const at::Tensor& x_d,
-                       const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& out) {
-  Q8GemvArgs a = int8_args(op, x_q, x_d, weight_q, weight_d, out);
-  check_rows(op, "x_q_lo", x_q_lo, at::kChar, a.T, a.K, 16, weight_q);
-  a.x_lo = x_q_lo.data_ptr<int8_t>();
-  a.x_lo_stride = x_q_lo.stride(0);
-  return a;
-}
-
-// The SwiGLU epilogue's outputs (q8_gemv.h, Q8SwigluArgs): silu_mul's out [T, F], out_q, out_q_lo [T, F]
-// and out_d [T, F/32] (written a value a lane: no alignment beyond the element's), and the int32 counters
-// [F/32], which must be zero (they are after every launch; a fresh buffer must be zeroed).
-void set_swiglu(const char* op, Q8GemvArgs& a, at::Tensor& counters, at::Tensor& out,
-                const std::optional<at::Tensor>& out_q, const std::optional<at::Tensor>& out_q_lo,
-                const std::optional<at::Tensor>& out_d, const at::Tensor& weight_q) {
-  QWEN38_CHECK(a.N % 64 == 0, op, ": weight_q's rows must be [gate | up] with F % 32 == 0 (one quantization block a "
-              "group of 32 columns), found N = ", a.N);
-  const int64_t F = a.N / 2;
-  QWEN38_CHECK(counters.device() == weight_q.device(), op, ": counters is on ", counters.device(),
-              " but weight_q is on ", weight_q.device());
-  QWEN38_CHECK(counters.scalar_type() == at::kInt && counters.dim() == 1 && counters.size(0) == F / 32 &&
-                  counters.is_contiguous(),
-              op, ": counters must be a contiguous int32 [F/32] = [", text(F / 32), "], found ", counters.scalar_type(),
-              " sizes ", text(counters.sizes()));
-  a.swiglu.counters = counters.data_ptr<int>();
-  check_rows(op, "out", out, at::kFloat, a.T, F, 4, weight_q);
-  a.swiglu.out = out.data_ptr<float>();
-  a.swiglu.out_stride = out.stride(0);
-  QWEN38_CHECK(!out_q_lo.has_value() || out_q.has_value(), op, ": out_q_lo needs out_q (the two-word lane)");
-  QWEN38_CHECK(out_q.has_value() == out_d.has_value(), op, ": out_q and out_d come together");
-  if (!out_q.has_value()) return;
-  check_rows(op, "out_q", *out_q, at::kChar, a.T, F, 1, weight_q);
-  a.swiglu.out_q = out_q->data_ptr<int8_t>();
-  a.swiglu.out_q_stride = out_q->stride(0);
-  if (out_q_lo.has_value()) {
-    check_rows(op, "out_q_lo", *out_q_lo, at::kChar, a.T, F, 1, weight_q);
-    a.swiglu.out_q_lo = out_q_lo->data_ptr<int8_t>();
-    a.swiglu.out_q_lo_stride = out_q_lo->stride(0);
-  }
-  check_rows(op, "out_d", *out_d, at::kFloat, a.T, F / 32, 4, weight_q);
-  a.swiglu.out_d = out_d->data_ptr<float>();
-  a.swiglu.out_d_stride = out_d->stride(0);
-}
-
-void q8_0_gemv_f32(const at::Tensor& x, const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& out) {
-  run("q8_0_gemv", Q8Act::F32, f32_args("q8_0_gemv", x, weight_q, weight_d, out), weight_q);
-}
-
-template <bool kGemm>
-void q8_0_int8(const at::Tensor& x_q, const at::Tensor& x_d, const at::Tensor& weight_q, const at::Tensor& weight_d,
-               at::Tensor& out) {
-  const char* op = kGemm ? "q8_0_gemm_int8" : "q8_0_gemv_int8";
-  (kGemm ? run_gemm : run)(op, Q8Act::Int8, int8_args(op, x_q, x_d, weight_q, weight_d, out), weight_q);
+  (kGemm ? run_gemm : run)(op, Q8Act::Int8, a, weight_q);
 }
 
 template <bool kGemm>
 void q8_0_int8x2(const at::Tensor& x_q, const at::Tensor& x_q_lo, const at::Tensor& x_d, const at::Tensor& weight_q,
                  const at::Tensor& weight_d, at::Tensor& out) {
   const char* op = kGemm ? "q8_0_gemm_int8x2" : "q8_0_gemv_int8x2";
-  (kGemm ? run_gemm : run)(op, Q8Act::Int8x2, int8x2_args(op, x_q, x_q_lo, x_d, weight_q, weight_d, out), weight_q);
-}
-
-void q8_0_gemv_f32_swiglu(const at::Tensor& x, const at::Tensor& weight_q, const at::Tensor& weight_d,
-                          at::Tensor& gate_up, at::Tensor& counters, at::Tensor& out,
-                          const std::optional<at::Tensor>& out_q, const std::optional<at::Tensor>& out_q_lo,
-                          const std::optional<at::Tensor>& out_d) {
-  constexpr const char* op = "q8_0_gemv_swiglu";
-  Q8GemvArgs a = f32_args(op, x, weight_q, weight_d, gate_up);
-  set_swiglu(op, a, counters, out, out_q, out_q_lo, out_d, weight_q);
-  run(op, Q8Act::F32, a, weight_q);
-}
-
-void q8_0_gemv_int8_swiglu(const at::Tensor& x_q, const at::Tensor& x_d, const at::Tensor& weight_q,
-                           const at::Tensor& weight_d, at::Tensor& gate_up, at::Tensor& counters, at::Tensor& out,
-                           const std::optional<at::Tensor>& out_q, const std::optional<at::Tensor>& out_q_lo,
-                           const std::optional<at::Tensor>& out_d) {
-  constexpr const char* op = "q8_0_gemv_int8_swiglu";
-  Q8GemvArgs a = int8_args(op, x_q, x_d, weight_q, weight_d, gate_up);
-  set_swiglu(op, a, counters, out, out_q, out_q_lo, out_d, weight_q);
-  run(op, Q8Act::Int8, a, weight_q);
-}
-
-void q8_0_gemv_int8x2_swiglu(const at::Tensor& x_q, const at::Tensor& x_q_lo, const at::Tensor& x_d,
-                             const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& gate_up,
-                             at::Tensor& counters, at::Tensor& out, const std::optional<at::Tensor>& out_q,
-                             const std::optional<at::Tensor>& out_q_lo, const std::optional<at::Tensor>& out_d) {
-  constexpr const char* op = "q8_0_gemv_int8x2_swiglu";
-  Q8GemvArgs a = int8x2_args(op, x_q, x_q_lo, x_d, weight_q, weight_d, gate_up);
-  set_swiglu(op, a, counters, out, out_q, out_q_lo, out_d, weight_q);
-  run(op, Q8Act::Int8x2, a, weight_q);
+  Q8GemvArgs a;
+  check_weights(op, weight_q, weight_d, a);
+  a.T = static_cast<int>(token_rows(op, x_q));
+  check_rows(op, "x_q", x_q, at::kChar, a.T, a.K, 16, weight_q);
+  check_rows(op, "x_q_lo", x_q_lo, at::kChar, a.T, a.K, 16, weight_q);
+  check_rows(op, "x_d", x_d, at::kFloat, a.T, a.K / 32, 4, weight_q);
+  a.x = x_q.data_ptr<int8_t>();
+  a.x_stride = x_q.stride(0);
+  a.x_lo = x_q_lo.data_ptr<int8_t>();
+  a.x_lo_stride = x_q_lo.stride(0);
+  a.x_d = x_d.data_ptr<float>();
+  a.x_d_stride = x_d.stride(0);
+  check_out(op, out, a, weight_q);
+  (kGemm ? run_gemm : run)(op, Q8Act::Int8x2, a, weight_q);
 }
 
 }  // namespace
@@ -216,7 +144,4 @@ TORCH_LIBRARY_IMPL(qwen38, CUDA, m) {
   m.impl("q8_0_gemv_int8x2", &qwen38::q8_0_int8x2<false>);
   m.impl("q8_0_gemm_int8", &qwen38::q8_0_int8<true>);
   m.impl("q8_0_gemm_int8x2", &qwen38::q8_0_int8x2<true>);
-  m.impl("q8_0_gemv_swiglu", &qwen38::q8_0_gemv_f32_swiglu);
-  m.impl("q8_0_gemv_int8_swiglu", &qwen38::q8_0_gemv_int8_swiglu);
-  m.impl("q8_0_gemv_int8x2_swiglu", &qwen38::q8_0_gemv_int8x2_swiglu);
 }

@@ -62,7 +62,6 @@
 #include <type_traits>
 
 #include "pdl.cuh"
-#include "quantize.cuh"
 
 namespace qwen38 {
 namespace {
@@ -321,43 +320,6 @@ constexpr int kMinBlocks = TOKENS == 1 ? 5
 template <Q8Act ACT, int TOKENS, int TRIP>
 constexpr int kTrip = ACT == Q8Act::F32 || TOKENS <= 2 ? TRIP : 1;
 
-// The SwiGLU epilogue (Q8SwigluArgs), once the block's rows are stored. Every thread fences its stores to the
-// device before the block's one arrival (the CUDA guide's last-block pattern); the group's last arrival, of
-// 64 / kRowsPerBlock blocks in each pass over rows of x (blockIdx.y), reads the group's gate and up sums back
-// from L2 (ld.global.cg: another SM's stores are not in this SM's L1) for every row of x, a warp a row, a lane
-// a column: one quantization block a warp, as store_quantized_lane wants.
-template <int kRowsPerBlock>
-__device__ __forceinline__ void swiglu_epilogue(const Q8GemvArgs& a) {
-  __shared__ bool is_last;
-  const Q8SwigluArgs& g = a.swiglu;
-  const int F = a.N / 2;
-  const int group = static_cast<int>(blockIdx.x) * kRowsPerBlock % F / kQuantBlock;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int arrivals = 2 * kQuantBlock / kRowsPerBlock * static_cast<int>(gridDim.y);
-    is_last = atomicAdd(&g.counters[group], 1) == arrivals - 1;
-    if (is_last) g.counters[group] = 0;  // every arrival is in: the next launch starts from zero
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const int c = group * kQuantBlock + (threadIdx.x & 31);
-  for (int t = threadIdx.x >> 5; t < a.T; t += kWarps) {
-    const float* gate_up = a.out + static_cast<size_t>(t) * a.out_stride;
-    const float y = silu(__ldcg(gate_up + c)) * __ldcg(gate_up + F + c);
-    g.out[t * g.out_stride + c] = y;
-    if (g.out_q == nullptr) continue;
-    int8_t* const q = g.out_q + t * g.out_q_stride + c;
-    float* const d = g.out_d + t * g.out_d_stride + group;
-    if (g.out_q_lo != nullptr) {
-      store_quantized_lane<true>(y, q, g.out_q_lo + t * g.out_q_lo_stride + c, d);
-    } else {
-      store_quantized_lane<false>(y, q, nullptr, d);
-    }
-  }
-}
-
 // Warp w of block b owns weight row b * kRowsPerBlock + w / kWarpsPerRow (its pieces w % kWarpsPerRow,
 // + kWarpsPerRow, ..), for TOKENS rows of x (t0 = TOKENS * blockIdx.y onwards).
 template <Q8Act ACT, int TOKENS, int TRIP, int PARTS>
@@ -579,7 +541,6 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
       store(lane, v);
     }
   }
-  if (a.swiglu.counters != nullptr) swiglu_epilogue<kWarps / kSplit>(a);
 }
 
 template <Q8Act ACT, int TOKENS, int TRIP, int PARTS>
@@ -656,8 +617,6 @@ bool q8_0_gemv_config_from_env(Q8GemvConfig* cfg) {
 cudaError_t q8_0_gemv(Q8Act act, const Q8GemvArgs& args, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
   if (args.N == 0 || args.T == 0) return cudaSuccess;
   if (args.K <= 0 || args.K % 32 != 0) return cudaErrorInvalidValue;
-  if (args.swiglu.counters != nullptr && (args.N % (2 * kQuantBlock) != 0 || args.swiglu.out == nullptr))
-    return cudaErrorInvalidValue;
   switch (act) {
     case Q8Act::F32: return dispatch<Q8Act::F32>(args, cfg, pdl, stream);
     case Q8Act::Int8: return dispatch<Q8Act::Int8>(args, cfg, pdl, stream);

@@ -16,20 +16,6 @@ namespace qwen38 {
 
 enum class Q8Act : int { F32 = 0, Int8 = 1, Int8x2 = 2 };
 
-// The SwiGLU epilogue (q8_0_gemv_swiglu): W's rows are [gate | up] (N = 2F, F % 32 == 0) and the GEMV's out
-// is kept. The last block to finish the 64 rows of a 32-column group (gate and up rows 32g .. 32g + 31, for
-// every row of x) computes silu(gate) * up of that group, as silu_mul does, into these outputs; so the FFN's
-// activation needs no launch of its own. counters is the group's arrival count: zero before the launch, and
-// the last arrival sets it back to zero.
-struct Q8SwigluArgs {
-  int* counters = nullptr;  // [F/32] int32; null: no epilogue
-  float* out = nullptr;     // [T, F]
-  int8_t* out_q = nullptr;  // optional [T, F]: int8 lane (or the two-word lane's high word)
-  int8_t* out_q_lo = nullptr;  // optional [T, F]: the two-word lane's low word
-  float* out_d = nullptr;      // [T, F/32], with out_q
-  int64_t out_stride = 0, out_q_stride = 0, out_q_lo_stride = 0, out_d_stride = 0;  // in elements
-};
-
 struct Q8GemvArgs {
   const int8_t* weight_q = nullptr;  // [N, K], rows 16-byte aligned (base aligned, K % 32 == 0)
   const __half* weight_d = nullptr;  // [N, K/32]
@@ -39,7 +25,6 @@ struct Q8GemvArgs {
   float* out = nullptr;              // [T, out_stride]
   int64_t x_stride = 0, x_lo_stride = 0, x_d_stride = 0, out_stride = 0;  // in elements
   int N = 0, K = 0, T = 0;
-  Q8SwigluArgs swiglu;
 };
 
 // How a launch maps the work (template instantiations of one kernel; see q8_gemv.cu). One warp owns one

@@ -2,7 +2,7 @@
 reference is the truth the kernels' float32 accumulation is measured against."""
 import torch
 
-from .norm_quant import QK, silu_mul
+from .norm_quant import QK
 
 
 def dequantize_q8_0(weight_q: torch.Tensor, weight_d: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -33,22 +33,3 @@ def q8_0_gemv_int8(x_q, x_d, weight_q, weight_d, out) -> None:
 def q8_0_gemv_int8x2(x_q, x_q_lo, x_d, weight_q, weight_d, out) -> None:
     dots = _block_dots(x_q, weight_q) + _block_dots(x_q_lo, weight_q) / 127
     _scaled_sum(dots, x_d, weight_d, out)
-
-
-# The SwiGLU forms: the GEMV of [gate | up] rows into gate_up, then silu_mul. counters belongs to the CUDA
-# kernel (zero before and after a call) and is not touched here.
-def q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters, out, out_q=None, out_q_lo=None, out_d=None) -> None:
-    q8_0_gemv(x, weight_q, weight_d, gate_up)
-    silu_mul(gate_up, out, out_q, out_q_lo, out_d)
-
-
-def q8_0_gemv_int8_swiglu(x_q, x_d, weight_q, weight_d, gate_up, counters, out, out_q=None, out_q_lo=None,
-                          out_d=None) -> None:
-    q8_0_gemv_int8(x_q, x_d, weight_q, weight_d, gate_up)
-    silu_mul(gate_up, out, out_q, out_q_lo, out_d)
-
-
-def q8_0_gemv_int8x2_swiglu(x_q, x_q_lo, x_d, weight_q, weight_d, gate_up, counters, out, out_q=None, out_q_lo=None,
-                            out_d=None) -> None:
-    q8_0_gemv_int8x2(x_q, x_q_lo, x_d, weight_q, weight_d, gate_up)
-    silu_mul(gate_up, out, out_q, out_q_lo, out_d)

@@ -57,20 +57,6 @@ def make_activation(lane, T, K, device="cpu", seed=1):
     return x_q, x_q_lo, x_d
 
 
-def swiglu_op_for(lane):
-    return {"f32": ops.q8_0_gemv_swiglu, "int8": ops.q8_0_gemv_int8_swiglu, "int8x2": ops.q8_0_gemv_int8x2_swiglu}[lane]
-
-
-def swiglu_outputs(out_lane, T, F, device="cpu"):
-    """silu_mul's outputs in out_lane, poisoned (NaN; quants 0x7F)."""
-    out = torch.full((T, F), float("nan"), device=device)
-    if out_lane == "f32":
-        return out, None, None, None
-    q = torch.full((T, F), 0x7F, dtype=torch.int8, device=device)
-    q_lo = torch.full((T, F), 0x7F, dtype=torch.int8, device=device) if out_lane == "int8x2" else None
-    return out, q, q_lo, torch.full((T, F // 32), float("nan"), device=device)
-
-
 def op_for(lane):
     return {"f32": ops.q8_0_gemv, "int8": ops.q8_0_gemv_int8, "int8x2": ops.q8_0_gemv_int8x2}[lane]
 
@@ -170,23 +156,6 @@ def test_opcheck_cpu(lane):
     act = make_activation(lane, 3, 96)
     out = torch.empty(3, 6)
     torch.library.opcheck(op_for(lane).default, (*act, weight_q, weight_d, out))
-
-
-@pytest.mark.parametrize("lane", LANES)
-def test_swiglu_opcheck_and_reference_cpu(lane):
-    """The SwiGLU form's reference is the GEMV's, then silu_mul's, into the same buffers."""
-    weight_q, weight_d = make_weights(128, 96)
-    act = make_activation(lane, 3, 96)
-    counters = torch.zeros(2, dtype=torch.int32)
-    gate_up, outs = torch.empty(3, 128), swiglu_outputs(lane, 3, 64)
-    torch.library.opcheck(swiglu_op_for(lane).default, (*act, weight_q, weight_d, gate_up, counters, *outs))
-    swiglu_op_for(lane)(*act, weight_q, weight_d, gate_up, counters, *outs)
-    expected_gate_up, expected = torch.empty(3, 128), swiglu_outputs(lane, 3, 64)
-    op_for(lane)(*act, weight_q, weight_d, expected_gate_up)
-    ops.silu_mul(expected_gate_up, *expected)
-    assert torch.equal(gate_up, expected_gate_up)
-    for got, want in zip(outs, expected):
-        assert got is None or torch.equal(got, want)
 
 
 @pytest.mark.parametrize("lane", LANES)
@@ -496,83 +465,3 @@ def check_bad_arguments():
 @needs_gpu
 def test_cuda_bad_arguments_raise():
     run_in_child(__file__, "check_bad_arguments")
-
-
-# The SwiGLU forms: the gate|up GEMV with silu_mul in its epilogue (the last block of each 32-column group
-# computes it). (N, K): the 27B FFN, the oracle's, one group, two groups at an odd K.
-SWIGLU_SHAPES = [(34816, 5120), (640, 128), (64, 96), (128, 1056)]
-
-
-@cuda
-@needs_gpu
-@pytest.mark.parametrize("lane", LANES)
-@pytest.mark.parametrize("out_lane", ["same", "f32"])
-@pytest.mark.parametrize("N,K", SWIGLU_SHAPES, ids=[f"{n}x{k}" for n, k in SWIGLU_SHAPES])
-@pytest.mark.parametrize("T", [1, 2, 5, 9])  # 9: two passes (f32: three), every pass's blocks arrive
-def test_cuda_swiglu_equals_gemv_then_silu_mul(lane, out_lane, N, K, T):
-    """Bit for bit the GEMV then silu_mul, every output poisoned first; the counters are zero afterwards;
-    a second call (counters reused) gives the same bits."""
-    out_lane = lane if out_lane == "same" else out_lane
-    F = N // 2
-    weights = make_weights(N, K, device="cuda", seed=N)
-    act = make_activation(lane, T, K, device="cuda", seed=T)
-    expected_gate_up = run_cuda(lane, act, *weights)
-    expected = swiglu_outputs(out_lane, T, F, "cuda")
-    ops.silu_mul(expected_gate_up, *expected)
-    counters = torch.zeros(F // 32, dtype=torch.int32, device="cuda")
-    for _ in range(2):
-        gate_up, outs = torch.full((T, N), float("nan"), device="cuda"), swiglu_outputs(out_lane, T, F, "cuda")
-        swiglu_op_for(lane)(*act, *weights, gate_up, counters, *outs)
-        torch.cuda.synchronize()
-        assert torch.equal(gate_up, expected_gate_up)
-        for name, got, want in zip(("out", "out_q", "out_q_lo", "out_d"), outs, expected):
-            assert got is None or torch.equal(got, want), name
-        assert not counters.any(), "the counters were not left at zero"
-
-
-@cuda
-@needs_gpu
-@pytest.mark.parametrize("lane", LANES)
-def test_cuda_swiglu_graph_replay(lane):
-    """Replays of a captured SwiGLU GEMV (the counters return to zero between them) equal the eager call."""
-    N, K, T = 34816, 5120, 1
-    weights = make_weights(N, K, device="cuda", seed=5)
-    act = make_activation(lane, T, K, device="cuda", seed=6)
-    counters = torch.zeros(N // 64, dtype=torch.int32, device="cuda")
-    gate_up, outs = torch.empty(T, N, device="cuda"), swiglu_outputs(lane, T, N // 2, "cuda")
-    swiglu_op_for(lane)(*act, *weights, gate_up, counters, *outs)
-    eager = [t.clone() for t in (gate_up, *outs) if t is not None]
-    graph = capture_graph(lambda: swiglu_op_for(lane)(*act, *weights, gate_up, counters, *outs))
-    for _ in range(3):
-        for t in (gate_up, *outs):
-            if t is not None:
-                t.fill_(-1)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip((t for t in (gate_up, *outs) if t is not None), eager))
-    assert not counters.any()
-
-
-@cuda
-@needs_gpu
-def test_cuda_swiglu_bad_arguments_raise():
-    weight_q, weight_d = make_weights(96, 64, device="cuda")
-    x = torch.randn(1, 64, device="cuda")
-    out, q, _, d = swiglu_outputs("int8", 1, 48, "cuda")
-    counters = torch.zeros(1, dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="F % 32 == 0"):  # F = 48
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, torch.empty(1, 96, device="cuda"), counters, out, q, None, d)
-    weight_q, weight_d = make_weights(128, 64, device="cuda")
-    gate_up = torch.empty(1, 128, device="cuda")
-    out, q, _, d = swiglu_outputs("int8", 1, 64, "cuda")
-    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="counters must be"):
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters.long(), out, q, None, d)
-    with pytest.raises(RuntimeError, match="counters must be"):
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters[:1], out, q, None, d)
-    with pytest.raises(RuntimeError, match="out must be"):
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters, out[:, :32], q, None, d)
-    with pytest.raises(RuntimeError, match="out_q and out_d come together"):
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters, out, q, None, None)
-    with pytest.raises(RuntimeError, match="out_d must be"):
-        ops.q8_0_gemv_swiglu(x, weight_q, weight_d, gate_up, counters, out, q, None, d[:, :1])
