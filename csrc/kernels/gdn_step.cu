@@ -56,13 +56,6 @@ __device__ __forceinline__ float gated_norm_silu(float v) { return v / (1.0f + e
 // value heads stays within the portable cluster size, 8 blocks.
 constexpr int gdn_step_split(int group) { return 2 * group <= 8 ? 2 : 1; }
 
-__device__ __forceinline__ uint32_t pack_i8x4(const int8_t (&q)[4]) {
-  uint32_t word = 0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) word |= static_cast<uint32_t>(static_cast<uint8_t>(q[k])) << (8 * k);
-  return word;
-}
-
 // The float4 at p's shared-memory address in block `rank` of the cluster (distributed shared memory). Not
 // cooperative_groups' map_shared_rank: its generic pointer put 32 bytes of the kernel on the stack.
 __device__ __forceinline__ float4 load_cluster_shared(const float* p, int rank) {
@@ -75,10 +68,6 @@ __device__ __forceinline__ float4 load_cluster_shared(const float* p, int rank) 
                : "r"(remote)
                : "memory");
   return v;
-}
-
-__device__ __forceinline__ float comp(const float4& v, int k) {
-  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
 }
 
 template <int kVec, int kChunks, int kSplit>
@@ -311,24 +300,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
       for (int i = 0; i < kNormItems; ++i) {
         if (4 * 32 * i >= dv) break;  // warp-uniform: items no lane holds (the shuffles need the whole warp)
         const int e = 4 * (lane + 32 * i), column = head * dv + e;
-        const float lane_amax = fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
-        const float amax = quant_block_amax<kQuantBlock / 4>(lane_amax);  // 8 lanes x float4 = one block
-        if (e >= dv) continue;
-        int8_t q[4], lo[4];
-        float stored_d;
-        if (!two_word) {
-          const Int8BlockScale block_scale = int8_block_scale(amax);
-#pragma unroll
-          for (int c = 0; c < 4; ++c) q[c] = int8_quantize(comp(v[i], c), block_scale.inv_d);
-          stored_d = block_scale.stored_d;
-        } else {
-          stored_d = int8x2_block_scale(amax);
-#pragma unroll
-          for (int c = 0; c < 4; ++c) int8x2_quantize(comp(v[i], c), stored_d, q[c], lo[c]);
-          *reinterpret_cast<uint32_t*>(a.out_q_lo + t * a.out_q_lo_stride + column) = pack_i8x4(lo);
-        }
-        *reinterpret_cast<uint32_t*>(a.out_q + t * a.out_q_stride + column) = pack_i8x4(q);
-        if ((lane & 7) == 0) a.out_d[t * a.out_d_stride + column / kQuantBlock] = stored_d;
+        store_quantized_float4(v[i], e < dv, a.out_q + t * a.out_q_stride + column,
+                               two_word ? a.out_q_lo + t * a.out_q_lo_stride + column : nullptr,
+                               a.out_d + t * a.out_d_stride + column / kQuantBlock);
       }
     }
   }

@@ -42,15 +42,6 @@ constexpr bool kNormalises =
 __device__ __forceinline__ void prefetch_l1(const float* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ __forceinline__ float comp(const float4& v, int k) {
-  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
-}
-__device__ __forceinline__ uint32_t pack_i8x4(const int8_t (&q)[4]) {
-  uint32_t word = 0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) word |= static_cast<uint32_t>(static_cast<uint8_t>(q[k])) << (8 * k);
-  return word;
-}
 
 // A "group" of threads owns one segment of a row: the whole block and the whole row (kRowScope), or one warp
 // and one head (GatedRmsNorm) / one 128-element slice (Quantize, SiluMul). Thread g of a group holds the
@@ -162,24 +153,9 @@ __global__ void __launch_bounds__(kRowScope<OP> ? 1024 : 32 * kWarpScopeWarps)
     // Warp-uniform: skip items no lane of this warp holds (the shuffles need the whole warp).
     if (seg_start + 4 * ((g & ~31) + group_size * i) >= seg_start + seg_len) break;
     const int e = seg_start + 4 * (g + group_size * i);
-    const float lane_amax = fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
-    const float amax = quant_block_amax<kQuantBlock / 4>(lane_amax);  // 8 lanes x float4 = one block
-    if (e >= seg_start + seg_len) continue;
-    int8_t q[4], lo[4];
-    float stored_d;
-    if (!two_word) {
-      const Int8BlockScale scale = int8_block_scale(amax);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) q[k] = int8_quantize(comp(v[i], k), scale.inv_d);
-      stored_d = scale.stored_d;
-    } else {
-      stored_d = int8x2_block_scale(amax);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) int8x2_quantize(comp(v[i], k), stored_d, q[k], lo[k]);
-      *reinterpret_cast<uint32_t*>(a.out_q_lo + row * a.out_q_lo_stride + e) = pack_i8x4(lo);
-    }
-    *reinterpret_cast<uint32_t*>(a.out_q + row * a.out_q_stride + e) = pack_i8x4(q);
-    if ((g & 7) == 0) a.out_d[row * a.out_d_stride + e / kQuantBlock] = stored_d;
+    store_quantized_float4(v[i], e < seg_start + seg_len, a.out_q + row * a.out_q_stride + e,
+                           two_word ? a.out_q_lo + row * a.out_q_lo_stride + e : nullptr,
+                           a.out_d + row * a.out_d_stride + e / kQuantBlock);
   }
 }
 

@@ -75,6 +75,33 @@ __device__ __forceinline__ void store_quantized_lane(float y, int8_t* q, int8_t*
   if ((threadIdx.x & 31) == 0) *d = stored_d;
 }
 
+// Four consecutive values of a 32-value block held as a float4 by each of 8 consecutive lanes (aligned to 8)
+// of the calling warp, the float producers' layout: their int8 lane (q_lo null) or two-word lane. Every lane of
+// the warp calls it (the amax is a shuffle); a lane with `stores` false (past its row's end, holding zeros)
+// takes part in the amax and writes nothing. q / q_lo point at the lane's first value (4-byte aligned), d at
+// the block's scale, written by the first lane of the 8.
+__device__ __forceinline__ void store_quantized_float4(float4 v, bool stores, int8_t* q, int8_t* q_lo, float* d) {
+  const float lane_amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+  const float amax = quant_block_amax<kQuantBlock / 4>(lane_amax);
+  if (!stores) return;
+  const float x[4] = {v.x, v.y, v.z, v.w};
+  int8_t hi[4], lo[4];
+  float stored_d;
+  if (q_lo == nullptr) {
+    const Int8BlockScale scale = int8_block_scale(amax);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) hi[k] = int8_quantize(x[k], scale.inv_d);
+    stored_d = scale.stored_d;
+  } else {
+    stored_d = int8x2_block_scale(amax);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) int8x2_quantize(x[k], stored_d, hi[k], lo[k]);
+    *reinterpret_cast<char4*>(q_lo) = make_char4(lo[0], lo[1], lo[2], lo[3]);
+  }
+  *reinterpret_cast<char4*>(q) = make_char4(hi[0], hi[1], hi[2], hi[3]);
+  if ((threadIdx.x & 7) == 0) *d = stored_d;
+}
+
 // SiLU as every producer spells it. nvcc contracts `1 + expf(-v)` into one FMA with expf's last product;
 // the same expression inlined into each caller compiles the same way (the tests compare their bits).
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
