@@ -48,9 +48,6 @@ constexpr int kMaxDim = kGdnStepMaxHeadDim;
 constexpr int kMaxTaps = kGdnMaxConvTaps;
 constexpr int kNormItems = kMaxDim / (4 * 32);  // float4s of a head a lane holds in the gated norm
 
-// norm_quant.cu's silu, the same expression: nvcc contracts `1 + expf(-v)` into one FMA with expf's last
-// product there and here alike (gdn_silu pins that add, so it is NOT this function).
-__device__ __forceinline__ float gated_norm_silu(float v) { return v / (1.0f + expf(-v)); }
 
 // Blocks a value head's state rows are spread over: 2 (twice the SMs) where the cluster of a key head's
 // value heads stays within the portable cluster size, 8 blocks.
@@ -287,10 +284,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
       if (e < dv) {
         const float4 w = *reinterpret_cast<const float4*>(&s_norm_weight[e]);
         const float4 z = *reinterpret_cast<const float4*>(&s_z[t][e]);
-        v[i] = make_float4(__fmul_rn(__fmul_rn(__fmul_rn(v[i].x, scale), w.x), gated_norm_silu(z.x)),
-                           __fmul_rn(__fmul_rn(__fmul_rn(v[i].y, scale), w.y), gated_norm_silu(z.y)),
-                           __fmul_rn(__fmul_rn(__fmul_rn(v[i].z, scale), w.z), gated_norm_silu(z.z)),
-                           __fmul_rn(__fmul_rn(__fmul_rn(v[i].w, scale), w.w), gated_norm_silu(z.w)));
+        v[i] = make_float4(__fmul_rn(__fmul_rn(__fmul_rn(v[i].x, scale), w.x), silu(z.x)),
+                           __fmul_rn(__fmul_rn(__fmul_rn(v[i].y, scale), w.y), silu(z.y)),
+                           __fmul_rn(__fmul_rn(__fmul_rn(v[i].z, scale), w.z), silu(z.z)),
+                           __fmul_rn(__fmul_rn(__fmul_rn(v[i].w, scale), w.w), silu(z.w)));
         *reinterpret_cast<float4*>(out_row + e) = v[i];
       }
     }

@@ -102,8 +102,9 @@ __device__ __forceinline__ void store_quantized_float4(float4 v, bool stores, in
   if ((threadIdx.x & 7) == 0) *d = stored_d;
 }
 
-// SiLU as every producer spells it. nvcc contracts `1 + expf(-v)` into one FMA with expf's last product;
-// the same expression inlined into each caller compiles the same way (the tests compare their bits).
+// SiLU as the producers spell it (silu_mul, the gated norms). nvcc contracts `1 + expf(-v)` into one FMA with
+// expf's last product; the same expression inlined into each caller compiles the same way (the tests compare
+// their bits). The GDN conv's SiLU is NOT this one: gdn_math.cuh's gdn_silu pins that add.
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
 }  // namespace qwen38
