@@ -10,7 +10,7 @@
 //   (__launch_bounds__ with 5 blocks per SM: 40 warps per SM). The 5120-row projections are 640 blocks,
 //   one wave of the 660 slots of 132 SMs, with no split-K and no shared-memory combine.
 // - A warp walks its row in trips of TRIP 512-byte pieces (lane l loads the 16 bytes of chunk 32p + l, one
-//   half of a 32-weight block). ALL loads of a trip -- weights, weight scales, activation chunks, activation
+//   half of a 32-weight block; the f32 lane loads four 4-byte words instead, WCursor). ALL loads of a trip -- weights, weight scales, activation chunks, activation
 //   scales -- are issued back to back before any math: the loop of the previous form issued one activation
 //   load per piece inside the math (one serialized L1/L2 round trip each, visible in its SASS).
 // - Weights are read with L1::no_allocate (read once; they must not evict the activation, which every warp
