@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from benchmarks.ops.common import (default_result_path, env_info, kernel_records, print_table, read_probe_result,
-                                   write_json)
+from benchmarks.ops.common import (critical_path_us, default_result_path, env_info, kernel_intervals, print_table,
+                                   read_probe_result, write_json)
 from qwen38_model import Qwen38Config, Qwen38ForCausalLM
 from qwen38_model.checkpoint import Checkpoint, Q8Tensor
 from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape
@@ -153,24 +153,32 @@ def short_kernel_name(name: str) -> str:
 
 def kernel_split(replay, steps: int = 8) -> dict:
     """GPU time per part of a token, per kernel, and kernels per token, from the CUDA profiler's kernel records
-    over `steps` graph replays (no instrumentation: what the replayed graph runs, not eager launches). With PDL
-    a kernel's record starts at its launch, before it waits for its predecessor, so overlapped time is counted
-    in every kernel that spans it: the parts add up to more than the token."""
+    over `steps` graph replays (no instrumentation: what the replayed graph runs, not eager launches). Two
+    measures: the kernels' own durations (under PDL a kernel's record starts at its launch, before it waits for
+    its predecessor, so overlapped time is counted in every kernel that spans it and these add up to more than
+    the token), and each kernel's share of the critical path (critical_path_us: overlap counted once, for the
+    predecessor; these add up to busy_ms, and span_ms - busy_ms is the GPU idle between kernels)."""
+    intervals = kernel_intervals(replay, steps)
+    shares = critical_path_us(intervals)
+    kernels: dict[str, dict] = {}
+    for name, start, end in intervals:
+        entry = kernels.setdefault(name, {"ms": 0.0, "critical_ms": shares[name] / steps / 1e3, "launches": 0.0})
+        entry["ms"] += (end - start) / steps / 1e3
+        entry["launches"] += 1 / steps
     parts: dict[str, float] = {}
-    kernels: dict[str, list] = {}
-    launches = 0
-    for name, count, us in kernel_records(replay, steps):
-        launches += count
+    critical: dict[str, float] = {}
+    for name, k in kernels.items():
         part = next((part for fragment, part in KERNEL_PARTS if fragment in name), "other")
-        parts[part] = parts.get(part, 0.0) + us / steps / 1e3
-        entry = kernels.setdefault(short_kernel_name(name), [0.0, 0.0])
-        entry[0] += us / steps / 1e3
-        entry[1] += count / steps
+        parts[part] = parts.get(part, 0.0) + k["ms"]
+        critical[part] = critical.get(part, 0.0) + k["critical_ms"]
     result = {k: round(v, 4) for k, v in sorted(parts.items())}
+    result["critical_ms"] = {k: round(v, 4) for k, v in sorted(critical.items(), key=lambda kv: -kv[1])}
     result["kernels_total_ms"] = round(sum(parts.values()), 4)
-    result["launches_per_token"] = launches / steps
-    result["kernels"] = {k: {"ms": round(ms, 4), "launches": n}
-                         for k, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])}
+    result["busy_ms"] = round(sum(critical.values()), 4)
+    result["span_ms"] = round((intervals[-1][2] - intervals[0][1]) / steps / 1e3, 4) if intervals else 0.0
+    result["launches_per_token"] = len(intervals) / steps
+    result["kernels"] = {short_kernel_name(name): {key: round(v, 4) for key, v in k.items()}
+                         for name, k in sorted(kernels.items(), key=lambda kv: -kv[1]["critical_ms"])}
     return result
 
 

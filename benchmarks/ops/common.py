@@ -83,6 +83,33 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def kernel_intervals(replay: Callable[[], object], steps: int = 1) -> list[tuple[str, float, float]]:
+    """(kernel name, start us, end us) of every kernel over `steps` calls of replay, in start order, from the
+    CUDA profiler's kernel records (copies and memsets are not kernels and not listed)."""
+    replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    return sorted(kernels, key=lambda k: k[1])
+
+
+def critical_path_us(intervals: Iterable[tuple[str, float, float]]) -> dict[str, float]:
+    """Each kernel's share of the busy time, per name: from the later of its start and the end of every kernel
+    that started before it, to its own end (nothing when it ends first). Under PDL a kernel starts while its
+    predecessor drains and waits for it; this counts that overlap once, for the predecessor, so the shares add
+    up to the time the GPU ran anything (the gaps between kernels are in no share)."""
+    shares: dict[str, float] = {}
+    done = float("-inf")
+    for name, start, end in intervals:
+        shares[name] = shares.get(name, 0.0) + max(0.0, end - max(start, done))
+        done = max(done, end)
+    return shares
+
+
 def kernel_records(replay: Callable[[], object], steps: int = 1) -> list[tuple[str, int, float]]:
     """(kernel name, launches, GPU microseconds) per kernel over `steps` calls of replay, from the CUDA
     profiler's kernel records (copies and memsets are not kernels and not listed)."""
