@@ -9,6 +9,7 @@ from torch import nn
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention import SAME_SPLIT_TOKENS, workspace_numel
 from qwen38_ops.attention_prefill import workspace_numel as prefill_workspace_numel
+from qwen38_ops.gdn_step import MAX_TOKENS as GDN_STEP_MAX_TOKENS
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
@@ -26,12 +27,12 @@ ops = torch.ops.qwen38
 # dequantize + cuBLAS 240 and 247.
 INT_GEMM_MIN_ROWS = 8
 F32_GEMM_MIN_ROWS = 48
-# Rows up to which a GDN layer runs the fused gdn_step (its limit, kGdnStepMaxTokens); above, conv, gates,
+# Rows up to which a GDN layer runs the fused gdn_step (all it takes); above, conv, gates,
 # recurrence and gated norm as four ops. Measured at the 27B shape on the H200 (bench_gdn, 6a1f2f8, us a layer,
 # with per-token states from T = 2): gdn_step 7.71 / 9.74 / 11.4 / 13.1 / 15.0 / 16.7 / 18.5 / 20.4 at T = 1..8,
 # the four ops 9.06 / 11.8 / 13.5 / 15.4 / 17.4 / 19.3 / 21.4 / 23.5. (With one block per value head, 818aa4d,
 # gdn_step fell behind from 3 rows; two blocks a head, f5e03b0, win at every T.)
-GDN_STEP_ROWS = 8
+GDN_STEP_ROWS = GDN_STEP_MAX_TOKENS
 # The f32 lane dequantizes this many weight rows at a time (bounded scratch: 8192 x 17408 floats = 570 MB).
 DEQUANTIZE_ROWS = 8192
 

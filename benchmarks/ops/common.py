@@ -83,15 +83,21 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def kernel_intervals(replay: Callable[[], object], steps: int = 1) -> list[tuple[str, float, float]]:
-    """(kernel name, start us, end us) of every kernel over `steps` calls of replay, in start order, from the
-    CUDA profiler's kernel records (copies and memsets are not kernels and not listed)."""
+def _profiled(replay: Callable[[], object], steps: int) -> torch.profiler.profile:
+    """The CUDA profiler over `steps` calls of replay, after one call outside it (lazy init, warm caches)."""
     replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             replay()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_intervals(replay: Callable[[], object], steps: int = 1) -> list[tuple[str, float, float]]:
+    """(kernel name, start us, end us) of every kernel over `steps` calls of replay, in start order, from the
+    CUDA profiler's kernel records (copies and memsets are not kernels and not listed)."""
+    prof = _profiled(replay, steps)
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
     return sorted(kernels, key=lambda k: k[1])
@@ -113,12 +119,7 @@ def critical_path_us(intervals: Iterable[tuple[str, float, float]]) -> dict[str,
 def kernel_records(replay: Callable[[], object], steps: int = 1) -> list[tuple[str, int, float]]:
     """(kernel name, launches, GPU microseconds) per kernel over `steps` calls of replay, from the CUDA
     profiler's kernel records (copies and memsets are not kernels and not listed)."""
-    replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            replay()
-        torch.cuda.synchronize()
+    prof = _profiled(replay, steps)
     return [(e.key, e.count, getattr(e, "device_time_total", 0.0)) for e in prof.key_averages()
             if getattr(e, "device_time_total", 0.0) > 0 and not e.key.startswith(("Memcpy", "Memset", "cudaGraph"))]
 
