@@ -92,8 +92,6 @@ __device__ __forceinline__ float load_weight_scale(const __half* p) {
   return __half2float(__ushort_as_half(bits));
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // Activations: L1-allocating (the default), read after the wait.
 __device__ __forceinline__ int4 load_act16(const int4* p) {
   int4 v;
@@ -463,18 +461,6 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
   // PDL wait: before it, only the first trip's weights and scales (constants) are loaded; x, x_d and out
   // may belong to the predecessor.
   if (whole_steps_end > 0) load_weights(0, w, wd);
-  {
-    const int8_t* const row_q = a.weight_q + row * a.K;
-    const __half* const row_d = a.weight_d + row * (a.K >> 5);
-    const int begin = whole_steps_end > 0 ? TRIP : 0;
-    const int end = min(own_pieces, begin + a.l2_prefetch_pieces);
-    for (int i = begin; i < end; ++i) {
-      const int piece = first + kSplit * i;
-      if (piece * 32 + lane < chunks) prefetch_l2(row_q + piece * 512 + 16 * lane);
-    }
-    const int scale_piece = first + kSplit * (begin + lane);
-    if (begin + lane < end) prefetch_l2(row_d + scale_piece * 16);
-  }
   pdl_wait_for_predecessor();
   if (whole_steps_end > 0) step(true, whole_steps_end == kStep);
   for (int i0 = kStep; i0 < whole_steps_end; i0 += kStep) step(false, i0 + kStep == whole_steps_end);
@@ -628,13 +614,7 @@ bool q8_0_gemv_config_from_env(Q8GemvConfig* cfg) {
   return env.set;
 }
 
-cudaError_t q8_0_gemv(Q8Act act, const Q8GemvArgs& args_in, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
-  static const int l2_pieces = [] {
-    const char* v = std::getenv("QWEN38_GEMV_L2_PREFETCH");
-    return v == nullptr ? 0 : std::atoi(v);
-  }();
-  Q8GemvArgs args = args_in;
-  args.l2_prefetch_pieces = l2_pieces;
+cudaError_t q8_0_gemv(Q8Act act, const Q8GemvArgs& args, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
   if (args.N == 0 || args.T == 0) return cudaSuccess;
   if (args.K <= 0 || args.K % 32 != 0) return cudaErrorInvalidValue;
   switch (act) {

@@ -25,7 +25,6 @@ struct Q8GemvArgs {
   float* out = nullptr;              // [T, out_stride]
   int64_t x_stride = 0, x_lo_stride = 0, x_d_stride = 0, out_stride = 0;  // in elements
   int N = 0, K = 0, T = 0;
-  int l2_prefetch_pieces = 0;  // EXPERIMENT: own pieces past the first trip asked of L2 before the PDL wait
 };
 
 // How a launch maps the work (template instantiations of one kernel; see q8_gemv.cu). One warp owns one
