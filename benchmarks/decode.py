@@ -7,8 +7,9 @@ fp16 scales of a realistic size): memory-bound speed does not depend on the valu
 the streaming-read probe (the roofline), tg128 from an empty cache with graph replays and with eager
 launches, tok/s at deeper contexts (caches and states filled synthetically), per activation lane, a
 per-part GPU time and kernels per token from the profiler over graph replays, memory, capture and build time,
-and an in-run peer: the
-same token's GEMVs as torch bf16 F.linear calls captured in a graph.
+the token's GEMVs
+alone in one graph (the step as if every small kernel were free), and an in-run peer: the same token's
+GEMVs as torch bf16 F.linear calls captured in a graph.
 """
 from __future__ import annotations
 
@@ -84,8 +85,7 @@ def bytes_per_token(model: Qwen38ForCausalLM, context: int, kv_bytes: int) -> di
     """Bytes a decode step must move: every matrix once (the embedding: one row), small weights, the
     GDN state read + written, conv rings, and the KV rows up to the context."""
     c = model.config
-    matrices = sum(m.weight_q.numel() + 2 * m.weight_d.numel() for m in model.modules()
-                   if isinstance(m, Linear) and m.lane)
+    matrices = sum(m.weight_q.numel() + 2 * m.weight_d.numel() for m in q8_linears(model))
     embed_row = c.hidden_size + 2 * (c.hidden_size // 32)
     small = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
                 if b.dtype == torch.float32)
@@ -182,9 +182,34 @@ def kernel_split(replay, steps: int = 8) -> dict:
     return result
 
 
+def graph_replay_seconds(run, replays: int = 5) -> float:
+    """Median seconds of one replay of `run` captured in a CUDA graph (after an eager warm-up call)."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    return statistics.median(times)
+
+
+def q8_linears(model: Qwen38ForCausalLM) -> list[Linear]:
+    """The token's Q8_0 matrices, in the model's module order."""
+    return [m for m in model.modules() if isinstance(m, Linear) and m.lane]
+
+
 def torch_bf16_peer(model: Qwen38ForCausalLM) -> dict:
     """The same token's GEMVs as torch bf16 F.linear (cuBLAS), captured in one graph."""
-    shapes = [m.weight_q.shape for m in model.modules() if isinstance(m, Linear) and m.lane]
+    shapes = [m.weight_q.shape for m in q8_linears(model)]
     weights = [torch.empty(s, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02) for s in shapes]
     xs = {s[1]: torch.randn(1, s[1], dtype=torch.bfloat16, device="cuda") for s in shapes}
     outs = [torch.empty(1, s[0], dtype=torch.bfloat16, device="cuda") for s in shapes]
@@ -193,32 +218,44 @@ def torch_bf16_peer(model: Qwen38ForCausalLM) -> dict:
         for w, o in zip(weights, outs):
             torch.mm(xs[w.shape[1]], w.t(), out=o)
 
-    token()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        token()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
+    t = graph_replay_seconds(token)
     nbytes = sum(w.numel() * 2 for w in weights)
-    del weights, graph
+    del weights
     torch.cuda.empty_cache()
-    t = statistics.median(times)
     return dict(seconds=t, bytes=nbytes, gbps=nbytes / t / 1e9, tok_s=1 / t)
 
 
+def gemv_chain(model: Qwen38ForCausalLM, lane: str, probe_gbps: float) -> dict:
+    """The token's Q8_0 GEMVs alone, back to back in one graph (PDL between them as in the step), each on a
+    fixed activation of its width: the decode step as if every small kernel between them were free, so the
+    ceiling of any fusion of the small ops into per-launch GEMVs."""
+    linears = q8_linears(model)
+    widths = {m.in_features for m in linears}
+    x = {k: torch.randn(1, k, device="cuda") for k in widths}
+    x_q = {k: torch.randint(-127, 128, (1, k), dtype=torch.int8, device="cuda") for k in widths}
+    x_d = {k: (torch.rand(1, k // 32, device="cuda") * 0.01).half().float() for k in widths}  # fp16 values
+    outs = [torch.empty(1, m.out_features, device="cuda") for m in linears]
+    gemv = torch.ops.qwen38
+
+    def token():
+        for m, out in zip(linears, outs):
+            k = m.in_features
+            if lane == "f32":
+                gemv.q8_0_gemv(x[k], m.weight_q, m.weight_d, out)
+            elif lane == "int8":
+                gemv.q8_0_gemv_int8(x_q[k], x_d[k], m.weight_q, m.weight_d, out)
+            else:
+                gemv.q8_0_gemv_int8x2(x_q[k], x_q[k], x_d[k], m.weight_q, m.weight_d, out)
+
+    t = graph_replay_seconds(token)
+    nbytes = sum(m.weight_q.numel() + 2 * m.weight_d.numel() for m in linears)
+    return dict(seconds=t, launches=len(linears), bytes=nbytes, gbps=nbytes / t / 1e9,
+                probe_ratio=nbytes / t / 1e9 / probe_gbps, tok_s=1 / t)
+
+
 def set_lane(model: Qwen38ForCausalLM, lane: str) -> None:
-    for m in model.modules():
-        if isinstance(m, Linear) and m.lane:
-            m.lane = lane
+    for m in q8_linears(model):
+        m.lane = lane
 
 
 def main(argv=None) -> dict:
@@ -267,6 +304,7 @@ def main(argv=None) -> dict:
                              eager_tok_s=1 / t_eager, graph_x=t_eager / t_graph))
         fill_state(engine, 0)
         lane_result["kernel_split_ms"] = kernel_split(graph.replay)
+        lane_result["gemv_chain"] = gemv_chain(model, lane, roofline)
         lane_result["memory_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
         results["lanes"][lane] = lane_result
         del engine, graph
@@ -285,6 +323,10 @@ def main(argv=None) -> dict:
     for lane, r in results["lanes"].items():
         print(f"{lane}: GPU time per part (ms per token, profiler over graph replays) {r['kernel_split_ms']}  "
               f"capture {r['capture_s']:.2f} s")
+        c = r["gemv_chain"]
+        print(f"{lane}: the token's {c['launches']} GEMVs alone (every small kernel free): {c['seconds'] * 1e3:.2f} ms "
+              f"= {c['tok_s']:.1f} tok/s, {c['probe_ratio']:.1%} of the probe; the whole token "
+              f"{r['tg128']['graph_s'] * 1e3:.2f} ms")
     if "torch_bf16_gemv_peer" in results:
         p = results["torch_bf16_gemv_peer"]
         print(f"peer: torch bf16 F.linear graph of the same GEMVs: {p['seconds'] * 1e3:.2f} ms "
