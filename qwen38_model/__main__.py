@@ -37,6 +37,11 @@ GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.
                       "general.sampling.penalty_repeat": "repetition_penalty"}
 CPU_WARN_BYTES = 2e9  # above this the CPU reference path takes seconds or more per token
 PREFILL_BAR_TOKENS = 1024  # longer prompts show a prefill progress bar on a terminal
+# Control characters but tab, newline and carriage return (C0, DEL, C1), each shown as its \xNN escape on a terminal: a model
+# can emit any byte (the built-in model's random weights do: bell, vertical tab, ...), and raw they ring
+# the bell, move the cursor or start escape sequences, so generated text could drive the user's terminal.
+# Piped or redirected output keeps the exact text.
+TERMINAL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A, 0x0D)}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -186,6 +191,24 @@ def progress_bar(label: str, unit: str, scale: float, decimals: int):
     return show
 
 
+class TerminalText:
+    """A text stream for generated text: control characters escaped (TERMINAL_ESCAPES)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def write(self, text: str) -> int:
+        return self.out.write(text.translate(TERMINAL_ESCAPES))
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def text_output():
+    """Where generated text goes: stdout, through TerminalText when it is a terminal."""
+    return TerminalText(sys.stdout) if sys.stdout.isatty() else sys.stdout
+
+
 def prefill_bar():
     """The prefill's progress on its own line of the terminal: a long prompt takes a while before the
     first token. None in logs."""
@@ -313,10 +336,11 @@ def generate(args: argparse.Namespace) -> None:
     model = load_model(args, path, device)
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     report_sampling(sampling, seed)
+    out = text_output()
     if not chat:
-        sys.stdout.write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
+        out.write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
     model.generate(ids, **generation_kwargs(args, sampling, tokenizer), seed=seed,
-                   streamer=TextStreamer(tokenizer, skip_special_tokens=True),
+                   streamer=TextStreamer(tokenizer, skip_special_tokens=True, out=out),
                    prefill_progress=prefill_bar() if ids.shape[1] > PREFILL_BAR_TOKENS else None)
     sys.stderr.write(f"{model.last_generation_stats}\n{memory_line(model)}\n")
 
@@ -493,6 +517,7 @@ class ReplyStreamer:
         self.decoder = tokenizer.stream_decoder(skip_special_tokens=True)
         self.tokens: list[int] = []
         self.seen_prompt = False
+        self.out = text_output()
 
     def put(self, value: torch.Tensor) -> None:
         if not self.seen_prompt:
@@ -500,12 +525,12 @@ class ReplyStreamer:
             return
         for token in value.reshape(-1).tolist():
             self.tokens.append(token)
-            sys.stdout.write(self.decoder.feed(token))
-        sys.stdout.flush()
+            self.out.write(self.decoder.feed(token))
+        self.out.flush()
 
     def end(self) -> None:
-        sys.stdout.write(self.decoder.flush() + "\n")
-        sys.stdout.flush()
+        self.out.write(self.decoder.flush() + "\n")
+        self.out.flush()
 
 
 def enable_line_editing() -> None:

@@ -143,6 +143,26 @@ def test_long_prompt_shows_a_prefill_bar(capsys, monkeypatch):
     assert bar and bar[-1][0] == bar[-1][1] and int(bar[-1][1]) > cli.PREFILL_BAR_TOKENS, terminal.getvalue()[-500:]
 
 
+def test_generated_text_cannot_drive_the_terminal(capsys, monkeypatch):
+    """The built-in model's random weights emit control bytes (bell, vertical tab, ...): piped, the text is
+    exact; on a terminal each control character but tab, newline and CR shows as its \\xNN escape."""
+    args = ("generate", "--prompt", "The quick brown fox")
+    code, piped, _ = run_main(capsys, monkeypatch, *args)
+    controls = {c for c in piped if ord(c) in cli.TERMINAL_ESCAPES}
+    assert code == 0 and controls, "the default model's greedy text has no control characters left to test"
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert cli.main(list(args)) == 0
+    shown = terminal.getvalue()
+    assert shown == piped.translate(cli.TERMINAL_ESCAPES)
+    assert not any(ord(c) in cli.TERMINAL_ESCAPES for c in shown), repr(shown)
+
+
 @pytest.mark.parametrize("args, option", [(["--help"], "--contexts"), (["--prefill", "--help"], "--lengths")])
 def test_bench_help_works_without_a_gpu(capsys, args, option):
     with pytest.raises(SystemExit) as exit_info:  # the benchmark's own argparse prints its help
