@@ -97,8 +97,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   bool owns[kChunks];
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) owns[i] = (i * 32 + lane) * kVec < dk;
-  // PDL wait below. Before it: L2 prefetches (this warp's first state rows, the conv's weights and window)
-  // and loads of constants (the norm weight, a_neg, dt_bias); everything else may belong to the predecessor.
+  // PDL wait below. Before it: the L2 prefetch of this warp's first state rows and the norm weight's copy
+  // (a constant); everything else may belong to the predecessor.
   const int warp_first_row = row_begin + warp * kRows;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -109,45 +109,13 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   }
   if (norm_block)
     for (int e = threadIdx.x; e < dv; e += kThreads) s_norm_weight[e] = a.norm_weight[e];
-  const float a_neg = a.a_neg[head], dt_bias = a.dt_bias[head];  // constants too
-
-  // Conv slots [0, 2*qk_width) are the q then k head on whole warps (gdn_conv's q/k blocks: lanes past dk
-  // compute an exact 0 and add it to the butterfly, as there), then the v channels of this block's rows.
-  const int qk_width = (dk + 31) / 32 * 32;
-  const int qk_warps = qk_width / 32;
-  const int conv_slots = 2 * qk_width + row_end - row_begin;
-  struct ConvSlot {
-    bool is_qk;  // whole warps: the shuffles of phase 2 are warp-uniform
-    int which;   // 0 q, 1 k, 2 v
-    int i;       // index in the head (q/k) or the value head (v)
-    bool active;
-    int channel;
-  };
-  auto conv_slot = [&](int slot) {
-    ConvSlot c;
-    c.is_qk = slot < 2 * qk_width;
-    c.which = c.is_qk ? slot / qk_width : 2;
-    c.i = c.is_qk ? slot % qk_width : row_begin + slot - 2 * qk_width;
-    c.active = c.i < (c.is_qk ? dk : dv);
-    c.channel = c.is_qk ? (c.which * Hk + key_head) * dk + c.i : 2 * Hk * dk + head * dv + c.i;
-    return c;
-  };
-  // The conv's weights and window (this layer's conv state, last written a token ago: an L2 prefetch is
-  // allowed before the wait, pdl.cuh) have left L2 since, under the 27 GB of weights a token streams; asked
-  // for now, their DRAM round trip is off the path after the wait.
-  for (int slot = threadIdx.x; slot < conv_slots; slot += kThreads) {
-    const ConvSlot c = conv_slot(slot);
-    if (!c.active) continue;
-    gdn_prefetch_l2(a.conv_weight + (int64_t)c.channel * taps);
-    for (int tap = 0; tap < taps - 1; ++tap) gdn_prefetch_l2(a.conv_state + (int64_t)tap * C + c.channel);
-  }
   gdn_wait_then_release();
 
   // ---- 1. gates, z, and the first state rows in flight.
   if (threadIdx.x < T) {
     const float* ba = a.x + threadIdx.x * a.x_stride + C + Hv * dv;
     s_beta[threadIdx.x] = gdn_beta(ba[head]);
-    s_decay[threadIdx.x] = gdn_decay(ba[Hv + head], a_neg, dt_bias);
+    s_decay[threadIdx.x] = gdn_decay(ba[Hv + head], a.a_neg[head], a.dt_bias[head]);
   }
   if (norm_block)
     for (int i = threadIdx.x; i < T * dv; i += kThreads)
@@ -171,13 +139,18 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   };
   load_rows(warp_first_row);
 
-  // ---- 2. conv (slots at conv_slot).
+  // ---- 2. conv. Slots [0, 2*qk_width) are the q then k head on whole warps (gdn_conv's q/k blocks: lanes
+  // past dk compute an exact 0 and add it to the butterfly, as there), then the v channels of this block's rows.
+  const int qk_width = (dk + 31) / 32 * 32;
+  const int qk_warps = qk_width / 32;
   float qk_window[kMaxTaps - 1];  // the new conv state of this thread's q/k channel, written after phase 3
   int qk_state_channel = -1;      // that channel when this block writes it (cluster rank 0)
-  for (int slot = threadIdx.x; slot < conv_slots; slot += kThreads) {
-    const ConvSlot c = conv_slot(slot);
-    const bool is_qk = c.is_qk, active = c.active;
-    const int which = c.which, i = c.i, channel = c.channel;
+  for (int slot = threadIdx.x; slot < 2 * qk_width + row_end - row_begin; slot += kThreads) {
+    const bool is_qk = slot < 2 * qk_width;  // whole warps: the shuffles below are warp-uniform
+    const int which = is_qk ? slot / qk_width : 2;  // 0 q, 1 k, 2 v
+    const int i = is_qk ? slot % qk_width : row_begin + slot - 2 * qk_width;
+    const bool active = i < (is_qk ? dk : dv);
+    const int channel = is_qk ? (which * Hk + key_head) * dk + i : 2 * Hk * dk + head * dv + i;
     const bool writes = active && (!is_qk || rank == 0);  // one block per key head writes its q/k channels
     float weight[kMaxTaps], window[kMaxTaps - 1], x[kMaxT];
 #pragma unroll

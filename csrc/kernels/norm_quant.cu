@@ -40,7 +40,6 @@ constexpr bool kNormalises =
     OP == Producer::RmsNorm || OP == Producer::AddRmsNorm || OP == Producer::GatedRmsNorm;
 
 __device__ __forceinline__ void prefetch_l1(const float* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-__device__ __forceinline__ void prefetch_l2(const float* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 
@@ -83,18 +82,8 @@ __global__ void __launch_bounds__(kRowScope<OP> ? 1024 : 32 * kWarpScopeWarps)
       if (e < seg_start + seg_len) prefetch_l1(a.weight + (OP == Producer::GatedRmsNorm ? e - seg_start : e));
     }
   }
-  // The residual stream was last written before the two GEMVs between here and the previous norm, whose
-  // weights (>= 100 MB) have since pushed it out of L2; x is the GEMV's fresh output. An L2 prefetch (allowed
-  // before the wait, pdl.cuh) takes the residual's DRAM round trip off the path after the wait.
-  if constexpr (OP == Producer::AddRmsNorm) {
-#pragma unroll
-    for (int i = 0; i < kHeld; ++i) {
-      const int e = 4 * (g + group_size * i);
-      if (e < seg_len) prefetch_l2(a.residual + row * a.residual_stride + e);
-    }
-  }
-  // PDL wait: before it, only prefetches (the norm weight's into L1, the residual's into L2); x, residual,
-  // z and every output may belong to the predecessor.
+  // PDL wait: before it, only the norm weight's L1 prefetch (a constant); x, residual, z and every output
+  // may belong to the predecessor.
   pdl_wait_for_predecessor();
 
   float4 v[kHeld];
