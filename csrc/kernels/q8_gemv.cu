@@ -307,7 +307,7 @@ constexpr int kThreads = kWarps * 32;
 // forms hold TOKENS chunks of x and their sums; these counts are the most blocks whose register share holds
 // them (with kTrip below) without spilling in the loop (ptxas -v, CUDA 13.0).
 template <Q8Act ACT, int TOKENS>
-constexpr int kMinBlocks = TOKENS == 1 ? 6
+constexpr int kMinBlocks = TOKENS == 1 ? 5
                            : ACT == Q8Act::Int8 ? (TOKENS <= 4 ? 4 : 3)
                            : ACT == Q8Act::Int8x2 ? (TOKENS <= 3 ? 3 : 2)
                                                    : (TOKENS == 2 ? 4 : 3);
