@@ -7,9 +7,8 @@ fp16 scales of a realistic size): memory-bound speed does not depend on the valu
 the streaming-read probe (the roofline), tg128 from an empty cache with graph replays and with eager
 launches, tok/s at deeper contexts (caches and states filled synthetically), per activation lane, a
 per-part GPU time and kernels per token from the profiler over graph replays, memory, capture and build time,
-the token's GEMVs
-alone in one graph (the step as if every small kernel were free), and an in-run peer: the same token's
-GEMVs as torch bf16 F.linear calls captured in a graph.
+the token's GEMVs alone in one graph (the step as if every small kernel were free), and an in-run peer: the
+same token's GEMVs as torch bf16 F.linear calls captured in a graph.
 """
 from __future__ import annotations
 
