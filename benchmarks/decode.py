@@ -20,7 +20,7 @@ import time
 import torch
 
 from benchmarks.ops.common import (critical_path_us, default_result_path, env_info, kernel_intervals, print_table,
-                                   read_probe_result, write_json)
+                                   read_probe_result, time_graph, write_json)
 from qwen38_model import Qwen38Config, Qwen38ForCausalLM
 from qwen38_model.checkpoint import Checkpoint, Q8Tensor
 from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape
@@ -181,26 +181,6 @@ def kernel_split(replay, steps: int = 8) -> dict:
     return result
 
 
-def graph_replay_seconds(run, replays: int = 5) -> float:
-    """Median seconds of one replay of `run` captured in a CUDA graph (after an eager warm-up call)."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return statistics.median(times)
-
-
 def q8_linears(model: Qwen38ForCausalLM) -> list[Linear]:
     """The token's Q8_0 matrices, in the model's module order."""
     return [m for m in model.modules() if isinstance(m, Linear) and m.lane]
@@ -217,7 +197,7 @@ def torch_bf16_peer(model: Qwen38ForCausalLM) -> dict:
         for w, o in zip(weights, outs):
             torch.mm(xs[w.shape[1]], w.t(), out=o)
 
-    t = graph_replay_seconds(token)
+    t = time_graph(lambda _: token(), 1)["median_s"]
     nbytes = sum(w.numel() * 2 for w in weights)
     del weights
     torch.cuda.empty_cache()
@@ -246,7 +226,7 @@ def gemv_chain(model: Qwen38ForCausalLM, lane: str, probe_gbps: float) -> dict:
             else:
                 gemv.q8_0_gemv_int8x2(x_q[k], x_q[k], x_d[k], m.weight_q, m.weight_d, out)
 
-    t = graph_replay_seconds(token)
+    t = time_graph(lambda _: token(), 1)["median_s"]
     nbytes = sum(m.weight_q.numel() + 2 * m.weight_d.numel() for m in linears)
     return dict(seconds=t, launches=len(linears), bytes=nbytes, gbps=nbytes / t / 1e9,
                 probe_ratio=nbytes / t / 1e9 / probe_gbps, tok_s=1 / t)

@@ -37,10 +37,10 @@ GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.
                       "general.sampling.penalty_repeat": "repetition_penalty"}
 CPU_WARN_BYTES = 2e9  # above this the CPU reference path takes seconds or more per token
 PREFILL_BAR_TOKENS = 1024  # longer prompts show a prefill progress bar on a terminal
-# Control characters but tab, newline and carriage return (C0, DEL, C1), each shown as its \xNN escape on a terminal: a model
-# can emit any byte (the built-in model's random weights do: bell, vertical tab, ...), and raw they ring
-# the bell, move the cursor or start escape sequences, so generated text could drive the user's terminal.
-# Piped or redirected output keeps the exact text.
+# Control characters but tab, newline and carriage return (C0, DEL, C1), each shown as its \xNN escape on a
+# terminal: a model can emit any byte (the built-in model's random weights do: bell, vertical tab, ...), and
+# raw they ring the bell, move the cursor or start escape sequences, so generated text could drive the
+# user's terminal. Piped or redirected output keeps the exact text.
 TERMINAL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A, 0x0D)}
 
 
