@@ -8,8 +8,6 @@
 
 namespace qwen38 {
 
-inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
 // Both caches: [max_seq, Hkv, hd], contiguous, one dtype (float32 or bfloat16), on `like`'s device.
 inline void check_caches(const char* op, const at::Tensor& like, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          int64_t head_dim) {

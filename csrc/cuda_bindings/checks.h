@@ -81,9 +81,11 @@ inline void check_float_tensor(const char* op, const char* name, const at::Tenso
                       t.sizes(), " strides ", t.strides()));
 }
 
+inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
 // `name` starts 16-byte aligned; `why` says what needs it.
 inline void check_aligned16(const char* op, const char* name, const at::Tensor& t, const char* why) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+  TORCH_CHECK(aligned16(t),
               message(op, ": ", name, " must start 16-byte aligned (", why, "), found address ", t.data_ptr()));
 }
 
