@@ -14,7 +14,13 @@ import glob
 import os
 import subprocess
 
-import torch
+try:
+    import torch
+except ImportError:  # an isolated build (pyproject.toml says why torch is not a build requirement)
+    raise SystemExit("qwen38 builds its extension against the installed torch, which this build environment "
+                     "does not see (pip's build isolation). Install with `make install`, or with "
+                     "`python -m pip install --no-build-isolation -e .` in an environment that has torch "
+                     "(README: What gets installed)") from None
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 

@@ -1,15 +1,34 @@
 """Shared fixtures: the oracle (a tiny checkpoint converted and run by llama.cpp and transformers)."""
 import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 import safetensors.torch
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# The oracle travels with the repository (17 MB), so every machine runs every test; test_oracle_copy.py
+# holds it byte for byte to the project's ../shared/oracle/mini where that exists.
+ORACLE = REPO / "tests" / "oracle" / "mini"
 
 
 def pytest_configure(config):
+    """The tests' built-in default model and anything else cached goes to a temporary folder, not the user's
+    ~/.cache/qwen38 (set before any test, and inherited by the commands the tests start). An explicit
+    QWEN38_CACHE is kept: the device run points it at a folder it reuses."""
+    if "QWEN38_CACHE" not in os.environ:
+        os.environ["QWEN38_CACHE"] = config.qwen38_temporary_cache = tempfile.mkdtemp(prefix="qwen38-test-cache-")
+    single_thread_cpu_suite(config)
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "qwen38_temporary_cache"):
+        shutil.rmtree(config.qwen38_temporary_cache, ignore_errors=True)
+
+
+def single_thread_cpu_suite(config):
     """The CPU suite (`-m 'not cuda'`, the default) runs torch on one thread, here and in the subprocesses
     it starts, unless OMP_NUM_THREADS says otherwise. Its models are tiny: a second thread gains little on
     the 2-core CI machine, and when anything else runs there the threads spin against it (measured:
@@ -22,8 +41,8 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def oracle_dir() -> pathlib.Path:
-    """$QWEN38_ORACLE, else <repo>/../shared/oracle/mini. Missing: a failure under CI, a skip elsewhere."""
-    path = pathlib.Path(os.environ.get("QWEN38_ORACLE") or REPO.parent / "shared" / "oracle" / "mini")
+    """$QWEN38_ORACLE, else the repository's copy. Missing: a failure under CI, a skip elsewhere."""
+    path = pathlib.Path(os.environ.get("QWEN38_ORACLE") or ORACLE)
     if not (path / "hf" / "config.json").is_file():
         message = f"oracle not found at {path}: set QWEN38_ORACLE to its mini/ folder (README: The test oracle)"
         if os.environ.get("CI") == "true":

@@ -66,11 +66,36 @@ def test_import_refuses_an_extension_built_for_another_torch():
             "rebuild with `python -m pip install --no-build-isolation -e .`") in result.stderr, result.stderr
 
 
+def test_an_isolated_build_stops_with_the_command_that_works(tmp_path):
+    """A plain `pip install .` (or ".[serve]") builds in an isolated environment: with torch among the build
+    requirements that environment fetched another torch, built against it, replaced the working install
+    and reported success. Now the build stops before it starts, saying what to run. `pip wheel` builds into
+    tmp_path, so this test cannot break the installed package whatever happens."""
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), str(REPO)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and not list(tmp_path.glob("*.whl")), result.stdout[-2000:]
+    assert "builds its extension against the installed torch" in result.stdout + result.stderr
+    assert "--no-build-isolation" in result.stdout + result.stderr
+
+
 def test_package_metadata():
     meta = importlib.metadata.metadata("qwen38")
     assert meta["Version"] == qwen38_model.__version__
     assert meta["License"] == "MIT" and (REPO / "LICENSE").read_text().startswith("MIT License")
     assert not any(r.startswith("ninja") for r in importlib.metadata.requires("qwen38")), "ninja is build-only"
+
+
+def see_this_torch(venv: pathlib.Path) -> None:
+    """Make the new venv find the torch this test runs under. --system-site-packages shows the base
+    interpreter's packages only: run from inside a venv, that base has no torch (the outer venv's packages
+    are not "system" ones), and `make demo` would install another. A path line in a .pth file appends
+    torch's folder to sys.path after the venv's own site-packages, without running that folder's .pth
+    files (so the outer environment's editable install of qwen38 stays out). Under a system Python or a
+    conda env torch's folder is already the system one, and the line changes nothing."""
+    site_packages = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    torch_folder = pathlib.Path(torch.__file__).resolve().parents[1]
+    (pathlib.Path(site_packages) / "outer_torch.pth").write_text(f"{torch_folder}\n")
 
 
 @pytest.mark.slow  # ~20 s on the 2-core CI machine: it builds the extension again
@@ -90,6 +115,7 @@ def test_make_demo_in_a_fresh_venv(tmp_path):
             shutil.copy2(REPO / name, checkout / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    see_this_torch(venv)
     # A fresh shell with the venv activated: no make state of an outer `make test` (a `make test PY=...`
     # exports PY to its recipes, which would send the inner `make demo` to the outer interpreter).
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHONPATH", "PY")}

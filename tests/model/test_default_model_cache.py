@@ -2,6 +2,7 @@
 stale; an emptied or damaged model folder is rebuilt, not a permanent failure; a cache path that cannot be
 a folder is one clear error."""
 import os
+import pathlib
 import time
 
 import pytest
@@ -43,3 +44,9 @@ def test_a_cache_path_that_is_a_file(tmp_path, monkeypatch):
     with pytest.raises(Qwen38Error, match=rf"cannot build the built-in model in {blocker} \(File exists: .*\); set "
                                           r"QWEN38_CACHE to a writable folder"):
         synthetic.default_model_path()
+
+
+def test_the_suite_builds_nothing_in_the_users_cache():
+    """conftest points QWEN38_CACHE at a temporary folder for the whole run (and the commands it starts)."""
+    root = synthetic.default_model_dir().parent
+    assert pathlib.Path.home() / ".cache" / "qwen38" not in (root, *root.parents), root
