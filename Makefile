@@ -8,7 +8,7 @@ MODEL ?=
 # `pip install torch` on Linux pulls a CUDA build (~5 GB), useless without a GPU.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: torch install demo test test-cuda
+.PHONY: torch install install-package ready demo test test-cuda
 
 # An installed torch is kept (the extension is built against it); otherwise the build is chosen by
 # whether `nvidia-smi` lists a GPU.
@@ -29,16 +29,22 @@ torch:
 
 # setuptools, wheel and ninja are pyproject.toml's build requirements: without build isolation pip
 # does not install them (and an isolated build would pull another torch).
-install: torch
+install: torch install-package
+
+install-package:
 	$(PY) -m pip install -q "setuptools>=64" wheel ninja
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	@$(PY) -c "import qwen38_ops; print('qwen38_ops:', qwen38_ops.BUILD_SUMMARY)"
 
-demo: install
+# demo and test install only when something the install depends on changed (scripts/install_is_current.py).
+ready: torch
+	@$(PY) scripts/install_is_current.py || $(MAKE) --no-print-directory install-package
+
+demo: ready
 	$(PY) -m qwen38_model generate $(if $(MODEL),--model "$(MODEL)") --prompt "$(PROMPT)"
 
-test: install
+test: ready
 	$(PY) -m pytest -q -rs
 
-test-cuda: install
+test-cuda: ready
 	$(PY) -m pytest -q -rs -m cuda

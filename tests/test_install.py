@@ -132,3 +132,10 @@ def test_make_demo_in_a_fresh_venv(tmp_path):
     assert where.stdout.strip() == str(checkout / "qwen38_model" / "__init__.py"), where.stdout + where.stderr
     script = venv / "bin" / "qwen38"  # the console script, run by the venv's interpreter
     assert script.is_file() and script.read_text().startswith(f"#!{venv / 'bin' / 'python'}"), script
+    # A second `make demo` / `make test` does not reinstall; a change to what the build reads does.
+    again = subprocess.run(["make", "ready"], cwd=checkout, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "not reinstalling" in again.stdout, again.stdout + again.stderr
+    (checkout / "csrc" / "bindings.cpp").touch()
+    check = subprocess.run([str(venv / "bin" / "python"), "scripts/install_is_current.py"], cwd=checkout, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 1 and "csrc/bindings.cpp changed" in check.stdout, check.stdout + check.stderr
