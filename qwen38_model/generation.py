@@ -50,7 +50,7 @@ class DecodeEngine:
     """Static decode buffers for one sequence of up to max_seq_len tokens, and the captured step graphs
     (one per sampling configuration: the processors are part of the graph)."""
 
-    def __init__(self, model, max_seq_len: int, kv_dtype=torch.float32, use_graph: bool | None = None):
+    def __init__(self, model, max_seq_len: int, kv_dtype: torch.dtype, use_graph: bool | None = None):
         self.model = model
         self.device = model.device
         self.max_seq_len = max_seq_len

@@ -32,6 +32,13 @@ ops = torch.ops.qwen38
 # (benchmarks/prefill.py measures the chunk sizes).
 PREFILL_CHUNK = 4096
 
+
+def default_kv_dtype(device: torch.device) -> torch.dtype:
+    """The KV cache's dtype when none is asked for: bfloat16 on CUDA, as every speed figure is measured
+    (it halves the KV traffic at long context; llama.cpp defaults to f16, vLLM to the model's dtype), and
+    float32 on the CPU, where the reference ops are the exactness lane and speed is not the point."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
 # Matrices that read the same activation are concatenated at load so one GEMV serves them. The GDN b|a
 # rows (2*Hv = 96 at the 27B shape, a whole launch for 1 MB on their own) ride on the q|k|v|z matrix.
 FUSED_GROUPS = {
@@ -125,9 +132,11 @@ class Qwen38ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.norm.device
 
-    def new_state(self, max_seq_len: int, kv_dtype: torch.dtype = torch.float32) -> Qwen38State:
-        """A state for one sequence; with the MTP block, it holds the block's KV cache too."""
-        return Qwen38State(self.config, max_seq_len, self.device, kv_dtype, mtp=self.mtp is not None)
+    def new_state(self, max_seq_len: int, kv_dtype: torch.dtype | None = None) -> Qwen38State:
+        """A state for one sequence; with the MTP block, it holds the block's KV cache too. kv_dtype: default
+        default_kv_dtype(the model's device)."""
+        return Qwen38State(self.config, max_seq_len, self.device, kv_dtype or default_kv_dtype(self.device),
+                           mtp=self.mtp is not None)
 
     def embed_tokens(self, ids: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """ids int32 [T] on the model's device (read by the kernel: no host round trip)."""
@@ -150,7 +159,9 @@ class Qwen38ForCausalLM(nn.Module):
                              "(a GGUF converted with --no-mtp, or an HF folder without mtp.* tensors)")
         logits, mtp_logits = [], []
         for ids in input_ids.to(self.device, torch.int32):
-            seq_state = state or self.new_state(ids.shape[0])
+            # A state of its own for this call only: float32 KV whatever the device (no speed at stake; the
+            # logits of model(ids) are the exact ones on every device).
+            seq_state = state or self.new_state(ids.shape[0], torch.float32)
             start = seq_state.position
             positions = seq_state.reserve(ids.shape[0])
             if self.mtp is None or (state is None and not return_mtp_logits):
@@ -260,7 +271,7 @@ class Qwen38ForCausalLM(nn.Module):
                  seed: int | None = None, generator: torch.Generator | None = None,
                  eos_token_id: int | list[int] | None = None, stop_strings: str | list[str] | None = None,
                  tokenizer=None, streamer=None, max_seq_len: int | None = None,
-                 kv_dtype: torch.dtype = torch.float32, use_graph: bool | None = None,
+                 kv_dtype: torch.dtype | None = None, use_graph: bool | None = None,
                  prefill_progress=None, conversation: Conversation | None = None,
                  prefix_cache: PrefixCache | None = None, speculative: str | None = None,
                  num_draft_tokens: int = 3, draft_vocab_size: int | None = None) -> torch.Tensor:
@@ -268,6 +279,7 @@ class Qwen38ForCausalLM(nn.Module):
         included). Sampling is reproducible for a seed (or a torch.Generator to draw one from). eos_token_id
         defaults to the checkpoint's; stop_strings need the tokenizer. On CUDA each step is a graph replay
         (use_graph=False for eager launches); statistics of the last call are in self.last_generation_stats.
+        kv_dtype: the KV cache's dtype, default default_kv_dtype(the model's device).
         prefill_progress: optional callable(tokens_done, tokens_total), called after each prompt chunk of
         PREFILL_CHUNK tokens (a progress bar for long prompts). Bad arguments are ValueErrors; NaN or
         infinite logits at any step raise NonFiniteLogitsError once the run ends.
@@ -297,7 +309,8 @@ class Qwen38ForCausalLM(nn.Module):
         start = self._start_snapshot(history, conversation, prefix_cache)
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', found {speculative!r}")
-        engine = self._decode_engine(len(history) + max_new_tokens, max_seq_len, kv_dtype, use_graph,
+        engine = self._decode_engine(len(history) + max_new_tokens, max_seq_len,
+                                     kv_dtype or default_kv_dtype(self.device), use_graph,
                                      num_draft_tokens if speculative else 0, draft_vocab_size)
         if streamer is not None:
             streamer.put(input_ids.cpu())

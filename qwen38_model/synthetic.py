@@ -65,7 +65,7 @@ DEFAULT_TEXT_CONFIG: dict[str, Any] = {
 }
 
 # Bumped whenever the default model's bytes would change, so stale caches are not reused.
-DEFAULT_MODEL_VERSION = 1
+DEFAULT_MODEL_VERSION = 2
 
 _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -175,16 +175,17 @@ def random_tensor(name: str, shape: tuple[int, ...], distribution: tuple, seed: 
     return torch.rand(shape, generator=generator) * (high - low) + low
 
 
-def random_weights(c: dict[str, Any], seed: int, form: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, float32, under its checkpoint name."""
+def random_weights(c: dict[str, Any], seed: int, form: str, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, float32, under its checkpoint name (the VLM form always has the MTP
+    block, as released; the text form when mtp)."""
     weights = {}
     for name, shape, distribution in text_tensor_specs(c):
         # The released VLM keeps the text model under model.language_model.
         stored_name = name.replace("model.", "model.language_model.", 1) if form == "vlm" else name
         weights[stored_name] = random_tensor(name, shape, distribution, seed)
-    if form == "vlm":
-        for name, shape, distribution in visual_tensor_specs(c) + mtp_tensor_specs(c):
-            weights[name] = random_tensor(name, shape, distribution, seed)
+    extra = (visual_tensor_specs(c) if form == "vlm" else []) + (mtp_tensor_specs(c) if form == "vlm" or mtp else [])
+    for name, shape, distribution in extra:
+        weights[name] = random_tensor(name, shape, distribution, seed)
     return weights
 
 
@@ -194,13 +195,14 @@ def random_weights(c: dict[str, Any], seed: int, form: str) -> dict[str, torch.T
 
 def write_hf_checkpoint(path: str | os.PathLike, text_config: dict[str, Any], *, seed: int = 0,
                         dtype: torch.dtype = torch.float32, form: str = "text", num_shards: int = 1,
-                        tokenizer: bool = True) -> pathlib.Path:
+                        tokenizer: bool = True, mtp: bool = False) -> pathlib.Path:
     """Write a random Qwen3.5 checkpoint folder and return its path.
 
     text_config: HF text_config keys overriding DEFAULT_TEXT_CONFIG (vocab_size defaults to the synthetic
     tokenizer's size rounded up to a multiple of 32). form "text": `model.*` + `lm_head.weight`,
     model_type qwen3_5_text; form "vlm": the released layout (`model.language_model.*`, `model.visual.*`,
-    `mtp.*`, model_type qwen3_5 with a text_config). Same seed, same bytes.
+    `mtp.*`, model_type qwen3_5 with a text_config). mtp: the text form gets the MTP block too. Same seed,
+    same bytes.
     """
     if form not in ("text", "vlm"):
         raise ValueError(f"form must be 'text' or 'vlm', not {form!r}")
@@ -209,9 +211,9 @@ def write_hf_checkpoint(path: str | os.PathLike, text_config: dict[str, Any], *,
     bpe, chat_template = synthetic_tokenizer()
     token_ids = _special_token_ids(bpe)
     config = full_text_config(text_config, _round_up(bpe.get_vocab_size(), 32))
-    weights = {name: t.to(dtype) for name, t in random_weights(config, seed, form).items()}
+    weights = {name: t.to(dtype) for name, t in random_weights(config, seed, form, mtp).items()}
     _write_safetensors(path, weights, num_shards)
-    _write_json(path / "config.json", _config_json(config, dtype, form, token_ids))
+    _write_json(path / "config.json", _config_json(config, dtype, form, token_ids, mtp))
     if tokenizer:
         _write_tokenizer_files(path, bpe, chat_template, token_ids)
     return path
@@ -231,16 +233,20 @@ def _text_config_json(config: dict[str, Any], dtype: torch.dtype, token_ids: dic
             "eos_token_id": token_ids["endoftext"], "pad_token_id": None, **config}
 
 
-def _config_json(config: dict[str, Any], dtype: torch.dtype, form: str, token_ids: dict[str, int]) -> dict:
+MTP_CONFIG = {"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}  # as released
+
+
+def _config_json(config: dict[str, Any], dtype: torch.dtype, form: str, token_ids: dict[str, int],
+                 mtp: bool = False) -> dict:
     text = _text_config_json(config, dtype, token_ids)
     if form == "text":
-        return {"architectures": ["Qwen3_5ForCausalLM"], **text}
+        return {"architectures": ["Qwen3_5ForCausalLM"], **text, **(MTP_CONFIG if mtp else {})}
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
         "dtype": text["dtype"],
         "tie_word_embeddings": config["tie_word_embeddings"],
-        "text_config": {**text, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False},
+        "text_config": {**text, **MTP_CONFIG},
         # Placeholder: text loaders never build the vision tower.
         "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 16, "intermediate_size": 32,
                           "num_heads": 2, "in_channels": 3, "patch_size": 4, "temporal_patch_size": 2,
@@ -727,8 +733,10 @@ def default_model_dir() -> pathlib.Path:
         _remove_stale_builds(root)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=root))
         try:
-            write_hf_checkpoint(tmp / "hf", {}, seed=0, dtype=torch.bfloat16)
-            hf_to_gguf(tmp / "hf", tmp / "model-q8_0.gguf", "q8_0", model_name="qwen38-synthetic-default")
+            # With the MTP block (as released), so that --speculative mtp runs out of the box.
+            write_hf_checkpoint(tmp / "hf", {}, seed=0, dtype=torch.bfloat16, mtp=True)
+            _damp_end_of_turn(tmp / "hf")
+            hf_to_gguf(tmp / "hf", tmp / "model-q8_0.gguf", "q8_0", model_name="qwen38-synthetic-default", mtp=True)
             _move_aside_incomplete(final)
             try:
                 os.rename(tmp, final)
@@ -741,6 +749,20 @@ def default_model_dir() -> pathlib.Path:
         raise Qwen38Error(f"cannot build the built-in model in {root} ({e.strerror}: {e.filename}); set QWEN38_CACHE "
                           "to a writable folder") from None
     return final
+
+
+# The built-in model's random head puts <|im_end|> first or within the top 3 after most chat prompts (it
+# follows the prompt's own <|im_start|>...<|im_end|> pattern), so a greedy chat reply was often empty.
+# Its head row, scaled by this, ranks far lower: replies are gibberish of some length, and can still end.
+END_OF_TURN_HEAD_SCALE = 0.5
+
+
+def _damp_end_of_turn(hf_dir: pathlib.Path) -> None:
+    weights = safetensors.torch.load_file(hf_dir / "model.safetensors")
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    token = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == "<|im_end|>")
+    weights["lm_head.weight"][token] *= END_OF_TURN_HEAD_SCALE
+    safetensors.torch.save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
 
 
 def _remove_stale_builds(root: pathlib.Path) -> None:

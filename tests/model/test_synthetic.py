@@ -207,13 +207,16 @@ def test_default_model_is_built_once_and_loads(tmp_path, monkeypatch):
 
     reader, fields = read_gguf(path)
     assert fields["general.architecture"] == "qwen35" and fields["general.file_type"] == 7
-    assert fields["qwen35.embedding_length"] == 256 and fields["qwen35.block_count"] == 8
+    # 8 trunk layers, then the MTP layer as block 8 (the converter's layout)
+    assert fields["qwen35.embedding_length"] == 256 and fields["qwen35.block_count"] == 9
+    assert fields["qwen35.nextn_predict_layers"] == 1
     assert fields["qwen35.ssm.group_count"] == 2 and fields["qwen35.ssm.time_step_rank"] == 6
     assert len(fields["tokenizer.ggml.tokens"]) % 32 == 0
     # Q8_0: per GDN layer qkv, gate, beta, alpha, out; per attention layer q, k, v, output; 3 FFN
-    # matrices each; embeddings and head. The rest (norms, conv, ssm_a, dt bias) stays F32.
+    # matrices each; embeddings and head; the MTP layer's attention and FFN and its eh_proj. The rest (norms,
+    # conv, ssm_a, dt bias) stays F32.
     types = {t.name: t.tensor_type for t in reader.tensors}
-    assert sum(t == gguf.GGMLQuantizationType.Q8_0 for t in types.values()) == 6 * 8 + 2 * 7 + 2
+    assert sum(t == gguf.GGMLQuantizationType.Q8_0 for t in types.values()) == 6 * 8 + 2 * 7 + 2 + 8
     assert set(types.values()) == {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32}
 
     # The GGUF is the HF folder beside it, quantized: Q8_0 costs well under 1% per weight matrix.
@@ -229,3 +232,18 @@ def test_default_hf_folder_loads_in_transformers(tmp_path, monkeypatch):
     monkeypatch.setenv("QWEN38_CACHE", str(tmp_path))
     _, info = Qwen3_5ForCausalLM.from_pretrained(synthetic.default_hf_path(), output_loading_info=True)
     assert not any(info.values())
+
+
+def test_default_model_has_an_mtp_block_and_greedy_chat_replies_say_something():
+    """The built-in model is what `make demo` and a first `qwen38 chat` run: --speculative mtp must work on it,
+    and a greedy chat reply must not be empty (its random head used to rank <|im_end|> first after most chat
+    prompts)."""
+    import qwen38_model
+
+    llm = qwen38_model.load(device="cpu")
+    assert llm.model.mtp is not None
+    for message in ("Hello", "The quick brown fox", "What is 2+2?", "Bonjour", "a", "Why is the sky blue?"):
+        assert llm.chat([{"role": "user", "content": message}], max_new_tokens=16).strip(), message
+    ids = torch.tensor([llm.tokenizer.encode("The quick brown fox")])
+    plain = llm.model.generate(ids, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(llm.model.generate(ids, max_new_tokens=12, eos_token_id=[], speculative="mtp"), plain)
