@@ -164,3 +164,14 @@ def test_conversation_through_the_graph_continues_exactly(oracle_dir):
         assert conversation.tokens == history
     assert [t.data_ptr() for layer in model._engine.state.layers
                  for t in model._engine.state.tensors(layer)] == addresses
+
+
+def test_kv_cache_defaults_to_bfloat16_on_cuda(oracle_dir, prompt):
+    """The default a user runs is the one the README's speed figures use."""
+    from qwen38_model.state import KVCache
+
+    model = Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-q8_0.gguf", device="cuda")
+    model.generate(prompt, max_new_tokens=2, eos_token_id=[])
+    for state in (model._engine.state, model.new_state(8)):
+        caches = [layer for layer in state.layers if isinstance(layer, KVCache)]
+        assert caches and all(c.k.dtype == c.v.dtype == torch.bfloat16 for c in caches)
