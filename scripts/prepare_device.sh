@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Fill the git-ignored folders the device run carries: .whl (pure-Python wheels the device image lacks)
-# and .oracle (a copy of ../shared/oracle, which the device does not see).
+# Fill the git-ignored folder the device run carries: .whl (pure-Python wheels the device image lacks).
+# The oracle travels with the tree (tests/oracle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -9,5 +9,4 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # the client with their dependencies (pydantic-core is the one binary wheel: the device's CPython 3.12, x86-64).
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
   --platform manylinux_2_17_x86_64 --implementation cp -d .whl starlette uvicorn openai
-rm -rf .oracle && cp -r ../shared/oracle .oracle
-du -sh .whl .oracle
+du -sh .whl
