@@ -49,8 +49,15 @@ TORCH_LIBRARY(qwen38, m) {
   m.def("gated_rms_norm(Tensor x, Tensor z, Tensor weight, float eps, Tensor(a!) out, Tensor(b!)? out_q, "
         "Tensor(c!)? out_q_lo, Tensor(d!)? out_d) -> ()");
 
-  // ---- embedding: out[t] = dequantized row token[t] of a Q8_0 table; token int32 [T] on the device.
-  m.def("q8_0_embedding(Tensor token, Tensor weight_q, Tensor weight_d, Tensor(a!) out) -> ()");
+  // ---- embedding: out[t] = row token[t] of the table as float32 [T, D]; token int32 [T] on the device.
+  // An id outside [0, V) gets a NaN row and ORs 2 into bad_token (int32 [1], when given; 2 so that it can
+  // share attention's bad_position, which stores 1): the caller reads it at its next sync. The CPU
+  // reference raises a ValueError at once instead.
+  // Q8_0 table: int8 quants [V, D] + fp16 scales [V, D/32], D % 32 == 0; the row dequantized.
+  m.def("q8_0_embedding(Tensor token, Tensor weight_q, Tensor weight_d, Tensor(a!) out, "
+        "Tensor(b!)? bad_token=None) -> ()");
+  // Dense table: float32, bfloat16 or float16 [V, D]; the row widened to float32 (exact).
+  m.def("embedding(Tensor token, Tensor weight, Tensor(a!) out, Tensor(b!)? bad_token=None) -> ()");
 
   // ---- gdn: Gated DeltaNet mixer. Internal value-head order is ggml's: value head h reads key head h % Hk.
   // Causal depthwise conv over T tokens continuing from conv_state, then SiLU, then L2 norm of each q and

@@ -106,15 +106,17 @@ class Linear(nn.Module):
         out.copy_(y_w)
 
 
-def embed_into(owner: nn.Module, ids: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+def embed_into(owner: nn.Module, ids: torch.Tensor, out: torch.Tensor,
+               bad_token: torch.Tensor | None = None) -> torch.Tensor:
     """out float32 [T, D] <- the rows of ids (int32, on the device) of owner's embedding table: Q8_0
-    (embed_q, embed_d buffers) through the kernel, dense (embed) through index_select."""
+    (embed_q, embed_d buffers) or dense (embed). Both ops check the ids: an id outside the vocabulary is a
+    ValueError on the CPU; on the GPU a NaN row and BAD_TOKEN ORed into bad_token (the state's error flag,
+    raised by its sync_position). Not torch's index_select: its bounds check is a device-side assert,
+    which ends the CUDA context (and in `serve`, the process)."""
     if hasattr(owner, "embed_q"):
-        ops.q8_0_embedding(ids, owner.embed_q, owner.embed_d, out)
+        ops.q8_0_embedding(ids, owner.embed_q, owner.embed_d, out, bad_token)
     else:
-        rows = scratch.empty(owner, "embed_rows", out.shape, owner.embed.dtype)
-        torch.index_select(owner.embed, 0, ids, out=rows)
-        out.copy_(rows)
+        ops.embedding(ids, owner.embed, out, bad_token)
     return out
 
 

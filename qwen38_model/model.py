@@ -138,9 +138,11 @@ class Qwen38ForCausalLM(nn.Module):
         return Qwen38State(self.config, max_seq_len, self.device, kv_dtype or default_kv_dtype(self.device),
                            mtp=self.mtp is not None)
 
-    def embed_tokens(self, ids: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-        """ids int32 [T] on the model's device (read by the kernel: no host round trip)."""
-        return embed_into(self, ids, scratch.empty(self, "residual", (ids.shape[0], self.config.hidden_size)), scratch)
+    def embed_tokens(self, ids: torch.Tensor, scratch: Scratch, bad_token: torch.Tensor | None = None) -> torch.Tensor:
+        """ids int32 [T] on the model's device (read by the kernel: no host round trip); bad_token: the flag
+        an id outside the vocabulary raises on the GPU (embed_into)."""
+        return embed_into(self, ids, scratch.empty(self, "residual", (ids.shape[0], self.config.hidden_size)),
+                          bad_token)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: Qwen38State | None = None,
@@ -245,7 +247,7 @@ class Qwen38ForCausalLM(nn.Module):
         """Embedding and every layer; returns the residual stream and the last layer's output, whose sum
         the final norm takes. keep_token_states: the GDN layers also write their state after each token
         (state.keep_token_states() made the buffers; a speculative verify keeps any prefix with accept())."""
-        residual = self.embed_tokens(ids, scratch)
+        residual = self.embed_tokens(ids, scratch, state.bad_position)  # the state's one error flag
         delta = None
         for layer, layer_state in zip(self.layers, state.layers):
             delta = layer(residual, delta, layer_state, positions, scratch, keep_token_states)

@@ -58,7 +58,7 @@ class MTPBlock(nn.Module):
         Returns the shared-head-normed output in the lm_head's input lane: model.lm_head(act, scratch) gives
         the logits of the token after ids, act.x is the hidden of the next draft step."""
         rows, width = hidden.shape
-        embedded = self._embed(ids, scratch)
+        embedded = self._embed(ids, scratch, cache.bad_position)
         e = scratch.empty(self, "enorm", (rows, width))
         h = scratch.empty(self, "hnorm", (rows, width))
         ops.rms_norm(embedded, self.enorm, self.eps, e, None, None, None)
@@ -75,5 +75,5 @@ class MTPBlock(nn.Module):
         ops.add_rms_norm(residual, delta, self.shared_head_norm, self.eps, *out.outs())
         return out
 
-    def _embed(self, ids: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-        return embed_into(self, ids, scratch.empty(self, "embedding", (ids.shape[0], self.enorm.shape[0])), scratch)
+    def _embed(self, ids: torch.Tensor, scratch: Scratch, bad_token: torch.Tensor | None) -> torch.Tensor:
+        return embed_into(self, ids, scratch.empty(self, "embedding", (ids.shape[0], self.enorm.shape[0])), bad_token)

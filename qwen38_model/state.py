@@ -10,20 +10,24 @@ from dataclasses import dataclass
 import safetensors.torch
 import torch
 
+from qwen38_ops.embedding import BAD_TOKEN
+
 from .config import ATTENTION, Qwen38Config
 
 # The config fields that decide a state's shapes and meaning: a snapshot restores only into a model with
 # the same values (eos ids, the source path and the context limit do not change what a state holds).
 SNAPSHOT_CONFIG_EXCLUDED = ("source", "eos_token_ids", "max_position_embeddings", "num_mtp_layers")
 MTP_KEYS = ("mtp.k", "mtp.v", "mtp.hidden")  # the MTP part of a saved snapshot (never a digit first: see load)
+BAD_POSITION = 1  # what attn_qk_norm_rope_store stores into bad_position (BAD_TOKEN: the embeddings' bit)
 
 
 @dataclass
 class KVCache:
     k: torch.Tensor  # [max_seq_len, Hkv, hd], float32 or bfloat16; keys stored post-norm, post-RoPE
     v: torch.Tensor
-    # int32 [1], shared by a state's caches: set on the device when a position fell outside the cache
-    # (nothing is stored then); sync_position() raises on it.
+    # int32 [1], the state's error flag, shared by its caches: attention stores BAD_POSITION when a position
+    # fell outside the cache (nothing is stored then); the embeddings OR in BAD_TOKEN for an id outside the
+    # vocabulary (the MTP block's embedding reaches the flag through its cache). sync_position() raises on it.
     bad_position: torch.Tensor | None = None
 
 
@@ -153,10 +157,20 @@ class Qwen38State:
         """The host mirror read back from the device position (one host sync); a RuntimeError if some step
         since the last call had a position outside the KV caches (its keys and values were not stored)."""
         self.position = int(self.device_position)
-        if int(self.bad_position):
+        flag = int(self.bad_position)
+        if flag:
             self.bad_position.zero_()
-            raise RuntimeError(f"a step ran at a position outside the KV cache (0..{self.max_seq_len - 1}): its "
-                               "attention output is wrong; the state must be cleared or restored")
+            # Attention stores its value where the embeddings OR theirs in: when both happened, the token
+            # condition may have been overwritten, never the position one.
+            problems = []
+            if flag & BAD_TOKEN:
+                problems.append(f"embedded a token id outside the vocabulary [0, {self.config.vocab_size}) (its "
+                                "row is NaN)")
+            if flag & BAD_POSITION:
+                problems.append(f"ran at a position outside the KV cache (0..{self.max_seq_len - 1}): its "
+                                "attention output is wrong")
+            problems = problems or [f"set the error flag to {flag}"]
+            raise RuntimeError(f"a step {' and '.join(problems)}; the state must be cleared or restored")
         return self.position
 
     def clear(self) -> None:

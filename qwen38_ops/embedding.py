@@ -1,6 +1,14 @@
-"""Embedding lookup from a Q8_0 table; the token ids are read on the device (int32 [T])."""
+"""Embedding lookups, the token ids read on the device (int32 [T]): q8_0_embedding from a Q8_0 table,
+embedding from a dense one (float32, bfloat16 or float16). Both write float32 rows.
+
+An id outside [0, V): the reference raises a ValueError; the kernel writes a NaN row and ORs BAD_TOKEN into
+bad_token (int32 [1], when given), for the caller to raise at its next sync (Qwen38State.sync_position)."""
 from ._registry import register
 from .reference import embedding as ref
 
-register("q8_0_embedding", ref.q8_0_embedding)
+# The bit the kernels OR into bad_token (csrc/kernels/embedding.h, kBadTokenFlag). Not 1: attention's
+# bad_position stores 1, and a state keeps both conditions in one flag.
+BAD_TOKEN = 2
 
+register("q8_0_embedding", ref.q8_0_embedding)
+register("embedding", ref.embedding)

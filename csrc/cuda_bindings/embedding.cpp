@@ -1,9 +1,10 @@
-// CUDA binding of q8_0_embedding: argument checks, device guard, launch on the current stream.
+// CUDA bindings of q8_0_embedding and embedding: argument checks, device guard, launch on the current stream.
 #include <ATen/ATen.h>
 
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "checks.h"
@@ -12,14 +13,29 @@
 namespace qwen38 {
 namespace {
 
-void q8_0_embedding_cuda(const at::Tensor& token, const at::Tensor& weight_q, const at::Tensor& weight_d,
-                         at::Tensor& out) {
-  constexpr const char* op = "q8_0_embedding";
-  QWEN38_CHECK_CUDA("q8_0_embedding", token);
-  QWEN38_CHECK_DTYPE("q8_0_embedding", token, at::kInt);
+// token int32 [T] (T <= 65535: the grid's y), contiguous, on a CUDA device.
+void check_token(const char* op, const at::Tensor& token) {
+  QWEN38_CHECK(token.is_cuda(), op, ": token must be a CUDA tensor, found device ", token.device());
+  QWEN38_CHECK(token.scalar_type() == at::kInt, op, ": token must be ", at::kInt, ", found ", token.scalar_type());
   check_contiguous(op, "token", token);
   QWEN38_CHECK(token.dim() == 1 && token.size(0) <= 65535, op, ": token must be 1-D [T] with T <= 65535, found ",
               text(token.sizes()));
+}
+
+// The flag an out-of-range id raises: int32 [1] on the token's device, or none.
+int32_t* bad_token_ptr(const char* op, const at::Tensor& token, const std::optional<at::Tensor>& bad_token) {
+  if (!bad_token.has_value()) return nullptr;
+  const at::Tensor& b = *bad_token;
+  QWEN38_CHECK(b.device() == token.device() && b.scalar_type() == at::kInt && b.numel() == 1, op,
+              ": bad_token must be int32 [1] on ", token.device(), ", found ", b.scalar_type(), " ", b.sizes(), " on ",
+              b.device());
+  return b.data_ptr<int32_t>();
+}
+
+void q8_0_embedding_cuda(const at::Tensor& token, const at::Tensor& weight_q, const at::Tensor& weight_d,
+                         at::Tensor& out, const std::optional<at::Tensor>& bad_token) {
+  constexpr const char* op = "q8_0_embedding";
+  check_token(op, token);
   const int64_t T = token.size(0);
   QWEN38_CHECK_SAME_DEVICE("q8_0_embedding", token, weight_q);
   QWEN38_CHECK_SAME_DEVICE("q8_0_embedding", token, weight_d);
@@ -56,11 +72,63 @@ void q8_0_embedding_cuda(const at::Tensor& token, const at::Tensor& weight_q, co
   a.T = static_cast<int>(T);
   a.V = static_cast<int>(V);
   a.D = static_cast<int>(D);
+  a.bad_token = bad_token_ptr(op, token, bad_token);
   const cudaError_t err = q8_0_embedding(a, current_stream());
+  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+template <typename W>
+cudaError_t launch_dense(const at::Tensor& token, const at::Tensor& weight, at::Tensor& out, int32_t* bad) {
+  DenseEmbeddingArgs<W> a;
+  a.token = token.data_ptr<int32_t>();
+  a.weight = reinterpret_cast<const W*>(weight.data_ptr());
+  a.out = out.data_ptr<float>();
+  a.out_stride = out.stride(0);
+  a.bad_token = bad;
+  a.T = static_cast<int>(token.size(0));
+  a.V = static_cast<int>(weight.size(0));
+  a.D = static_cast<int>(weight.size(1));
+  return embedding<W>(a, current_stream());
+}
+
+void embedding_cuda(const at::Tensor& token, const at::Tensor& weight, at::Tensor& out,
+                    const std::optional<at::Tensor>& bad_token) {
+  constexpr const char* op = "embedding";
+  check_token(op, token);
+  const int64_t T = token.size(0);
+  QWEN38_CHECK_SAME_DEVICE("embedding", token, weight);
+  QWEN38_CHECK_SAME_DEVICE("embedding", token, out);
+  const at::ScalarType dtype = weight.scalar_type();
+  QWEN38_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": weight must be float32, bfloat16 or float16, found ", dtype);
+  check_contiguous(op, "weight", weight);
+  QWEN38_CHECK(weight.dim() == 2 && weight.size(1) > 0 && weight.size(0) <= INT_MAX && weight.size(1) <= INT_MAX, op,
+              ": weight must be [V, D] with D > 0, found ", text(weight.sizes()));
+  const int64_t D = weight.size(1);
+  QWEN38_CHECK_DTYPE("embedding", out, at::kFloat);
+  QWEN38_CHECK(out.dim() == 2 && out.stride(1) == 1, op,
+              ": out must be 2-D [rows, n] with a contiguous last dimension, found sizes ", text(out.sizes()),
+              " strides ", text(out.strides()));
+  QWEN38_CHECK(out.size(0) == T && out.size(1) == D, op, ": out must be [T, D] = [", text(T), ", ", text(D),
+              "], found ", text(out.sizes()));
+  int32_t* bad = bad_token_ptr(op, token, bad_token);
+
+  const c10::cuda::CUDAGuard guard(token.device());
+  cudaError_t err;
+  if (dtype == at::kFloat) {
+    err = launch_dense<float>(token, weight, out, bad);
+  } else if (dtype == at::kBFloat16) {
+    err = launch_dense<__nv_bfloat16>(token, weight, out, bad);
+  } else {
+    err = launch_dense<__half>(token, weight, out, bad);
+  }
   QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace
 }  // namespace qwen38
 
-TORCH_LIBRARY_IMPL(qwen38, CUDA, m) { m.impl("q8_0_embedding", &qwen38::q8_0_embedding_cuda); }
+TORCH_LIBRARY_IMPL(qwen38, CUDA, m) {
+  m.impl("q8_0_embedding", &qwen38::q8_0_embedding_cuda);
+  m.impl("embedding", &qwen38::embedding_cuda);
+}

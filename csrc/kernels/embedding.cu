@@ -1,11 +1,22 @@
-// Q8_0 embedding row lookup: one 16-byte load of quants per thread, 4 float4 stores.
-// out = (float)q * (float)d, one float32 rounding: the same bits as the reference's float32 product.
+// Embedding row lookups.
+// q8_0_embedding: one 16-byte load of quants per thread, 4 float4 stores. out = (float)q * (float)d, one
+// float32 rounding: the same bits as the reference's float32 product.
+// embedding: one element per thread; widening bfloat16/float16 to float32 is exact, so the same bits as the
+// reference. A row is a few KB read once a token: the plain loads cost nothing worth vectorizing.
 #include "embedding.h"
 
 namespace qwen38 {
 namespace {
 
 constexpr int kThreads = 128;
+
+__device__ __forceinline__ bool bad_id(int tok, int V) { return tok < 0 || tok >= V; }
+
+// One thread of the row's first block raises the flag (an OR: it never clears a condition another kernel
+// flagged in the same int32).
+__device__ __forceinline__ void flag_bad_token(int32_t* bad_token) {
+  if (bad_token != nullptr && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(bad_token, kBadTokenFlag);
+}
 
 __global__ void __launch_bounds__(kThreads) q8_0_embedding_kernel(const EmbeddingArgs a) {
   const int t = blockIdx.y;
@@ -14,9 +25,10 @@ __global__ void __launch_bounds__(kThreads) q8_0_embedding_kernel(const Embeddin
   const int tok = a.token[t];
   float* out_row = a.out + static_cast<size_t>(t) * a.out_stride;
   float4* out = reinterpret_cast<float4*>(out_row + static_cast<size_t>(chunk) * 16);
-  if (tok < 0 || tok >= a.V) {
+  if (bad_id(tok, a.V)) {
     const float nan = __int_as_float(0x7fc00000);
     for (int i = 0; i < 4; ++i) out[i] = make_float4(nan, nan, nan, nan);
+    flag_bad_token(a.bad_token);
     return;
   }
   const size_t row = static_cast<size_t>(tok);
@@ -33,6 +45,25 @@ __global__ void __launch_bounds__(kThreads) q8_0_embedding_kernel(const Embeddin
   }
 }
 
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float widen(__half x) { return __half2float(x); }
+
+template <typename W>
+__global__ void __launch_bounds__(kThreads) embedding_kernel(const DenseEmbeddingArgs<W> a) {
+  const int t = blockIdx.y;
+  const int j = blockIdx.x * kThreads + threadIdx.x;
+  if (j >= a.D) return;
+  const int tok = a.token[t];
+  float* out = a.out + static_cast<size_t>(t) * a.out_stride;
+  if (bad_id(tok, a.V)) {
+    out[j] = __int_as_float(0x7fc00000);
+    flag_bad_token(a.bad_token);
+    return;
+  }
+  out[j] = widen(a.weight[static_cast<size_t>(tok) * a.D + j]);
+}
+
 }  // namespace
 
 cudaError_t q8_0_embedding(const EmbeddingArgs& a, cudaStream_t stream) {
@@ -42,5 +73,18 @@ cudaError_t q8_0_embedding(const EmbeddingArgs& a, cudaStream_t stream) {
   q8_0_embedding_kernel<<<grid, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
+
+template <typename W>
+cudaError_t embedding(const DenseEmbeddingArgs<W>& a, cudaStream_t stream) {
+  if (a.T == 0) return cudaSuccess;
+  if (a.D <= 0 || a.T > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((a.D + kThreads - 1) / kThreads), static_cast<unsigned>(a.T));
+  embedding_kernel<W><<<grid, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template cudaError_t embedding<float>(const DenseEmbeddingArgs<float>&, cudaStream_t);
+template cudaError_t embedding<__nv_bfloat16>(const DenseEmbeddingArgs<__nv_bfloat16>&, cudaStream_t);
+template cudaError_t embedding<__half>(const DenseEmbeddingArgs<__half>&, cudaStream_t);
 
 }  // namespace qwen38

@@ -1,12 +1,23 @@
-// q8_0_embedding: out[t, :] = dequantized row token[t] of a Q8_0 table (int8 quants [V, D] + fp16 scales
-// [V, D/32]). The token ids live on the device (the decode graph advances them without a host round trip).
+// Embedding row lookups, the token ids read on the device (the decode graph advances them without a host
+// round trip):
+//   q8_0_embedding: out[t, :] = dequantized row token[t] of a Q8_0 table (int8 quants [V, D] + fp16 scales
+//                   [V, D/32]);
+//   embedding:      out[t, :] = row token[t] of a dense table (float32, bfloat16 or float16 [V, D]) as float32.
+//
+// An id outside [0, V) cannot raise from the device without a host sync, and an unchecked one would read
+// before or past the table. Its row is written as NaN instead and, when bad_token is given, kBadTokenFlag
+// is ORed into *bad_token: the host reads that flag at its next sync and raises. The flag can be shared
+// with attention's bad_position (which stores 1), so that one int32 tells both conditions apart.
 #pragma once
 #include <cstdint>
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 namespace qwen38 {
+
+constexpr int32_t kBadTokenFlag = 2;
 
 struct EmbeddingArgs {
   const int32_t* token = nullptr;    // [T]
@@ -14,11 +25,24 @@ struct EmbeddingArgs {
   const __half* weight_d = nullptr;  // [V, D/32]
   float* out = nullptr;              // [T, out_stride], rows 16-byte aligned
   int64_t out_stride = 0;
+  int32_t* bad_token = nullptr;      // int32 [1] or null
   int T = 0, V = 0, D = 0;
 };
 
-// A token outside [0, V) cannot raise from the device without a host sync: its row is written as NaN, so
-// the error surfaces in the logits instead of as a silent read out of bounds.
 cudaError_t q8_0_embedding(const EmbeddingArgs& args, cudaStream_t stream);
+
+// W is float, __nv_bfloat16 or __half; weight [V, D] contiguous, out [T, out_stride] (any alignment).
+template <typename W>
+struct DenseEmbeddingArgs {
+  const int32_t* token = nullptr;  // [T]
+  const W* weight = nullptr;       // [V, D]
+  float* out = nullptr;            // [T, out_stride]
+  int64_t out_stride = 0;
+  int32_t* bad_token = nullptr;    // int32 [1] or null
+  int T = 0, V = 0, D = 0;
+};
+
+template <typename W>
+cudaError_t embedding(const DenseEmbeddingArgs<W>& args, cudaStream_t stream);
 
 }  // namespace qwen38

@@ -1,16 +1,19 @@
-"""embedding family: q8_0_embedding.
+"""embedding family: q8_0_embedding (Q8_0 table) and embedding (dense table: float32, bfloat16, float16).
 
-CPU (CI): opcheck; the reference against gguf's own Q8_0 dequantizer. CUDA (-m cuda): the kernel against
-the reference (bit for bit: each value is one float32 product of an int8 and an fp16 scale, so there is no
-rounding freedom), outputs poisoned first, at odd widths and the 27B table [248320, 5120]; out-of-range
-tokens give NaN rows; a captured graph replays bit for bit and follows a token changed on the device;
-bad arguments raise.
+CPU (CI): opcheck; the Q8_0 reference against gguf's own dequantizer, the dense one against the table's
+rows; an id outside [0, V) (negative, V, the int32 extremes) is a ValueError naming it. CUDA (-m cuda): the
+kernels against the references (bit for bit: a Q8_0 value is one float32 product of an int8 and an fp16
+scale, a dense one an exact widening, so there is no rounding freedom), outputs poisoned first, at odd
+sizes and the 27B table [248320, 5120]; out-of-range ids give NaN rows and OR BAD_TOKEN into the flag
+(keeping a condition already flagged), in range ones leave it alone; a captured graph replays bit for bit,
+follows a token changed on the device and flags a bad one at replay; bad arguments raise.
 """
 import numpy as np
 import pytest
 import torch
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from qwen38_ops.embedding import BAD_TOKEN
 from qwen38_ops.reference import embedding as ref
 
 from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
@@ -25,10 +28,52 @@ def make_table(V, D, device="cpu", seed=0):
     return weight_q, weight_d
 
 
+DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BAD_IDS = (-1, "V", 2**31 - 1, -(2**31))  # "V": the vocabulary size itself, one past the last row
+
+
+def make_dense_table(V, D, dtype, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(V, D, generator=g, device=device).to(dtype)
+
+
+def no_flag(device="cpu"):
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def test_opcheck_cpu():
     weight_q, weight_d = make_table(10, 64)
     token = torch.tensor([3, 0, 9], dtype=torch.int32)
     torch.library.opcheck(ops.q8_0_embedding.default, (token, weight_q, weight_d, torch.empty(3, 64)))
+    torch.library.opcheck(ops.q8_0_embedding.default, (token, weight_q, weight_d, torch.empty(3, 64), no_flag()))
+    for dtype in DENSE_DTYPES:
+        weight = make_dense_table(10, 33, dtype)
+        torch.library.opcheck(ops.embedding.default, (token, weight, torch.empty(3, 33)))
+        torch.library.opcheck(ops.embedding.default, (token, weight, torch.empty(3, 33), no_flag()))
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+def test_dense_reference_is_the_table_rows(dtype):
+    weight = make_dense_table(12, 40, dtype, seed=2)
+    token = torch.tensor([11, 0, 5, 5], dtype=torch.int32)
+    out, flag = torch.full((4, 40), float("nan")), no_flag()
+    ops.embedding(token, weight, out, flag)
+    assert torch.equal(out, weight.float()[token.long()])
+    assert int(flag) == 0
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+@pytest.mark.parametrize("op", ["q8_0_embedding", "embedding"])
+def test_out_of_range_ids_raise_on_cpu(op, bad):
+    """The reference raises at once (a negative id would otherwise read a row from the table's end, V one
+    past it); the message names the id and the vocabulary."""
+    V, D = 10, 64
+    bad = V if bad == "V" else bad
+    token = torch.tensor([3, bad, 0], dtype=torch.int32)
+    weight_q, weight_d = make_table(V, D)
+    tables = {"q8_0_embedding": (weight_q, weight_d), "embedding": (make_dense_table(V, D, torch.bfloat16),)}
+    with pytest.raises(ValueError, match=rf"{op}: token id {bad} \(row 1 of 3\) is outside the vocabulary \[0, {V}\)"):
+        getattr(ops, op)(token, *tables[op], torch.empty(3, D), no_flag())
 
 
 def test_reference_vs_gguf_dequantize():
@@ -72,12 +117,52 @@ def test_cuda_matches_reference(V, D, T):
 def test_cuda_27b_table_strided_out_and_bad_tokens():
     V, D = 248320, 5120
     weight_q, weight_d = make_table(V, D, device="cuda", seed=3)
-    token = torch.tensor([0, V - 1, 123457, -1, V], dtype=torch.int32, device="cuda")
-    out = torch.full((5, D + 64), float("nan"), device="cuda")[:, 32:32 + D]
-    ops.q8_0_embedding(token, weight_q, weight_d, out)
-    good = token[:3]
-    assert torch.equal(out[:3].cpu(), expected_rows(good, weight_q, weight_d))
+    token = torch.tensor([0, V - 1, 123457, -1, V, 2**31 - 1, -(2**31)], dtype=torch.int32, device="cuda")
+    out = torch.full((7, D + 64), float("nan"), device="cuda")[:, 32:32 + D]
+    flag = no_flag("cuda")
+    ops.q8_0_embedding(token[:3], weight_q, weight_d, out[:3], flag)
+    assert int(flag) == 0, "in-range ids must leave the flag alone"
+    good = out[:3].clone()
+    out.fill_(float("nan"))
+    flag.fill_(1)  # attention's condition, flagged earlier: the OR must keep it
+    ops.q8_0_embedding(token, weight_q, weight_d, out, flag)
+    assert torch.equal(out[:3].cpu(), expected_rows(token[:3], weight_q, weight_d))
+    assert torch.equal(out[:3], good)
     assert out[3:].isnan().all(), "out-of-range tokens must give NaN rows"
+    assert int(flag) == 1 | BAD_TOKEN
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+@pytest.mark.parametrize("V,D", [(7, 1), (100, 33), (503, 192), (1000, 5120)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_cuda_dense_matches_reference(dtype, V, D, T):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("qwen38::embedding", "CUDA")
+    weight = make_dense_table(V, D, dtype, device="cuda", seed=V + D)
+    token = torch.randint(0, V, (T,), dtype=torch.int32, device="cuda")
+    token[0] = V - 1
+    out, flag = torch.full((T, D), float("nan"), device="cuda"), no_flag("cuda")
+    ops.embedding(token, weight, out, flag)
+    assert torch.equal(out.cpu(), weight.cpu().float()[token.cpu().long()])
+    assert int(flag) == 0
+
+
+@cuda
+@needs_gpu
+def test_cuda_dense_27b_table_strided_out_and_bad_tokens():
+    V, D = 248320, 5120
+    weight = make_dense_table(V, D, torch.bfloat16, device="cuda", seed=5)
+    token = torch.tensor([0, V - 1, 123457, -1, V, 2**31 - 1, -(2**31)], dtype=torch.int32, device="cuda")
+    out = torch.full((7, D + 3), float("nan"), device="cuda")[:, 1:1 + D]  # rows need no alignment
+    flag = no_flag("cuda")
+    ops.embedding(token, weight, out, flag)
+    assert torch.equal(out[:3], weight[token[:3].long()].float())
+    assert out[3:].isnan().all(), "out-of-range tokens must give NaN rows"
+    assert int(flag) == BAD_TOKEN
+    flag.fill_(1)
+    ops.embedding(token[3:4], weight, out[3:4], flag)
+    assert int(flag) == 1 | BAD_TOKEN, "the OR must keep a condition already flagged"
 
 
 @cuda
@@ -99,6 +184,26 @@ def test_cuda_graph_replay_follows_device_token():
     assert torch.equal(out.cpu(), expected_rows(token, weight_q, weight_d))
 
 
+@cuda
+@needs_gpu
+def test_cuda_dense_graph_replay_follows_device_token_and_flags_a_bad_one():
+    V, D = 503, 192
+    weight = make_dense_table(V, D, torch.bfloat16, device="cuda", seed=6)
+    token = torch.tensor([17, 3], dtype=torch.int32, device="cuda")
+    out, flag = torch.empty(2, D, device="cuda"), no_flag("cuda")
+    graph = capture_graph(lambda: ops.embedding(token, weight, out, flag))
+    out.fill_(float("nan"))
+    token[1] = 401
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, weight[token.long()].float()) and int(flag) == 0
+    token[1] = V  # a bad id arriving on the device, as a decode step's would: a flag, not a device assert
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], weight[17].float()) and out[1].isnan().all()
+    assert int(flag) == BAD_TOKEN
+
+
 def check_bad_arguments():
     """Every wrong argument raises a RuntimeError naming it (run in a child by the test below)."""
     weight_q, weight_d = make_table(10, 64, device="cuda")
@@ -116,6 +221,26 @@ def check_bad_arguments():
         ops.q8_0_embedding(token, weight_q, weight_d, out_wide)
     with pytest.raises(RuntimeError, match="aligned"):
         ops.q8_0_embedding(token, weight_q, weight_d, out_unaligned)
+    flag_long = torch.zeros(1, dtype=torch.int64, device="cuda")
+    for flag in (flag_long, torch.zeros(2, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32)):
+        with pytest.raises(RuntimeError, match="bad_token must be int32 \\[1\\]"):
+            ops.q8_0_embedding(token, weight_q, weight_d, out, flag)
+
+    weight = make_dense_table(10, 64, torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="token must be"):
+        ops.embedding(token_long, weight, out)
+    with pytest.raises(RuntimeError, match="token must be a CUDA tensor"):
+        ops.embedding(token_cpu, weight, out)
+    with pytest.raises(RuntimeError, match="weight must be float32, bfloat16 or float16"):
+        ops.embedding(token, weight_q, out)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        ops.embedding(token, weight.t(), out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.embedding(token, weight, out_wide)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.embedding(token, weight, out.half())
+    with pytest.raises(RuntimeError, match="bad_token must be int32 \\[1\\]"):
+        ops.embedding(token, weight, out, flag_long)
 
 
 @cuda
