@@ -80,7 +80,7 @@ class DecodeEngine:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up allocates every scratch buffer, off the capture
-                self.step(cfg)
+                self.warm_up(cfg)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -88,6 +88,16 @@ class DecodeEngine:
             self.graphs[cfg] = graph
             self.scratch.freeze()
         return self.graphs[cfg]
+
+    def warm_up(self, cfg: SamplingConfig) -> None:
+        """The step run once before its capture (eagerly: it allocates the scratch buffers), on a token and
+        a position set here to valid values (token 0 at position 0), not on whatever the engine holds: a
+        warm-up reading an id outside the vocabulary or a position outside the cache would raise the state's
+        error flag (or, through an unchecked op, a device-side assert). It writes the state: reset() must
+        follow."""
+        self.token.zero_()
+        self.position.zero_()
+        self.step(cfg)
 
     def reset(self, history: torch.Tensor, seed: int, cfg: SamplingConfig, start: StateSnapshot | None = None) -> None:
         """Empty state, or `start` copied into the state's own tensors (the graphs keep their addresses);

@@ -161,7 +161,9 @@ class SpeculativeEngine:
 
         self.base = self.state.device_position  # p: tokens consumed = the pending token's position
         self.num_accepted = ints(1)  # a of the last verify
-        self.tokens = ints(rows, -1)  # the last verify's t_0..t_a, -1 past a
+        # The last verify's t_0..t_a, -1 past a (the MTP pass clamps them; the trunk reads only t_a). Zeros, a
+        # valid id, until the first step: a capture's warm-up runs before any prefill (warm_up).
+        self.tokens = ints(rows)
         self.hidden = torch.zeros(rows, D, device=dev)  # the last verify's normed trunk hidden rows
         self.drafts = ints(num_draft_tokens)
         self.verify_ids = ints(rows)
@@ -231,11 +233,7 @@ class SpeculativeEngine:
         side.wait_stream(stream)
         with torch.cuda.stream(side):
             for k in todo:
-                # A position where the step's every row is in the cache: the MTP pass starts one row
-                # before the verify (position 0 would make that row -1).
-                self.base.fill_(1)
-                self.num_accepted.zero_()
-                self.step(k, cfg)
+                self.warm_up(k, cfg)
         stream.wait_stream(side)
         for k in todo:
             graph = torch.cuda.CUDAGraph()
@@ -244,6 +242,17 @@ class SpeculativeEngine:
             self.graphs[(cfg, k)] = graph
         for scratch in self.scratch.values():
             scratch.freeze()
+
+    def warm_up(self, k: int, cfg: SamplingConfig) -> None:
+        """The step run once before its capture (eagerly: it allocates the scratch buffers), on inputs set
+        here to valid values whatever the engine holds (a fresh engine, or one after a generation): the ids
+        it embeds in [0, vocab), every position inside the caches. An invalid id here was a device-side
+        assert in the first capture (issue 20). It writes the state: reset() must follow."""
+        # The MTP pass starts one row before the verify: at base 1 that row is position 0, not -1.
+        self.base.fill_(1)
+        self.num_accepted.zero_()
+        self.tokens.zero_()  # the pending token x_p = tokens[num_accepted]; the MTP pass's ids
+        self.step(k, cfg)
 
     # --- a generation ----------------------------------------------------------------------------------
     reset = DecodeEngine.reset  # the same state and sampler attributes

@@ -4,8 +4,11 @@
 # [".whl", ".oracle"] (scripts/prepare_device.sh fills both here; the device has no network and does not
 # see ../shared):
 #   bash scripts/device_check.sh [-k PYTEST_EXPR] [-s SANITIZE_EXPR] ["BENCH_MODULE [ARGS]" ...]
-# -s runs compute-sanitizer (memcheck, then racecheck) over the CUDA op tests selected by SANITIZE_EXPR
-# (keep it to small shapes: memcheck slows kernels 10-100x), before the tests; logs in sanitize.log.
+# -s runs compute-sanitizer (memcheck, then racecheck) over the CUDA tests of tests/ops and tests/model
+# selected by SANITIZE_EXPR (keep it to small shapes: memcheck slows kernels 10-100x), before the tests;
+# logs in sanitize.log. SANITIZE_TIMEOUT (default 300) bounds each tool's run, in seconds.
+#   e.g. -s "(test_embedding and not 27b) or small_vocab or bad_token_in_a_replayed_step" (the embedding
+#   kernels and the speculative and plain step graphs on tests/model/test_speculative.py's small model)
 # e.g. QWEN38_COMMIT=1a2b3c4 bash scripts/device_check.sh -k gemv benchmarks.ops.bench_q8_gemv \
 #        "benchmarks.prefill --lengths 512,4096"
 # (the device copy of the tree has no .git: QWEN38_COMMIT, the hash of the commit sent, names it in logs and results)
@@ -34,9 +37,9 @@ sanitize_rc=0
 if [ -n "$sanitize" ]; then
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck racecheck; do
-    echo "== compute-sanitizer --tool $tool, tests/ops -k '$sanitize'" | tee -a "$OUT/sanitize.log"
-    timeout 300 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 \
-      python3 -m pytest -m cuda tests/ops -q -x -p no:cacheprovider -k "$sanitize" >>"$OUT/sanitize.log" 2>&1
+    echo "== compute-sanitizer --tool $tool, tests/ops tests/model -k '$sanitize'" | tee -a "$OUT/sanitize.log"
+    timeout "${SANITIZE_TIMEOUT:-300}" "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 \
+      python3 -m pytest -m cuda tests/ops tests/model -q -x -p no:cacheprovider -k "$sanitize" >>"$OUT/sanitize.log" 2>&1
     rc=$?
     echo "$tool: exit $rc" | tee -a "$OUT/sanitize.log"
     [ $rc -ne 0 ] && sanitize_rc=$rc

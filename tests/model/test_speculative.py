@@ -2,18 +2,22 @@
 token for token at 0%, partial and 100% acceptance (drafts forced from the plain run's own tokens), with
 the MTP block's own drafts, and with logits processors; sampling follows the model's distribution end to end
 (chi-square; the selection alone in test_speculative_sampling.py) and is reproducible for a seed; bad
-arguments are errors."""
+arguments are errors. A capture's warm-up embeds only valid ids whatever the engine holds (issue 20: it
+read the -1 placeholder), and an id flagged on the device is a RuntimeError at the state's next sync.
+`-m cuda`: the step graphs, on the GGUF model and on the issue's dense small-vocabulary HF checkpoint."""
 import pytest
 import torch
 from test_speculative_sampling import chi_square_p
 
 from qwen38_model import Qwen38ForCausalLM, synthetic
 from qwen38_model.conversation import Conversation
-from qwen38_model.generation import StopCondition
+from qwen38_model.generation import DecodeEngine, StopCondition
 from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits
 from qwen38_model.scratch import Scratch
 from qwen38_model.speculative import (MAX_DRAFT_TOKENS, DraftPolicy, SpeculativeEngine, best_draft_count,
                                       expected_tokens, prior_step_cost, run_speculative)
+from qwen38_model.state import BAD_POSITION
+from qwen38_ops.embedding import BAD_TOKEN
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "head_dim": 32,
          "linear_key_head_dim": 32, "linear_value_head_dim": 32, "full_attention_interval": 2}
@@ -209,6 +213,66 @@ def test_scratch_refuses_new_buffers_once_frozen():
         scratch.empty("role", "x", (4, 3))
 
 
+def id_buffers(engine: SpeculativeEngine) -> dict[str, torch.Tensor]:
+    """Every token-id buffer of the engine a step may embed (directly, or copied into verify_ids)."""
+    return {"tokens": engine.tokens, "verify_ids": engine.verify_ids, "drafts": engine.drafts, "forced": engine.forced}
+
+
+def test_a_fresh_engine_holds_only_valid_ids(model):
+    """A capture runs before reset/prefill: every id buffer a step can read holds ids in [0, vocab). The
+    engine kept -1 in `tokens` (the "past a" placeholder) and the warm-up embedded tokens[0] = -1: a
+    device-side assert in index_select on the GPU (issue 20)."""
+    engine = SpeculativeEngine(model, 64, torch.float32, False, 3, forced_drafts=True)
+    for name, ids in id_buffers(engine).items():
+        assert ((ids >= 0) & (ids < model.config.vocab_size)).all(), f"{name}: {ids.tolist()[:8]}"
+
+
+def test_capture_warm_up_embeds_only_valid_ids(model):
+    """The warm-up capture() runs before each capture, eagerly on the CPU: the checked reference embedding
+    raises a ValueError on any id outside the vocabulary, so this passes only if every id it embeds is
+    valid, on a fresh engine and on one whose buffers hold bad ids (-1 past a, as a step leaves them; V);
+    and it leaves the state's error flag clear. The same for the plain engine, at a position past its cache."""
+    cfg, V = SamplingConfig(), model.config.vocab_size
+    engine = SpeculativeEngine(model, 64, torch.float32, False, 3)
+    for poison in (None, -1, V):
+        if poison is not None:
+            engine.tokens.fill_(poison)
+            engine.num_accepted.fill_(2)
+        for k in range(engine.k_max + 1):
+            engine.warm_up(k, cfg)
+        engine.state.sync_position()  # raises if a warm-up flagged anything
+    plain = DecodeEngine(model, 16, torch.float32, use_graph=False)
+    plain.token.fill_(-1)
+    plain.position.fill_(16)
+    plain.warm_up(cfg)
+    plain.state.sync_position()
+
+
+def test_the_old_placeholder_in_a_step_is_a_clear_error_on_the_cpu(model):
+    """What the warm-up did before the fix, on the CPU: the pending token -1 reaches the trunk's embedding,
+    whose reference names the bad id (not an IndexError from deep in torch, nor a silent read of the last
+    row, as the Q8_0 table's reference did)."""
+    engine = SpeculativeEngine(model, 64, torch.float32, False, 1)
+    engine.base.fill_(1)
+    engine.tokens.fill_(-1)
+    engine.num_accepted.zero_()
+    with pytest.raises(ValueError, match=r"q8_0_embedding: token id -1 \(row 0 of 2\) is outside the vocabulary"):
+        engine.step(1, SamplingConfig())
+
+
+def test_error_flag_raises_at_sync_naming_the_condition(model):
+    state = model.new_state(8, torch.float32)
+    V = model.config.vocab_size
+    for flag, expected in ((BAD_TOKEN, rf"embedded a token id outside the vocabulary \[0, {V}\)"),
+                           (BAD_POSITION, r"ran at a position outside the KV cache \(0\.\.7\)"),
+                           (BAD_TOKEN | BAD_POSITION, r"vocabulary .* and ran at a position outside the KV cache")):
+        state.bad_position.fill_(flag)
+        with pytest.raises(RuntimeError, match=expected):
+            state.sync_position()
+        assert int(state.bad_position) == 0  # cleared: the next sync does not raise again
+        state.sync_position()
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU (device machine, -m cuda): the captured step graphs
 # --------------------------------------------------------------------------------------------------
@@ -241,3 +305,76 @@ def test_cuda_graph_steps_equal_plain_greedy(gpu_model, prompt, k):
                              num_draft_tokens=k)
     assert out[0, prompt.shape[1]:].tolist() == plain
     assert gpu_model.last_generation_stats.graph
+
+
+# The issue-20 checkpoint: an HF folder (dense bfloat16 on the GPU, so the trunk's embedding is the dense
+# table's op, where torch's index_select was) with a small odd vocabulary, one MTP layer, shared embeddings.
+SMALL_VOCAB = {"hidden_size": 192, "intermediate_size": 384, "num_hidden_layers": 4, "vocab_size": 503}
+
+
+@pytest.fixture(scope="module")
+def small_vocab_gpu_model(tmp_path_factory):
+    folder = synthetic.write_hf_checkpoint(tmp_path_factory.mktemp("small_vocab") / "hf", SMALL_VOCAB, seed=20,
+                                           form="vlm", tokenizer=False)
+    model = Qwen38ForCausalLM.from_pretrained(folder, device="cuda")
+    assert model.config.vocab_size == 503 and model.mtp is not None
+    assert hasattr(model, "embed") and hasattr(model.mtp, "embed"), "the table must be dense (the issue's path)"
+    return model
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_small_vocab_dense_speculative_graphs_equal_plain(small_vocab_gpu_model):
+    """Issue 20: speculative greedy generate() on this checkpoint (24-token prompt, 40 new tokens, k = 1, 3,
+    6, graphs on) died in its first capture with a device-side assert in the trunk's index_select (the
+    warm-up embedded the -1 placeholder). Now it equals plain greedy token for token, and the CUDA context
+    is alive after it."""
+    model = small_vocab_gpu_model
+    prompt = torch.randint(0, 503, (1, 24), generator=torch.Generator().manual_seed(20)).to("cuda")
+    plain = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    assert model.last_generation_stats.graph
+    for k in (1, 3, 6):
+        out = model.generate(prompt, max_new_tokens=40, eos_token_id=[], speculative="mtp", num_draft_tokens=k)
+        stats = model.last_generation_stats
+        assert stats.graph and stats.steps > 0, k
+        assert out[0, 24:].tolist() == plain[0, 24:].tolist(), (
+            f"k={k}: speculative greedy differs from plain greedy (dense bfloat16 cuBLAS GEMMs of 1 and k+1 rows "
+            "may sum in different orders: if the first difference is a near tie, that is the cause)")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bad_token_in_a_replayed_step_raises_at_sync(small_vocab_gpu_model):
+    """An id outside the vocabulary reaching a replayed step on the device (the pending token poked to V, or
+    -1) is a NaN row and the state's flag, a RuntimeError at the next sync naming it: no device-side assert,
+    so the CUDA context (in `serve`, the process) survives and the next generation is right."""
+    model, cfg = small_vocab_gpu_model, SamplingConfig()
+    prompt = torch.randint(0, 503, (24,), dtype=torch.int32, generator=torch.Generator().manual_seed(21)).to("cuda")
+
+    def generations() -> list[list[int]]:
+        return [model.generate(prompt[None], max_new_tokens=8, eos_token_id=[], **kwargs)[0, 24:].tolist()
+                for kwargs in ({}, {"speculative": "mtp"})]
+
+    before = generations()
+    engine = SpeculativeEngine(model, 64, torch.bfloat16, True, 3)
+    engine.capture(cfg, [3])
+    plain = DecodeEngine(model, 64, torch.bfloat16, use_graph=True)
+    graph = plain.graph_for(cfg)
+    for bad in (503, -1):
+        engine.reset(prompt, 0, cfg)
+        engine.prefill(prompt, cfg, chunk_size=4096)
+        engine.tokens.fill_(bad)  # tokens[num_accepted]: the verify's pending token
+        engine.graphs[(cfg, 3)].replay()
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match=r"embedded a token id outside the vocabulary \[0, 503\)"):
+            engine.state.sync_position()
+        plain.reset(prompt, 0, cfg)
+        plain.prefill(prompt, cfg)
+        plain.token.fill_(bad)
+        graph.replay()
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            plain.state.sync_position()
+    del engine, plain, graph
+    assert generations() == before  # the context is alive and the model's own engines unaffected
