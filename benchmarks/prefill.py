@@ -108,13 +108,17 @@ def decode_tg128(model) -> float:
     return 1 / t
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str = "python -m benchmarks.prefill") -> dict:
+    """prog: the command in the usage line (the CLI passes `qwen38 bench --prefill`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a real checkpoint instead of the synthetic 27B shape")
     parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-prefill.json)")
-    parser.add_argument("--lengths", default="128,512,2048,4096,8192,32768")
-    parser.add_argument("--lanes", default="int8,int8x2,f32", help="the first is the default; others run pp512")
-    parser.add_argument("--chunks", default="2048,4096,8192", help="prefill chunk sizes compared at the longest length")
+    parser.add_argument("--lengths", default="128,512,2048,4096,8192,32768", help="prompt lengths in tokens, "
+                        "comma-separated: ppN for each (default: %(default)s)")
+    parser.add_argument("--lanes", default="int8,int8x2,f32", help="Q8_0 activation lanes, comma-separated: the first "
+                        "runs every length, the others pp512 (default: %(default)s)")
+    parser.add_argument("--chunks", default="2048,4096,8192", help="prefill chunk sizes in tokens, "
+                        "comma-separated, compared at the longest length (default: %(default)s)")
     parser.add_argument("--no-matrices", action="store_true", help="skip the per-shape GEMM table")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -9,11 +9,13 @@ import sys
 
 try:  # a Ctrl-C while torch loads (a second or more) ends with a short message, not a traceback
     import argparse
+    import errno
     import math
     import os
     import pathlib
     import resource
     import secrets
+    import socket
     import time
 
     import torch
@@ -21,7 +23,7 @@ try:  # a Ctrl-C while torch loads (a second or more) ends with a short message,
     from . import __version__
     from .errors import Qwen38Error
     from .files import folder_file, read_json
-    from .state import KVCache
+    from .state import KVCache, check_state_size
 except KeyboardInterrupt:
     sys.stderr.write("\ninterrupted\n")
     sys.exit(130)
@@ -35,6 +37,8 @@ SAMPLING_DEFAULTS = {"temperature": 0.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0
 GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
                       "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
                       "general.sampling.penalty_repeat": "repetition_penalty"}
+SEED_LIMIT = 2**32  # the sampler keeps a seed's low 32 bits: a larger one would repeat a smaller one's run
+SERVE_HINT = "python3 -m pip install starlette uvicorn"  # the serve extra's packages; keeps the installed torch
 CPU_WARN_BYTES = 2e9  # above this the CPU reference path takes seconds or more per token
 PREFILL_BAR_TOKENS = 1024  # longer prompts show a prefill progress bar on a terminal
 # Control characters but tab, newline and carriage return (C0, DEL, C1), each shown as its \xNN escape on a
@@ -96,14 +100,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--system", metavar="TEXT", help="a system message")
     c.add_argument("--no-thinking", action="store_true", help="enable_thinking=False")
     add_generation_options(c, max_new_tokens=512)
-    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra: pip install 'qwen38[serve]')",
+    v = sub.add_parser("serve", help=f"an OpenAI-compatible HTTP server (needs starlette and uvicorn: {SERVE_HINT})",
                        formatter_class=HelpFormatter,
                        description="/v1/chat/completions and /v1/completions (stream: true as server-sent events), "
                                    "/v1/models, /health. One sequence slot: requests wait FIFO; beyond --max-queue "
-                                   "waiting they are answered 429. A prefix cache spares re-reading shared history.")
+                                   "waiting they are answered 429. A prefix cache spares re-reading shared history. "
+                                   f"Needs starlette and uvicorn: {SERVE_HINT}")
     add_model_argument(v)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    v.add_argument("--port", type=int, default=8000, help="port to listen on")
+    v.add_argument("--port", type=int, default=8000, help="port to listen on (1 to 65535)")
     v.add_argument("--max-context", type=int, default=8192, metavar="N", help="KV cache size in tokens: prompt + "
                    "max_tokens of a request must fit")
     v.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait for the slot")
@@ -134,8 +139,10 @@ def add_generation_options(g: argparse.ArgumentParser, max_new_tokens: int) -> N
     s.add_argument("--repetition-penalty", type=float, metavar="X", help=f"default: {SAMPLING_DEFAULTS['repetition_penalty']}")
     s.add_argument("--presence-penalty", type=float, default=0.0, metavar="X", help="subtracted once from every generated "
                    "token's logit (vLLM's meaning)")
-    s.add_argument("--seed", type=int, metavar="N", help="default: a random seed, printed so that the run can be repeated")
-    g.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
+    s.add_argument("--seed", type=int, metavar="N", help=f"0 to {SEED_LIMIT - 1} (default: a random seed, printed so "
+                   "that the run can be repeated)")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable): the output ends before "
+                   "it (the stop string is not printed)")
     add_runtime_options(g)
 
 
@@ -145,7 +152,7 @@ def add_runtime_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPES, help="dense-weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--quantize", choices=["q8_0"], help="quantize dense weights at load")
     g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
-    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV cache dtype")
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
     g.add_argument("--speculative", choices=["mtp"], help="speculative decoding: the checkpoint's MTP block drafts, "
                    "one pass verifies (same output as without it)")
@@ -172,7 +179,7 @@ def bench(args: argparse.Namespace) -> None:
         from benchmarks.prefill import main as bench_main
     else:
         from benchmarks.decode import main as bench_main
-    bench_main(bench_args)
+    bench_main(bench_args, prog=f"{program_name()} bench{' --prefill' if prefill else ''}")
 
 
 def progress_bar(label: str, unit: str, scale: float, decimals: int):
@@ -323,8 +330,6 @@ def encode_prompt(args: argparse.Namespace, tokenizer, chat: bool) -> torch.Tens
 
 
 def generate(args: argparse.Namespace) -> None:
-    from .generation import TextStreamer
-
     # Every user mistake is reported before the (possibly long) load of the weights.
     path, device, tokenizer = model_source(args)
     chat = args.chat or args.system is not None
@@ -333,16 +338,38 @@ def generate(args: argparse.Namespace) -> None:
     if args.max_context is not None and ids.shape[1] + args.max_new_tokens > args.max_context:
         raise ValueError(f"context overflow: {ids.shape[1]} prompt tokens + --max-new-tokens {args.max_new_tokens} "
                          f"> --max-context {args.max_context}")
+    check_max_context(args, path, device)
     model = load_model(args, path, device)
+    check_max_context(args, path, model.device, model)
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
-    report_sampling(sampling, seed)
-    out = text_output()
+    report_sampling(dict(sampling, presence_penalty=args.presence_penalty), seed)
     if not chat:
-        out.write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
+        text_output().write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
     model.generate(ids, **generation_kwargs(args, sampling, tokenizer), seed=seed,
-                   streamer=TextStreamer(tokenizer, skip_special_tokens=True, out=out),
+                   streamer=ReplyStreamer(tokenizer, args.stop),
                    prefill_progress=prefill_bar() if ids.shape[1] > PREFILL_BAR_TOKENS else None)
     sys.stderr.write(f"{model.last_generation_stats}\n{memory_line(model)}\n")
+
+
+def kv_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype on device: --kv-dtype, else generate()'s default (bfloat16 on CUDA, float32 on
+    the CPU). Only the size check needs it resolved: generate() and the server get --kv-dtype or None."""
+    from .model import default_kv_dtype
+
+    return KV_DTYPES[args.kv_dtype] if args.kv_dtype is not None else default_kv_dtype(device)
+
+
+def check_max_context(args: argparse.Namespace, path: pathlib.Path, device: torch.device, model=None) -> None:
+    """--max-context within the model's context and the device's available memory, named as the option.
+    Called before the weights load (model None: the config from the checkpoint's header; a state that
+    cannot fit at all is refused at once) and after (the weights then take their share of the memory)."""
+    from .checkpoint import open_checkpoint
+
+    if args.max_context is None:
+        return
+    config = model.config if model is not None else open_checkpoint(path).config
+    check_state_size(config, args.max_context, device, kv_dtype(args, device), config.num_mtp_layers > 0,
+                     name="--max-context")
 
 
 def model_source(args: argparse.Namespace):
@@ -367,6 +394,8 @@ def check_generation_args(args: argparse.Namespace, path: pathlib.Path) -> dict:
         raise ValueError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
     if args.stop is not None and not all(args.stop):
         raise ValueError("--stop must not be empty (an empty stop string would end the output at once)")
+    if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be in [0, {SEED_LIMIT - 1}] (the sampler's seed is 32 bits), found {args.seed}")
     sampling = sampling_settings(args, path)
     # Every sampling value checked (finite, in range) before the possibly long load, as generate() will.
     SamplingConfig(sampling["temperature"] > 0, sampling["temperature"] or 1.0, sampling["top_k"], sampling["top_p"],
@@ -399,7 +428,7 @@ def generation_kwargs(args: argparse.Namespace, sampling: dict, tokenizer) -> di
     return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=temperature > 0,
                 temperature=temperature or 1.0, **sampling, presence_penalty=args.presence_penalty,
                 stop_strings=args.stop or None, tokenizer=tokenizer, max_seq_len=args.max_context,
-                kv_dtype=KV_DTYPES[args.kv_dtype], use_graph=False if args.eager else None,
+                kv_dtype=KV_DTYPES.get(args.kv_dtype), use_graph=False if args.eager else None,
                 speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
                 draft_vocab_size=args.draft_vocab)
 
@@ -413,9 +442,11 @@ def chat(args: argparse.Namespace) -> None:
     sampling = check_generation_args(args, path)
     template = {"enable_thinking": False} if args.no_thinking else {}
     separator = turn_separator(tokenizer, template)  # a template that cannot continue a chat fails here
+    check_max_context(args, path, device)
     model = load_model(args, path, device)
+    check_max_context(args, path, model.device, model)
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
-    report_sampling(sampling, seed)
+    report_sampling(dict(sampling, presence_penalty=args.presence_penalty), seed)
     sys.stderr.write("chat: /reset, /save FILE, /load FILE, /quit (or Ctrl-D); Ctrl-C stops a reply\n")
     enable_line_editing()
     kwargs = generation_kwargs(args, sampling, tokenizer)
@@ -424,7 +455,7 @@ def chat(args: argparse.Namespace) -> None:
     while (line := read_line()) is not None:
         if line.startswith("/"):
             try:
-                if not chat_command(line, conversation, model):
+                if not chat_command(line, conversation, model, args):
                     return
             except (ValueError, OSError) as e:  # a bad file: the conversation goes on
                 sys.stderr.write(f"error: {e}\n")
@@ -433,8 +464,14 @@ def chat(args: argparse.Namespace) -> None:
             continue
         system = args.system if not conversation.tokens else None
         ids = turn_ids(tokenizer, conversation.tokens, line, system, separator, template)
+        # Checked here to name the options: generate() would name its own max_seq_len.
+        if args.max_context is not None and len(conversation.tokens) + len(ids) + args.max_new_tokens > args.max_context:
+            sys.stderr.write(f"error: context full: {len(conversation.tokens)} tokens in the conversation + {len(ids)} "
+                             f"in this turn + --max-new-tokens {args.max_new_tokens} > --max-context "
+                             f"{args.max_context} (/reset starts over)\n")
+            continue
         turn += 1
-        chat_turn(model, conversation, ids, dict(kwargs, seed=(seed + turn) % 2**31))
+        chat_turn(model, conversation, ids, dict(kwargs, seed=(seed + turn) % SEED_LIMIT))
 
 
 def chat_turn(model, conversation, ids: list[int], kwargs: dict) -> None:
@@ -443,7 +480,7 @@ def chat_turn(model, conversation, ids: list[int], kwargs: dict) -> None:
     from .errors import Qwen38Error
 
     history = list(conversation.tokens)
-    streamer = ReplyStreamer(kwargs["tokenizer"])
+    streamer = ReplyStreamer(kwargs["tokenizer"], kwargs["stop_strings"])
     try:
         model.generate(torch.tensor([ids]), streamer=streamer, conversation=conversation, **kwargs)
     except KeyboardInterrupt:
@@ -459,7 +496,7 @@ def chat_turn(model, conversation, ids: list[int], kwargs: dict) -> None:
                      f"tokens, {stats.decode_tok_s:.1f} tok/s | context {len(conversation.tokens)} tokens]\n")
 
 
-def chat_command(line: str, conversation, model) -> bool:
+def chat_command(line: str, conversation, model, args: argparse.Namespace) -> bool:
     """Run a /command; False ends the chat."""
     from .conversation import Conversation
 
@@ -477,6 +514,10 @@ def chat_command(line: str, conversation, model) -> bool:
         sys.stderr.write(f"[saved {len(conversation.tokens)} tokens to {arg}]\n")
     elif name == "/load":
         loaded = Conversation.load(arg, model)
+        # A turn needs at least one token of its own and room for the reply.
+        if args.max_context is not None and len(loaded.tokens) + 1 + args.max_new_tokens > args.max_context:
+            raise ValueError(f"{arg}: its conversation of {len(loaded.tokens)} tokens leaves no room for a turn and "
+                             f"--max-new-tokens {args.max_new_tokens} within --max-context {args.max_context}")
         conversation.tokens, conversation.snapshot = loaded.tokens, loaded.snapshot
         sys.stderr.write(f"[loaded {len(conversation.tokens)} tokens from {arg}]\n")
     else:
@@ -511,11 +552,18 @@ def turn_ids(tokenizer, history: list[int], message: str, system: str | None, se
 
 
 class ReplyStreamer:
-    """Prints the reply as it comes (special tokens left out) and keeps its tokens."""
+    """Prints the new text as it comes (special tokens left out) and keeps its tokens. The output ends
+    before the first stop string, as the server's and the OpenAI API's do (generate() returns the tokens
+    through the one that completes it, as transformers does): the last len(stop) - 1 characters are held
+    back until they cannot start one."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop_strings: list[str] | None = None):
         self.decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+        self.stop_strings = stop_strings or []
+        self.hold = max((len(s) - 1 for s in self.stop_strings), default=0)
         self.tokens: list[int] = []
+        self.pending = ""  # decoded, not printed yet: where a stop string may begin
+        self.stopped = False
         self.seen_prompt = False
         self.out = text_output()
 
@@ -525,12 +573,26 @@ class ReplyStreamer:
             return
         for token in value.reshape(-1).tolist():
             self.tokens.append(token)
-            self.out.write(self.decoder.feed(token))
+            self.show(self.decoder.feed(token), final=False)
         self.out.flush()
 
     def end(self) -> None:
-        self.out.write(self.decoder.flush() + "\n")
+        self.show(self.decoder.flush(), final=True)
+        self.out.write("\n")
         self.out.flush()
+
+    def show(self, text: str, final: bool) -> None:
+        """Print what precedes any stop string, less what could still begin one (nothing once stopped)."""
+        if self.stopped:
+            return
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, end = True, cut
+        else:
+            end = len(self.pending) if final else max(len(self.pending) - self.hold, 0)
+        self.out.write(self.pending[:end])
+        self.pending = self.pending[end:]
 
 
 def enable_line_editing() -> None:
@@ -559,21 +621,43 @@ def serve(args: argparse.Namespace) -> None:
 
         from .server import Server
     except ImportError as e:
-        raise ValueError(f"serve needs the optional extra: pip install 'qwen38[serve]' ({e})") from None
-    for name in ("max_context", "max_queue", "port"):
+        raise ValueError(f"serve needs starlette and uvicorn: {SERVE_HINT} ({e})") from None
+    for name in ("max_context", "max_queue"):
         if getattr(args, name) < (0 if name == "max_queue" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}, "
                              f"found {getattr(args, name)}")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [1, 65535], found {args.port}")
     if not args.cache_gb > 0:
         raise ValueError(f"--cache-gb must be > 0, found {args.cache_gb}")
     path, device, tokenizer = model_source(args)
-    model = load_model(args, path, device)
-    server = Server(model, tokenizer, path.name, args.max_context, args.max_queue, int(args.cache_gb * 1e9),
-                    kv_dtype=KV_DTYPES[args.kv_dtype], use_graph=False if args.eager else None,
-                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
-                    draft_vocab_size=args.draft_vocab)
-    sys.stderr.write(f"serving {path.name} on http://{args.host}:{args.port}/v1\n")
-    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+    check_max_context(args, path, device)
+    with listening_socket(args.host, args.port) as sock:  # before the load: a port in use fails at once
+        model = load_model(args, path, device)
+        check_max_context(args, path, model.device, model)
+        server = Server(model, tokenizer, path.name, args.max_context, args.max_queue, int(args.cache_gb * 1e9),
+                        kv_dtype=KV_DTYPES.get(args.kv_dtype), use_graph=False if args.eager else None,
+                        speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                        draft_vocab_size=args.draft_vocab)
+        sys.stderr.write(f"serving {path.name} on http://{args.host}:{args.port}/v1\n")
+        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning")).run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (uvicorn listens on it): an address that cannot be bound, a port in use
+    above all, is an OSError of one line (exit 1, as other OS errors), not uvicorn's log after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn: an IPv6 address has colons
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # As uvicorn sets it: a restarted server can bind while its old connections linger in TIME_WAIT (another
+    # process listening on the port still makes bind fail on Linux).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = f"port {port} is in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise OSError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
 
 
 def main(argv=None) -> int:

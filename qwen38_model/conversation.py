@@ -12,6 +12,7 @@ from __future__ import annotations
 import pathlib
 from collections import OrderedDict
 
+import safetensors
 import torch
 
 from .state import StateSnapshot
@@ -26,10 +27,19 @@ class Conversation:
         self.tokens, self.snapshot = [], None
 
     def save(self, path: str | pathlib.Path) -> None:
-        """The snapshot and the history in one safetensors file (its header names the model config)."""
+        """The snapshot and the history in one safetensors file (its header names the model config). A path
+        that cannot be written is an OSError naming it (safetensors' own error names its temporary file)."""
         if self.snapshot is None:
             raise ValueError("the conversation is empty: nothing to save")
-        self.snapshot.save(path, {"tokens": torch.tensor(self.tokens, dtype=torch.int64)})
+        path = pathlib.Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"cannot save the conversation to {path}: it is a folder")
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"cannot save the conversation to {path}: no folder {path.parent}")
+        try:
+            self.snapshot.save(path, {"tokens": torch.tensor(self.tokens, dtype=torch.int64)})
+        except safetensors.SafetensorError as e:  # e.g. no permission, a full disk
+            raise OSError(f"cannot save the conversation to {path}: {e}") from None
 
     @classmethod
     def load(cls, path: str | pathlib.Path, model) -> "Conversation":

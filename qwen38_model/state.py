@@ -104,11 +104,57 @@ def config_key(config: Qwen38Config) -> str:
     return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}, sort_keys=True)
 
 
+def state_bytes(config: Qwen38Config, max_seq_len: int, kv_dtype: torch.dtype, mtp: bool) -> int:
+    """The bytes of a Qwen38State: a K and a V cache per attention layer (and for the MTP block, with its
+    hidden carry), a conv and a recurrent state per GDN layer (float32)."""
+    c = config
+    num_attention = sum(kind == ATTENTION for kind in c.layer_types)
+    num_gdn = len(c.layer_types) - num_attention
+    kv = (num_attention + mtp) * 2 * max_seq_len * c.num_key_value_heads * c.head_dim * kv_dtype.itemsize
+    gdn = num_gdn * ((c.conv_kernel - 1) * c.conv_dim
+                     + c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim) * 4
+    return kv + gdn + (c.hidden_size * 4 if mtp else 0)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation on device can take: on CUDA the free memory plus what torch's allocator holds
+    unused (a replaced engine's buffers are freed into it); on the CPU /proc/meminfo's MemAvailable (free
+    memory plus the page cache the kernel can drop). None where this cannot be known (no /proc, another
+    device type, CUDA absent: the allocation itself then fails)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None
+    return int(fields["MemAvailable"].split()[0]) * 1024  # in kB
+
+
+def check_state_size(config: Qwen38Config, max_seq_len: int, device, kv_dtype: torch.dtype, mtp: bool,
+                     name: str = "max_seq_len") -> None:
+    """A ValueError, before anything is allocated, for a state longer than the model's context or larger
+    than the device's available memory (a too-large allocation would fail deep inside torch, or get the
+    process killed on the CPU). name: what the caller calls the length (the CLI: --max-context)."""
+    limit = config.max_position_embeddings
+    if max_seq_len > limit:
+        raise ValueError(f"{name} {max_seq_len} exceeds the model's context of {limit} tokens")
+    device = torch.device(device)
+    needed, available = state_bytes(config, max_seq_len, kv_dtype, mtp), available_memory(device)
+    if available is not None and needed > available:
+        raise ValueError(f"{name} {max_seq_len}: the state (KV caches and GDN states, KV in {kv_dtype}) needs "
+                         f"{needed / 1e9:.2f} GB, {device} has {available / 1e9:.2f} GB available")
+
+
 class Qwen38State:
     def __init__(self, config: Qwen38Config, max_seq_len: int, device, kv_dtype=torch.float32, mtp: bool = False):
         """mtp: also hold an MTP block's KV cache and hidden carry (the model's new_state says)."""
         if kv_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_dtype must be torch.float32 or torch.bfloat16, found {kv_dtype}")
+        check_state_size(config, max_seq_len, device, kv_dtype, mtp)
         self.config = config
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)

@@ -55,7 +55,8 @@ def test_help_shows_defaults_and_version(capsys):
     text = " ".join(capsys.readouterr().out.split())  # help lines wrap with the terminal width
     for expected in ["--max-new-tokens N stop after N new tokens (default: 64)", "(default: int8)",
                      "0 = greedy (default: 0.0)", "0 = off (default: 50)", "generation_config.json",
-                     "--prompt-file PATH", "--system TEXT", "--max-context N", "a random seed, printed"]:
+                     "--prompt-file PATH", "--system TEXT", "--max-context N", "a random seed, printed",
+                     "KV cache dtype (default: bfloat16 on CUDA, float32 on CPU)", "0 to 4294967295"]:
         assert expected in text, expected
     with pytest.raises(SystemExit) as exit_info:
         cli.parse_args(["--version"])
@@ -69,7 +70,8 @@ def test_chat_prints_the_reply_not_the_template(capsys, monkeypatch):
                               "--top-p", "0.9", "--seed", "3")
     assert code == 0, err
     assert "<|im_start|>" not in out and "Be brief." not in out and out.endswith("\n")
-    assert "sampling: temperature 0.8, top_k 50, top_p 0.9, min_p 0, repetition_penalty 1, seed 3" in err
+    assert ("sampling: temperature 0.8, top_k 50, top_p 0.9, min_p 0, repetition_penalty 1, presence_penalty 0, "
+            "seed 3") in err
     # --system alone implies --chat: the same reply.
     code, again, err = run_main(capsys, monkeypatch, "generate", "--prompt", "Hi", "--no-thinking",
                                 "--system", "Be brief.", "--max-new-tokens", "4", "--temperature", "0.8",
@@ -108,7 +110,7 @@ def test_sampling_defaults_come_from_generation_config(capsys, monkeypatch, tmp_
     args = ("generate", "--model", str(folder), "--prompt", "Hi", "--max-new-tokens", "3", "--seed", "1")
     code, _, err = run_main(capsys, monkeypatch, *args)
     assert code == 0, err
-    assert "sampling: temperature 0.6, top_k 20, top_p 0.95, min_p 0, repetition_penalty 1, seed 1" in err
+    assert "sampling: temperature 0.6, top_k 20, top_p 0.95, min_p 0, repetition_penalty 1, presence_penalty 0, seed 1" in err
     code, _, err = run_main(capsys, monkeypatch, *args, "--top-k", "5", "--temperature", "0")
     assert code == 0 and "greedy: temperature 0, top_k 5, top_p 0.95" in err, err
 
@@ -163,11 +165,17 @@ def test_generated_text_cannot_drive_the_terminal(capsys, monkeypatch):
     assert not any(ord(c) in cli.TERMINAL_ESCAPES for c in shown), repr(shown)
 
 
-@pytest.mark.parametrize("args, option", [(["--help"], "--contexts"), (["--prefill", "--help"], "--lengths")])
-def test_bench_help_works_without_a_gpu(capsys, args, option):
+@pytest.mark.parametrize("args, command, options", [
+    (["--help"], "bench", ["--lanes", "--contexts"]),
+    (["--prefill", "--help"], "bench --prefill", ["--lengths", "--lanes", "--chunks"])])
+def test_bench_help_works_without_a_gpu(capsys, args, command, options):
     with pytest.raises(SystemExit) as exit_info:  # the benchmark's own argparse prints its help
         cli.main(["bench", *args])
-    assert exit_info.value.code == 0 and option in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith(f"usage: {cli.program_name()} {command} [-h]"), out
+    text = " ".join(out.split())
+    for option in options:  # each list option says what it takes, and its default
+        assert re.search(f"{option} [A-Z]+ [^-]*comma-separated[^-]*\\(default: ", text), (option, text)
 
 
 def one_line_error(code: int, err: str) -> str:
@@ -187,12 +195,74 @@ def test_user_mistakes_are_one_line(capsys, monkeypatch, tmp_path):
         f"error: --prompt-file {tmp_path / 'none.txt'}: No such file or directory"
     assert error("generate") == "error: the prompt is empty"
     assert error("generate", "--prompt", "x", "--max-new-tokens", "0") == "error: --max-new-tokens must be >= 1, found 0"
+    for seed in ("-1", str(2**32)):
+        assert error("generate", "--prompt", "x", "--seed", seed) == \
+            f"error: --seed must be in [0, 4294967295] (the sampler's seed is 32 bits), found {seed}"
     if not torch.cuda.is_available():
         assert error("generate", "--prompt", "x", "--device", "cuda").startswith("error: device='cuda' but ")
         assert error("bench").startswith("error: the decode benchmark needs a CUDA GPU")
     with pytest.raises(SystemExit) as exit_info:  # argparse's own usage errors: exit code 2 as well
         cli.parse_args(["generate", "--device", "nonsense"])
     assert exit_info.value.code == 2
+
+
+def test_max_context_beyond_the_model_or_the_memory_is_one_line(capsys, monkeypatch):
+    """Checked before the weights load (the only line is the error), naming the option: a 10^8-token
+    --max-context used to allocate until torch failed, in a 29-line traceback."""
+    from qwen38_model import state
+
+    def error(*args):
+        return one_line_error(*run_main(capsys, monkeypatch, *args)[::2])
+
+    for command in (["generate", "--prompt", "Hi"], ["chat"]):
+        assert error(*command, "--max-context", "262145") == \
+            "error: --max-context 262145 exceeds the model's context of 262144 tokens"
+    from qwen38_model.checkpoint import open_checkpoint
+    from qwen38_model.synthetic import default_model_path
+
+    config = open_checkpoint(default_model_path()).config
+    needed = state.state_bytes(config, 262144, torch.float32, mtp=config.num_mtp_layers > 0)
+    monkeypatch.setattr(state, "available_memory", lambda device: needed - 1)
+    assert error("generate", "--prompt", "Hi", "--max-context", "262144") == \
+        f"error: --max-context 262144: the state (KV caches and GDN states, KV in torch.float32) needs " \
+        f"{needed / 1e9:.2f} GB, cpu has {(needed - 1) / 1e9:.2f} GB available"
+
+
+def test_kv_dtype_default_follows_the_device():
+    """Unset, generate() gets None (its default: bfloat16 on CUDA, float32 on the CPU); the size check
+    resolves it the same way."""
+    args = cli.parse_args(["generate"])
+    assert args.kv_dtype is None and cli.generation_kwargs(args, {"temperature": 0.0}, None)["kv_dtype"] is None
+    assert cli.kv_dtype(args, torch.device("cuda")) == torch.bfloat16
+    assert cli.kv_dtype(args, torch.device("cpu")) == torch.float32
+    chosen = cli.parse_args(["chat", "--kv-dtype", "float32"])
+    assert cli.kv_dtype(chosen, torch.device("cuda")) == torch.float32
+    assert cli.generation_kwargs(chosen, {"temperature": 0.0}, None)["kv_dtype"] == torch.float32
+
+
+def test_stop_strings_are_left_out(capsys, monkeypatch):
+    """As the server and the OpenAI API do: the output ends before the stop string."""
+    prompt = "The quick brown fox"
+    code, whole, _ = run_main(capsys, monkeypatch, "generate", "--prompt", prompt, "--max-new-tokens", "40")
+    text = whole[len(prompt):-1]  # less the final newline
+    stop = re.search(r"[a-z]{3}", text[4:]).group()  # some later plain text of the (deterministic) reply
+    assert code == 0 and text.index(stop) > 0
+    code, out, err = run_main(capsys, monkeypatch, "generate", "--prompt", prompt, "--max-new-tokens", "40",
+                              "--stop", stop, "--stop", "never in the text")
+    assert code == 0 and out == prompt + text[:text.index(stop)] + "\n", (stop, text, out)
+    code, out, _ = run_main(capsys, monkeypatch, "generate", "--prompt", prompt, "--max-new-tokens", "40",
+                            "--stop", "never in the text")
+    assert code == 0 and out == whole  # the held-back tail is printed at the end
+
+
+def test_serve_install_hint_keeps_the_installed_torch(capsys, monkeypatch):
+    """`pip install 'qwen38[serve]'` in a source checkout rebuilt the package against another torch."""
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--help"])
+    assert "python3 -m pip install starlette uvicorn" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn raises ImportError
+    assert one_line_error(*run_main(capsys, monkeypatch, "serve")[::2]).startswith(
+        "error: serve needs starlette and uvicorn: python3 -m pip install starlette uvicorn (")
 
 
 def test_a_large_checkpoint_on_the_cpu_is_warned(capsys, monkeypatch, tmp_path):

@@ -1,6 +1,7 @@
 """`chat`, the interactive REPL, driven through standard input in a subprocess on the built-in default
 model: every turn after the first prefills only its own tokens, /save and /load carry a conversation
 across /reset, mistakes leave the chat running, and Ctrl-C stops a reply, not the chat."""
+import io
 import os
 import re
 import select
@@ -8,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from qwen38_model import __main__ as cli
 
 STATS = re.compile(r"\[prefill (\d+) tokens in [\d.]+ s \| reply (\d+) tokens, [\d.]+ tok/s \| context (\d+) tokens\]")
 
@@ -19,6 +22,42 @@ def chat_process(*args):
 
 def turns(stderr: str) -> list[tuple[int, int, int]]:
     return [tuple(map(int, m)) for m in STATS.findall(stderr)]
+
+
+def chat_here(capsys, monkeypatch, script: str, *args) -> tuple[int, str]:
+    """The chat in this process (a subprocess costs a torch import), the script on stdin: (exit code, stderr)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(script))
+    code = cli.main(["chat", *args])
+    return code, capsys.readouterr().err
+
+
+def test_a_failed_save_is_one_line_and_the_chat_goes_on(capsys, monkeypatch, tmp_path):
+    missing = tmp_path / "no" / "chat.safetensors"
+    code, err = chat_here(capsys, monkeypatch, f"Hello\n/save {missing}\n/save {tmp_path}\nMore\n/quit\n",
+                          "--max-new-tokens", "4")
+    assert code == 0 and "Traceback" not in err, err
+    assert f"error: cannot save the conversation to {missing}: no folder {missing.parent}\n" in err
+    assert f"error: cannot save the conversation to {tmp_path}: it is a folder\n" in err
+    assert len(turns(err)) == 2  # the turn after the failed saves ran in the same conversation
+
+
+def test_context_limits_name_the_options(capsys, monkeypatch, tmp_path):
+    """A conversation that cannot take another turn within --max-context is refused at /load, and a turn
+    that would overflow is refused before it runs, both naming the options (generate() names its
+    max_seq_len)."""
+    saved = tmp_path / "chat.safetensors"
+    code, err = chat_here(capsys, monkeypatch, f"Hello there\n/save {saved}\n/quit\n", "--max-new-tokens", "6")
+    (_, _, length), = turns(err)
+    assert code == 0 and f"[saved {length} tokens to {saved}]" in err, err
+    code, err = chat_here(capsys, monkeypatch, f"/load {saved}\nHi\n/quit\n", "--max-new-tokens", "6",
+                          "--max-context", str(length + 6))
+    assert code == 0 and "Traceback" not in err, err
+    assert (f"error: {saved}: its conversation of {length} tokens leaves no room for a turn and --max-new-tokens 6 "
+            f"within --max-context {length + 6}\n") in err
+    assert len(turns(err)) == 1  # "Hi" began a new conversation
+    code, err = chat_here(capsys, monkeypatch, "word " * 40 + "\n/quit\n", "--max-new-tokens", "6", "--max-context", "30")
+    assert code == 0 and re.search(r"error: context full: 0 tokens in the conversation \+ \d+ in this turn \+ "
+                                   r"--max-new-tokens 6 > --max-context 30 \(/reset starts over\)\n", err), err
 
 
 def test_turns_prefill_only_their_tokens_and_survive_save_reset_load(tmp_path):

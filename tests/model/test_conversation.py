@@ -153,6 +153,19 @@ def test_conversation_saved_and_loaded(oracle_model, tmp_path):
                                       conversation=loaded), expected)
 
 
+def test_conversation_saved_where_it_cannot_be_is_an_error_naming_the_file(oracle_model, tmp_path):
+    """A missing folder or a folder as the file: an OSError naming the path (safetensors' own error named a
+    temporary file, and the chat REPL died on it)."""
+    conversation = Conversation()
+    oracle_model.generate(torch.tensor([TURNS[0]]), max_new_tokens=2, conversation=conversation)
+    missing = tmp_path / "no" / "c.safetensors"
+    with pytest.raises(FileNotFoundError, match=f"^cannot save the conversation to {missing}: no folder "
+                                                f"{missing.parent}$"):
+        conversation.save(missing)
+    with pytest.raises(IsADirectoryError, match=f"^cannot save the conversation to {tmp_path}: it is a folder$"):
+        conversation.save(tmp_path)
+
+
 def test_snapshot_of_another_model_is_refused(oracle_model, default_model, tmp_path):
     state = oracle_model.new_state(8)
     oracle_model(torch.tensor([[1, 2]]), state=state)

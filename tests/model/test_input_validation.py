@@ -97,3 +97,28 @@ def test_non_finite_logits_are_reported(oracle_dir):
         model.generate(PROMPT, max_new_tokens=3, eos_token_id=[])
     model.norm.fill_(1.0)
     model.generate(PROMPT, max_new_tokens=3, eos_token_id=[])  # the flag is reset per run
+
+
+def test_a_state_beyond_the_context_or_the_memory_is_refused(model, monkeypatch):
+    """Issue 20 item 3 / issue 24: a cache size is checked against the model's context and the memory free
+    for it before anything is allocated (10**12 tokens used to fail deep inside torch)."""
+    import dataclasses
+
+    from qwen38_model import state as state_module
+    from qwen38_model.state import KVCache, Qwen38State, state_bytes
+
+    with pytest.raises(ValueError, match=r"^max_seq_len 1000000000000 exceeds the model's context of 262144 tokens$"):
+        model.generate(PROMPT, max_new_tokens=2, max_seq_len=10**12)
+    # Within a (claimed) context of 2^31 - 1 tokens: 2.2 TB of KV cache, more than any machine here has.
+    long_context = dataclasses.replace(model.config, max_position_embeddings=2**31 - 1)
+    with pytest.raises(ValueError, match=r"^max_seq_len 2147483647: the state \(KV caches and GDN states, KV in "
+                                         r"torch\.float32\) needs 2199\.02 GB, cpu has [\d.]+ GB available$"):
+        Qwen38State(long_context, 2**31 - 1, "cpu")
+    needed = state_bytes(model.config, 64, torch.float32, mtp=False)
+    monkeypatch.setattr(state_module, "available_memory", lambda device: needed - 1)
+    with pytest.raises(ValueError, match=r"^max_seq_len 64: the state .* needs "):
+        Qwen38State(model.config, 64, "cpu")
+    monkeypatch.setattr(state_module, "available_memory", lambda device: needed)
+    state = Qwen38State(model.config, 64, "cpu")  # state_bytes is exactly what the tensors take
+    kv = sum(layer.k.nbytes + layer.v.nbytes for layer in state.layers if isinstance(layer, KVCache))
+    assert needed == kv + state.gdn_conv.nbytes + state.gdn_recurrent.nbytes

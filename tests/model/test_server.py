@@ -121,6 +121,30 @@ def test_queue_is_bounded_and_a_dropped_client_cancels(client, server):
     assert waiting["r"].usage.completion_tokens >= 1 and time.monotonic() - start < 20
 
 
+def test_serve_mistakes_are_one_line_before_the_load(capsys):
+    """A port out of range (exit 2) or in use (exit 1, an OS error), a --max-context beyond the model: one line
+    before the weights load, never "serving on" followed by uvicorn's traceback or 500s to every request."""
+    from qwen38_model import __main__ as cli
+
+    def error(*args) -> tuple[int, str]:
+        code = cli.main(["serve", *args])
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and len(err.splitlines()) == 1, err
+        return code, err
+
+    assert error("--port", "99999") == (2, "error: --port must be in [1, 65535], found 99999")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert error("--port", str(port)) == (1, f"error: cannot listen on 127.0.0.1:{port}: port {port} is in use")
+    # A subprocess: before the check, this server started and would have served (500s) until killed.
+    result = subprocess.run([sys.executable, "-m", "qwen38_model", "serve", "--port", str(port), "--max-context",
+                             "100000000"], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr.strip()) == \
+        (2, "error: --max-context 100000000 exceeds the model's context of 262144 tokens"), result.stderr
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_100_streamed_requests_leak_nothing():
