@@ -132,11 +132,11 @@ class Qwen38ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.norm.device
 
-    def new_state(self, max_seq_len: int, kv_dtype: torch.dtype | None = None) -> Qwen38State:
+    def new_state(self, max_seq_len: int, kv_dtype: torch.dtype | None = None, spare_rows: int = 0) -> Qwen38State:
         """A state for one sequence; with the MTP block, it holds the block's KV cache too. kv_dtype: default
-        default_kv_dtype(the model's device)."""
+        default_kv_dtype(the model's device). spare_rows: see state.check_state_size."""
         return Qwen38State(self.config, max_seq_len, self.device, kv_dtype or default_kv_dtype(self.device),
-                           mtp=self.mtp is not None)
+                           mtp=self.mtp is not None, spare_rows=spare_rows)
 
     def embed_tokens(self, ids: torch.Tensor, scratch: Scratch, bad_token: torch.Tensor | None = None) -> torch.Tensor:
         """ids int32 [T] on the model's device (read by the kernel: no host round trip); bad_token: the flag

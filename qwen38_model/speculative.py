@@ -152,7 +152,7 @@ class SpeculativeEngine:
             raise ValueError("CUDA graphs need the model on a CUDA device")
         # Steps in flight may run past the last token read: room for them, and for the MTP pass's rows.
         capacity = max_seq_len + (READ_BEHIND + 3) * rows
-        self.state = model.new_state(capacity, kv_dtype)
+        self.state = model.new_state(capacity, kv_dtype, spare_rows=capacity - max_seq_len)
         self.state.keep_token_states(rows)
         dev, D = self.device, model.config.hidden_size
 

@@ -135,13 +135,15 @@ def available_memory(device: torch.device) -> int | None:
 
 
 def check_state_size(config: Qwen38Config, max_seq_len: int, device, kv_dtype: torch.dtype, mtp: bool,
-                     name: str = "max_seq_len") -> None:
+                     name: str = "max_seq_len", spare_rows: int = 0) -> None:
     """A ValueError, before anything is allocated, for a state longer than the model's context or larger
     than the device's available memory (a too-large allocation would fail deep inside torch, or get the
-    process killed on the CPU). name: what the caller calls the length (the CLI: --max-context)."""
+    process killed on the CPU). name: what the caller calls the length (the CLI: --max-context).
+    spare_rows: rows of max_seq_len that only steps in flight past the last kept token write (a speculative
+    engine's); they count for the memory, not against the context."""
     limit = config.max_position_embeddings
-    if max_seq_len > limit:
-        raise ValueError(f"{name} {max_seq_len} exceeds the model's context of {limit} tokens")
+    if max_seq_len - spare_rows > limit:
+        raise ValueError(f"{name} {max_seq_len - spare_rows} exceeds the model's context of {limit} tokens")
     device = torch.device(device)
     needed, available = state_bytes(config, max_seq_len, kv_dtype, mtp), available_memory(device)
     if available is not None and needed > available:
@@ -150,11 +152,13 @@ def check_state_size(config: Qwen38Config, max_seq_len: int, device, kv_dtype: t
 
 
 class Qwen38State:
-    def __init__(self, config: Qwen38Config, max_seq_len: int, device, kv_dtype=torch.float32, mtp: bool = False):
-        """mtp: also hold an MTP block's KV cache and hidden carry (the model's new_state says)."""
+    def __init__(self, config: Qwen38Config, max_seq_len: int, device, kv_dtype=torch.float32, mtp: bool = False,
+                 spare_rows: int = 0):
+        """mtp: also hold an MTP block's KV cache and hidden carry (the model's new_state says). spare_rows:
+        see check_state_size."""
         if kv_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_dtype must be torch.float32 or torch.bfloat16, found {kv_dtype}")
-        check_state_size(config, max_seq_len, device, kv_dtype, mtp)
+        check_state_size(config, max_seq_len, device, kv_dtype, mtp, spare_rows=spare_rows)
         self.config = config
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)

@@ -122,3 +122,23 @@ def test_a_state_beyond_the_context_or_the_memory_is_refused(model, monkeypatch)
     state = Qwen38State(model.config, 64, "cpu")  # state_bytes is exactly what the tensors take
     kv = sum(layer.k.nbytes + layer.v.nbytes for layer in state.layers if isinstance(layer, KVCache))
     assert needed == kv + state.gdn_conv.nbytes + state.gdn_recurrent.nbytes
+
+
+def test_a_speculative_engine_may_use_the_whole_context(model):
+    """Its spare rows (steps in flight past the last kept token) count for the memory, not against the
+    context: --speculative mtp --max-context <the model's context> used to be refused."""
+    import dataclasses
+
+    from qwen38_model.state import Qwen38State
+
+    short = dataclasses.replace(model.config, max_position_embeddings=64)
+    assert Qwen38State(short, 64 + 28, "cpu", spare_rows=28).max_seq_len == 92
+    with pytest.raises(ValueError, match=r"^max_seq_len 65 exceeds the model's context of 64 tokens$"):
+        Qwen38State(short, 65 + 28, "cpu", spare_rows=28)
+    from qwen38_model.speculative import SpeculativeEngine
+    from qwen38_model.synthetic import default_model_path
+
+    with_mtp = Qwen38ForCausalLM.from_pretrained(default_model_path(), device="cpu")
+    with_mtp.config = dataclasses.replace(with_mtp.config, max_position_embeddings=64)
+    engine = SpeculativeEngine(with_mtp, 64, torch.float32, False, 3)
+    assert engine.state.max_seq_len > engine.max_seq_len == 64
