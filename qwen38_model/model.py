@@ -121,7 +121,7 @@ class Qwen38ForCausalLM(nn.Module):
         if device.type == "cuda":
             qwen38_ops.warn_if_no_cuda_kernels()
         checkpoint = open_checkpoint(path, progress)
-        with torch.no_grad():
+        with torch.no_grad(), checkpoint.loading():
             model = cls(checkpoint.config, checkpoint, device, dtype, quantize, lane)
         return model.eval()
 

@@ -8,9 +8,14 @@ finite: a NaN in one lm_head row would make that row's token win forever.
 The MTP (nextn) block is layer num_layers of the checkpoint: blk.{num_layers}.* in a GGUF (its count is
 qwen35.nextn_predict_layers), mtp.* in an HF folder (mtp_num_hidden_layers). An HF folder whose config counts
 the block but that holds no mtp.* tensor at all loads without it (repackaged checkpoints drop the block and
-keep the config); a partial block is an error."""
+keep the config); a partial block is an error.
+
+Inside Checkpoint.loading() (from_pretrained's whole load) the finiteness of each weight that goes to a
+GPU is checked there and read back once at the end, rather than waited for weight by weight: each wait
+would drain the reads and copies that TensorReader overlaps."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 
@@ -19,15 +24,15 @@ import torch
 from ..config import ATTENTION
 from ..errors import CheckpointError
 from ..files import regular_file
-from .gguf_file import GGUFCheckpoint
+from .gguf_file import GGUFCheckpoint, read_header
 from .hf_folder import HFCheckpoint
 from .layout import HF_NAMES, MTP_HF_NAMES, SMALL_PARTS, expected_shape, gguf_tensor_name, hf_to_internal, layer_parts
-from .tensors import Q8Tensor
+from .tensors import Q8Tensor, TensorReader
 
 # Elements per isfinite pass over a weight: bounds the pass's temporary to 16 MB (a 27B embedding has 1.3 G).
 CHECK_CHUNK = 1 << 24
 
-__all__ = ["Checkpoint", "CheckpointError", "Q8Tensor", "open_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointError", "Q8Tensor", "open_checkpoint", "read_gguf_metadata"]
 
 Weight = torch.Tensor | Q8Tensor
 
@@ -47,6 +52,8 @@ class Checkpoint:
         self.is_gguf = isinstance(source, GGUFCheckpoint)
         self.progress = progress  # called with (bytes read so far, bytes in the checkpoint)
         self.bytes_read = 0
+        self.reader: TensorReader | None = None  # made for the device of the first load
+        self.unchecked: list | None = None  # inside loading(): (finite flag, load arguments) per GPU weight
         self._check_tensor_set()
         if self.is_gguf:
             self._check_small_types()
@@ -70,8 +77,32 @@ class Checkpoint:
             w = Q8Tensor.quantize(w)
         elif not isinstance(w, Q8Tensor):
             w = w.to(dtype)
-        self._check_finite(w, self.source.full_name(name))
+        finite = _finite(w)
+        if self.unchecked is not None and finite.device.type != "cpu":
+            self.unchecked.append((finite, (part, layer, device, dtype, quantize)))
+        elif not bool(finite):
+            self._raise_non_finite(w, self.source.full_name(name))
         return w
+
+    @contextlib.contextmanager
+    def loading(self):
+        """One load of the model's weights: GPU weights' finiteness flags are read back in one sync on
+        leaving, and the first non-finite weight is then loaded again, checked at once, to raise the error
+        its own load would have raised (an error of another kind in a later weight, a wrong shape say, is
+        raised first). The reader's threads and staging are released on leaving."""
+        self.unchecked = []
+        try:
+            yield self
+            unchecked, self.unchecked = self.unchecked, None  # from here on a load checks at once
+            flags = torch.stack([flag for flag, _ in unchecked]).tolist() if unchecked else []
+            failed = next((args for ok, (_, args) in zip(flags, unchecked) if not ok), None)
+            if failed is not None:
+                self.load(*failed)  # raises, naming the tensor
+        finally:
+            self.unchecked = None
+            if self.reader is not None:
+                self.reader.close()
+                self.reader = None
 
     def load_fused(self, parts: tuple[str, ...], layer: int, device, dtype, quantize) -> Weight:
         """Matrices that share an input, concatenated along the output rows, so one GEMV reads them all.
@@ -81,12 +112,9 @@ class Checkpoint:
             return Q8Tensor(torch.cat([w.q for w in weights]), torch.cat([w.d for w in weights]))
         return torch.cat([w.dequantize(dtype) if isinstance(w, Q8Tensor) else w for w in weights])
 
-    def _check_finite(self, w: Weight, name: str) -> None:
-        """Every value finite (for Q8_0 the fp16 block scales are the only values that can be NaN or
-        infinite), checked CHECK_CHUNK elements at a time so the check's temporary stays small."""
+    def _raise_non_finite(self, w: Weight, name: str) -> None:
+        """The error of a weight with NaN or infinite values: how many, the first one and where."""
         values = (w.d if isinstance(w, Q8Tensor) else w).reshape(-1)
-        if all(bool(torch.isfinite(values[i : i + CHECK_CHUNK]).all()) for i in range(0, values.numel(), CHECK_CHUNK)):
-            return
         bad = (~torch.isfinite(values)).nonzero()[:, 0]
         what = "Q8_0 block scale" if isinstance(w, Q8Tensor) else "value"
         raise CheckpointError(f"{self.path}: tensor {name!r} holds {bad.numel()} non-finite {what}s (NaN or infinity), "
@@ -163,7 +191,9 @@ class Checkpoint:
 
     def _read_internal(self, part: str, layer: int | None, device) -> Weight:
         name = self._name(part, layer)
-        t = self.source.read(name, device)
+        if self.reader is None or self.reader.device != torch.device(device):
+            self.reader = TensorReader(device)
+        t = self.source.read(name, self.reader)
         self.bytes_read += self.source.nbytes(name)
         if self.progress is not None:
             self.progress(self.bytes_read, self.source.total_bytes())
@@ -172,10 +202,31 @@ class Checkpoint:
         return hf_to_internal(part, t, self.config)
 
 
+def _finite(w: Weight) -> torch.Tensor:
+    """Every value finite, as a bool tensor on w's device (no sync). For Q8_0 the fp16 block scales are the
+    only values that can be NaN or infinite. CHECK_CHUNK elements per pass keep the temporaries small."""
+    values = (w.d if isinstance(w, Q8Tensor) else w).reshape(-1)
+    return torch.stack([torch.isfinite(values[i : i + CHECK_CHUNK]).all()
+                        for i in range(0, values.numel(), CHECK_CHUNK)]).all()
+
+
 def open_checkpoint(path: str | pathlib.Path, progress=None) -> Checkpoint:
     p = pathlib.Path(path)
     if p.is_dir():
         return Checkpoint(HFCheckpoint(str(p)), progress)
+    _check_gguf_path(path)
+    return Checkpoint(GGUFCheckpoint(str(p)), progress)
+
+
+def read_gguf_metadata(path: str | pathlib.Path) -> dict:
+    """A GGUF file's metadata (key -> value), its header checked as open_checkpoint checks it, without the
+    tensor checks of a Checkpoint: what the tokenizer and the command line read."""
+    _check_gguf_path(path)
+    return read_header(str(path)).metadata
+
+
+def _check_gguf_path(path: str | pathlib.Path) -> None:
+    p = pathlib.Path(path)
     if not p.exists():
         raise CheckpointError(f"{path}: no such file or folder")
     regular_file(p, "checkpoint file")  # before open(): a FIFO would block it forever
@@ -183,4 +234,3 @@ def open_checkpoint(path: str | pathlib.Path, progress=None) -> Checkpoint:
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF') and not an HF folder")
-    return Checkpoint(GGUFCheckpoint(str(p)), progress)

@@ -1,11 +1,14 @@
-"""GGUF (llama.cpp, arch qwen35): the header is checked under llama.cpp's rules first, then parsed by the
-gguf package's reader; each tensor's bytes are read on demand, one at a time (tensors.read_bytes).
+"""GGUF (llama.cpp, arch qwen35): the header is read and checked in one walk under llama.cpp's rules; each
+tensor's bytes are read on demand, one at a time (tensors.TensorReader).
 
-The reader trusts the file: an array length of 2^62 loops until memory runs out, a tensor offset near
-2^64 wraps around to the header, a relabelled tensor type reads the neighbour's bytes. check_header walks
-the header front to back as llama.cpp's gguf_init_from_file does, bounding every count and length by the
-bytes left in the file before using it, and requires the tensors to tile the data section: each starts
-where the previous one ends, padded to the alignment, in directory order, and the last ends the file.
+read_header walks the header front to back as llama.cpp's gguf_init_from_file does, bounding every count
+and length by the bytes left in the file before using it, and requires the tensors to tile the data
+section: each starts where the previous one ends, padded to the alignment, in directory order, and the
+last ends the file. The walk keeps the values it reads, as the gguf package's reader gives them
+(field.contents()): that reader trusts the file (an array length of 2^62 loops until memory runs out, a
+tensor offset near 2^64 wraps around to the header), and it turns every string of an array into numpy
+parts, ~10 s for a real vocabulary (248,320 tokens and 247,587 merges); a loop over the mapped bytes
+decodes them in ~0.1 s.
 """
 from __future__ import annotations
 
@@ -15,18 +18,23 @@ import mmap
 import struct
 
 import gguf
+import numpy as np
 import torch
 
 from ..config import Qwen38Config
 from ..errors import CheckpointError
 from ..files import regular_file
-from .tensors import Q8Tensor, read_bytes
+from .tensors import Q8Tensor, TensorReader
 
 T = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
 DENSE_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
-SCALAR_BYTES = {V.UINT8: 1, V.INT8: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4, V.FLOAT32: 4,
-                V.BOOL: 1, V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8}
+# Little-endian numpy dtype of each scalar value type (its itemsize is the value's size in the file).
+SCALAR_DTYPES = {V.UINT8: np.dtype("<u1"), V.INT8: np.dtype("<i1"), V.UINT16: np.dtype("<u2"),
+                 V.INT16: np.dtype("<i2"), V.UINT32: np.dtype("<u4"), V.INT32: np.dtype("<i4"),
+                 V.FLOAT32: np.dtype("<f4"), V.BOOL: np.dtype("?"), V.UINT64: np.dtype("<u8"),
+                 V.INT64: np.dtype("<i8"), V.FLOAT64: np.dtype("<f8")}
+U64 = struct.Struct("<Q")
 MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
 MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, dimension count, ggml type, offset
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -76,6 +84,36 @@ class _Cursor:
             raise CheckpointError(f"{self.path}: {what} at offset {start} is not UTF-8 (byte {e.start}: "
                                   f"{e.reason})") from None
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """count strings: a tight loop while each fits and is UTF-8 (a vocabulary has ~250k), then string()
+        for the rest, which raises at the first that does not and names it."""
+        self.bound(count, 8, f"the array length of {what}")
+        data, end, pos = self.data, len(self.data), self.pos
+        values = []
+        for _ in range(count):
+            if end - pos < 8:
+                break
+            n = U64.unpack_from(data, pos)[0]
+            if n > end - pos - 8:
+                break
+            try:
+                values.append(data[pos + 8 : pos + 8 + n].decode("utf-8"))
+            except UnicodeDecodeError:
+                break
+            pos += 8 + n
+        self.pos = pos
+        while len(values) < count:
+            values.append(self.string(f"item {len(values)} of {what}"))
+        return values
+
+    def scalar(self, dtype: np.dtype, what: str):
+        return np.frombuffer(self.take(dtype.itemsize, what), dtype)[0].item()
+
+    def array(self, dtype: np.dtype, count: int, what: str) -> list:
+        start = self.pos
+        self.skip(count * dtype.itemsize, what)
+        return np.frombuffer(self.data, dtype, count, start).tolist()
+
     def bound(self, count: int, min_bytes: int, what: str) -> None:
         """A count read from the file, checked against the room left for its items before any loop."""
         if count * min_bytes > self.left():
@@ -83,9 +121,16 @@ class _Cursor:
                                   f"{count * min_bytes} bytes and the file has {self.left()} left")
 
 
-def check_header(path: str) -> None:
-    """llama.cpp's checks of a GGUF header and its tensor directory; a CheckpointError names the field and
-    its offset, or the tensor."""
+@dataclasses.dataclass
+class GGUFHeader:
+    metadata: dict  # key -> str, int, float, bool or a list of them (the gguf reader's field.contents())
+    tensors: list[TensorInfo]  # in directory order
+    data_start: int  # file offset of the data section, where tensor offsets count from
+
+
+def read_header(path: str) -> GGUFHeader:
+    """The metadata and tensor directory of a GGUF file, checked as llama.cpp checks them; a CheckpointError
+    names the field and its offset, or the tensor."""
     with open(path, "rb") as f:
         size = f.seek(0, 2)
         if size < 24:
@@ -102,51 +147,50 @@ def check_header(path: str) -> None:
                                       f"{', '.join(map(str, gguf.READER_SUPPORTED_VERSIONS))}")
             num_tensors, num_kv = cur.u64("tensor count"), cur.u64("metadata key count")
             cur.bound(num_kv, MIN_KV_BYTES, "the metadata key count")
-            alignment = _check_metadata(cur, num_kv)
+            metadata = _read_metadata(cur, num_kv)
+            alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
             cur.bound(num_tensors, MIN_TENSOR_INFO_BYTES, "the tensor count")
             infos = _tensor_infos(cur, num_tensors)
             data_start = -(-cur.pos // alignment) * alignment
     _check_data_layout(path, infos, alignment, data_start, size)
+    return GGUFHeader(metadata, infos, data_start)
 
 
-def _check_metadata(cur: _Cursor, count: int) -> int:
-    """Walks the key-value pairs; returns general.alignment (default 32)."""
-    keys, alignment = set(), gguf.GGUF_DEFAULT_ALIGNMENT
+def _read_metadata(cur: _Cursor, count: int) -> dict:
+    """The key-value pairs; general.alignment, when there, a uint32 power of two."""
+    metadata = {}
     for i in range(count):
         key = cur.string(f"metadata key #{i}")
-        if key in keys:
+        if key in metadata:
             raise CheckpointError(f"{cur.path}: metadata key {key!r} appears twice")
-        keys.add(key)
         value_type = cur.u32(f"value type of metadata key {key!r}")
         if key == "general.alignment":
             alignment = cur.u32("general.alignment") if value_type == V.UINT32 else 0
             if alignment == 0 or alignment & (alignment - 1):
                 raise CheckpointError(f"{cur.path}: general.alignment must be a uint32 power of two, found type "
                                       f"{value_type} value {alignment}")
+            metadata[key] = alignment
         else:
-            _skip_value(cur, value_type, f"metadata key {key!r}")
-    return alignment
+            metadata[key] = _read_value(cur, value_type, f"metadata key {key!r}")
+    return metadata
 
 
-def _skip_value(cur: _Cursor, value_type: int, what: str) -> None:
-    if value_type in SCALAR_BYTES:
-        cur.skip(SCALAR_BYTES[value_type], f"value of {what}")
-    elif value_type == V.STRING:
-        cur.string(f"string value of {what}")
-    elif value_type == V.ARRAY:
+def _read_value(cur: _Cursor, value_type: int, what: str):
+    if value_type in SCALAR_DTYPES:
+        return cur.scalar(SCALAR_DTYPES[value_type], f"value of {what}")
+    if value_type == V.STRING:
+        return cur.string(f"string value of {what}")
+    if value_type == V.ARRAY:
         item_type = cur.u32(f"item type of {what}")
         length = cur.u64(f"array length of {what}")
-        if item_type in SCALAR_BYTES:
-            cur.skip(length * SCALAR_BYTES[item_type], f"array of {what}")
-        elif item_type == V.STRING:
-            cur.bound(length, 8, f"the array length of {what}")
-            for i in range(length):
-                cur.string(f"item {i} of {what}")
-        else:  # llama.cpp has no nested arrays either
-            raise CheckpointError(f"{cur.path}: {what} is an array of type {item_type}, expected a scalar or "
-                                  "string type")
-    else:
-        raise CheckpointError(f"{cur.path}: {what} has value type {value_type}, not a GGUF type (0-12)")
+        if item_type in SCALAR_DTYPES:
+            return cur.array(SCALAR_DTYPES[item_type], length, f"array of {what}")
+        if item_type == V.STRING:
+            return cur.strings(length, what)
+        # llama.cpp has no nested arrays either
+        raise CheckpointError(f"{cur.path}: {what} is an array of type {item_type}, expected a scalar or string "
+                              "type")
+    raise CheckpointError(f"{cur.path}: {what} has value type {value_type}, not a GGUF type (0-12)")
 
 
 def _tensor_info(cur: _Cursor, i: int) -> TensorInfo:
@@ -211,23 +255,19 @@ def _check_data_layout(path: str, infos: list[TensorInfo], alignment: int, data_
                               "directory does not describe the file")
 
 
-def read_metadata(reader: gguf.GGUFReader) -> dict:
-    """Every key as a plain Python value (strings, numbers, lists)."""
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-
-
 class GGUFCheckpoint:
     def __init__(self, path: str):
         self.path = str(path)
         regular_file(path, "GGUF file")
-        check_header(self.path)
-        reader = gguf.GGUFReader(self.path, "r")  # safe now: the header passed llama.cpp's checks
-        self.metadata = read_metadata(reader)
-        self._tensors = {t.name: t for t in reader.tensors}
+        header = read_header(self.path)
+        self.metadata = header.metadata
+        self.data_start = header.data_start
+        self._tensors = {t.name: t for t in header.tensors}
+        self._total_bytes = sum(t.nbytes for t in header.tensors)
         embed = self._tensors.get("token_embd.weight")
-        if embed is None or len(embed.shape) != 2:
+        if embed is None or len(embed.dims) != 2:
             raise CheckpointError(f"{path}: missing tensor 'token_embd.weight' (a 2-D [hidden, vocab] matrix)")
-        self.config = Qwen38Config.from_gguf_metadata(self.metadata, vocab_size=int(embed.shape[1]), source=self.path)
+        self.config = Qwen38Config.from_gguf_metadata(self.metadata, vocab_size=embed.dims[1], source=self.path)
         if "output.weight" not in self._tensors:
             # A GGUF without output.weight ties the head to the embedding (llama.cpp's fallback).
             self.config = dataclasses.replace(self.config, tie_word_embeddings=True)
@@ -242,31 +282,31 @@ class GGUFCheckpoint:
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in reversed(self._entry(name).shape))  # ggml ne is fastest-first
+        return tuple(reversed(self._entry(name).dims))  # ggml ne is fastest-first
 
     def nbytes(self, name: str) -> int:
-        return int(self._entry(name).n_bytes)
+        return self._entry(name).nbytes
 
     def total_bytes(self) -> int:
-        return sum(int(t.n_bytes) for t in self._tensors.values())
+        return self._total_bytes
 
     def dtype_name(self, name: str) -> str:
-        return self._entry(name).tensor_type.name
+        return self._entry(name).ggml_type.name
 
-    def read(self, name: str, device):
+    def read(self, name: str, reader: TensorReader):
         t = self._entry(name)
         shape = self.shape(name)
-        raw = read_bytes(self.path, int(t.data_offset), int(t.n_bytes), name).to(device)
-        if t.tensor_type == T.Q8_0:
-            if len(shape) != 2:
-                raise CheckpointError(f"{self.path}: tensor {name!r} is Q8_0 with shape {shape}, expected 2-D")
+        if t.ggml_type == T.Q8_0 and len(shape) != 2:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is Q8_0 with shape {shape}, expected 2-D")
+        if t.ggml_type != T.Q8_0 and t.ggml_type not in DENSE_TYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has ggml type {t.ggml_type.name}; supported: "
+                                  "F32, F16, BF16, Q8_0")
+        raw = reader.read(self.path, self.data_start + t.offset, t.nbytes, name)
+        if t.ggml_type == T.Q8_0:
             return Q8Tensor.from_ggml_bytes(raw, shape)
-        if t.tensor_type in DENSE_TYPES:
-            return raw.view(DENSE_TYPES[t.tensor_type]).reshape(shape)
-        raise CheckpointError(f"{self.path}: tensor {name!r} has ggml type {t.tensor_type.name}; supported: "
-                              "F32, F16, BF16, Q8_0")
+        return raw.view(DENSE_TYPES[t.ggml_type]).reshape(shape)
 
-    def _entry(self, name: str):
+    def _entry(self, name: str) -> TensorInfo:
         try:
             return self._tensors[name]
         except KeyError:

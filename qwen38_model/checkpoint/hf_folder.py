@@ -2,7 +2,7 @@
 `model.*` or the released VLM form `model.language_model.*`). Tensors are read one at a time.
 
 The safetensors header (8-byte length + JSON directory) is parsed here so each tensor can be read with a
-positioned read into a buffer of its own (see tensors.read_bytes for why not a mapping). It is checked
+positioned read into a buffer of its own (see tensors.TensorReader for why not a mapping). It is checked
 as the safetensors library checks it: a JSON object of at most 100 MB, every tensor's byte range the
 size its dtype and shape say, the ranges back to back from 0 (no overlap, no gap) and the last one
 ending the file. Every file is opened through files.folder_file: the index cannot name a file outside
@@ -19,7 +19,7 @@ import torch
 from ..config import Qwen38Config
 from ..errors import CheckpointError
 from ..files import folder_file, read_json
-from .tensors import read_bytes
+from .tensors import TensorReader
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 # Every dtype the format defines, with its size: a checkpoint may hold tensors we never read (vision tower).
@@ -109,6 +109,7 @@ class HFCheckpoint:
                 if name in self._entries:
                     raise CheckpointError(f"{file}: tensor {name!r} is also in {self._entries[name][0]}")
                 self._entries[name] = (str(file), data_start + begin, end - begin, dtype, shape)
+        self._total_bytes = sum(entry[2] for entry in self._entries.values())
         self.prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in self._entries), None)
         if self.prefix is None:
             raise CheckpointError(f"{folder}: missing tensor 'model.embed_tokens.weight' (or "
@@ -147,14 +148,14 @@ class HFCheckpoint:
         return self._entry(name)[2]
 
     def total_bytes(self) -> int:
-        return sum(entry[2] for entry in self._entries.values())
+        return self._total_bytes
 
-    def read(self, name: str, device: torch.device) -> torch.Tensor:
+    def read(self, name: str, reader: TensorReader) -> torch.Tensor:
         file, offset, nbytes, dtype, shape = self._entry(name)
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{file}: tensor {self.full_name(name)!r} has dtype {dtype}; supported: "
                                   f"{', '.join(SAFETENSORS_DTYPES)}")
-        raw = read_bytes(file, offset, nbytes, self.full_name(name)).to(device)
+        raw = reader.read(file, offset, nbytes, self.full_name(name))
         return raw.view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
 
     def _entry(self, name: str):

@@ -1,5 +1,6 @@
 """Tokenizer: HF folder vs tokenizer.json, GGUF metadata vs tokenizer.json, streaming, chat template."""
 import random
+import re
 import shutil
 import time
 import unicodedata
@@ -226,6 +227,50 @@ def test_malformed_tokenizer_files(oracle_dir, tmp_path):
     (folder / "tokenizer_config.json").write_text('{"eos_token": 5}')
     with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: eos_token must be a string"):
         Tokenizer.from_hf_folder(folder)
+
+
+def test_hf_folder_without_a_tokenizer_says_which_files_it_needs(oracle_dir, tmp_path):
+    from qwen38_model.tokenizer import load_tokenizer
+
+    folder = tmp_path / "hf"
+    shutil.copytree(oracle_dir / "hf", folder)
+    (folder / "tokenizer.json").unlink()
+    message = (rf"{re.escape(str(folder))}: no tokenizer\.json; an HF checkpoint folder needs tokenizer\.json \(the "
+               r"tokenizer\) beside config\.json and model\.safetensors .* tokenizer_config\.json .* are optional")
+    with pytest.raises(CheckpointError, match=message):
+        load_tokenizer(folder)
+
+
+def test_real_size_gguf_vocabulary_reads_back(tmp_path):
+    """Qwen3.5's vocabulary size (248,320 tokens, 247,587 merges) written with GGUFWriter as llama.cpp's converter
+    writes it reads back unchanged. The gguf package's reader took 9-10 s over these arrays; the times printed
+    here are for information (benchmarks/load.py measures the load)."""
+    from benchmarks.load import add_tokenizer_metadata, real_size_vocabulary
+    from qwen38_model.checkpoint import read_gguf_metadata
+    from qwen38_model.tokenizer import load_tokenizer
+
+    tokens, token_types, merges = real_size_vocabulary()
+    assert (len(tokens), len(merges)) == (248320, 247587)
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(path, "qwen35")
+    add_tokenizer_metadata(writer, tokens, token_types, merges)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    start = time.perf_counter()
+    metadata = read_gguf_metadata(path)
+    read_s = time.perf_counter() - start
+    assert metadata["tokenizer.ggml.tokens"] == tokens
+    assert metadata["tokenizer.ggml.merges"] == merges
+    assert metadata["tokenizer.ggml.token_type"] == token_types
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(path)
+    tokenizer_s = time.perf_counter() - start
+    assert tokenizer.eos_token_ids == [tokens.index("<|im_end|>"), tokens.index("<|endoftext|>")]
+    assert tokenizer.decode(tokenizer.encode("Hello <|im_end|>")) == "Hello <|im_end|>"
+    print(f"{path.stat().st_size / 1e6:.1f} MB of metadata: read in {read_s:.2f} s, tokenizer built in "
+          f"{tokenizer_s:.2f} s")
 
 
 # ---- chat templates: bounded, sandboxed ---------------------------------------------------------------
