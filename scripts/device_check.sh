@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (H200): build the extension, run the CUDA tests, run benchmarks,
-# leave logs and JSON under $OUT. Run through the device tool from the repo root with carry
-# [".whl", ".oracle"] (scripts/prepare_device.sh fills both here; the device has no network and does not
-# see ../shared):
+# leave logs and JSON under $OUT. Run through the device tool from the repo root with carry [".whl"]
+# (scripts/prepare_device.sh fills it here; the device has no network):
 #   bash scripts/device_check.sh [-k PYTEST_EXPR] [-s SANITIZE_EXPR] ["BENCH_MODULE [ARGS]" ...]
 # -s runs compute-sanitizer (memcheck, then racecheck) over the CUDA tests of tests/ops and tests/model
 # selected by SANITIZE_EXPR (keep it to small shapes: memcheck slows kernels 10-100x), before the tests;
@@ -24,7 +23,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 fi
-export PYTHONUNBUFFERED=1 QWEN38_ORACLE=$PWD/.oracle/mini
+export PYTHONUNBUFFERED=1  # the oracle travels with the tree (tests/oracle)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/build.log"
 echo "commit ${QWEN38_COMMIT:-unknown}" | tee -a "$OUT/build.log"
 start=$(date +%s)
