@@ -79,7 +79,7 @@ def test_prefill_then_decode_holds_the_lane_bar_on_gpu(oracle_dir, oracle_ref, p
     one token per call."""
     model = Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-q8_0.gguf", device="cuda", lane=lane)
     full = model(prompt).logits[0]
-    state = model.new_state(prompt.shape[1])
+    state = model.new_state(prompt.shape[1], torch.float32)  # the lane bars assume float32 KV
     parts = [model(prompt[:, :split], state=state).logits[0]]
     parts += [model(prompt[:, t : t + 1], state=state).logits[0] for t in range(split, prompt.shape[1])]
     check_lane_bar(lane, torch.cat(parts), full, oracle_ref, f"prefill({split}) + decode")
@@ -98,7 +98,7 @@ def test_chunked_prefill_holds_the_lane_bar_on_gpu(oracle_dir, oracle_ref, promp
 
 
 def _fresh(model, ids):
-    state = model.new_state(ids.shape[0])
+    state = model.new_state(ids.shape[0], torch.float32)  # the lane bars assume float32 KV
     return state.reserve(ids.shape[0]), state
 
 

@@ -110,7 +110,7 @@ def rewrite_gguf(src, dst, change):
 
 def poisoned_state(model, length: int):
     """A fresh state whose MTP KV cache holds NaN: a row the block reads before writing shows."""
-    state = model.new_state(length)
+    state = model.new_state(length, torch.float32)  # the exactness lane, on every device
     state.mtp_cache.k.fill_(float("nan"))
     state.mtp_cache.v.fill_(float("nan"))
     return state

@@ -289,7 +289,8 @@ def gpu_model(model):
 def test_cuda_graph_steps_equal_plain_greedy(gpu_model, prompt, k):
     """Plain greedy through its graph vs speculative steps through theirs: forced 100%, 0% and partial
     acceptance and the block's own drafts (adaptive), token for token, on the int8 lane."""
-    long = gpu_model.generate(prompt, max_new_tokens=NEW_TOKENS + MAX_DRAFT_TOKENS + 1, eos_token_id=[])[0].tolist()
+    long = gpu_model.generate(prompt, max_new_tokens=NEW_TOKENS + MAX_DRAFT_TOKENS + 1, eos_token_id=[],
+                              kv_dtype=torch.float32)[0].tolist()  # the engines below keep float32 KV
     plain = long[prompt.shape[1]:][:NEW_TOKENS]
     gpu_prompt = prompt.to("cuda")
     for name, drafts in (("perfect", long), ("wrong", [(t + 1) % 500 for t in long]),
