@@ -303,7 +303,7 @@ def test_cuda_graph_steps_equal_plain_greedy(gpu_model, prompt, k):
         assert tokens == plain, name
         assert (stats.accepted == stats.drafted) == (name == "perfect"), name
     out = gpu_model.generate(gpu_prompt, max_new_tokens=NEW_TOKENS, eos_token_id=[], speculative="mtp",
-                             num_draft_tokens=k)
+                             num_draft_tokens=k, kv_dtype=torch.float32)
     assert out[0, prompt.shape[1]:].tolist() == plain
     assert gpu_model.last_generation_stats.graph
 
