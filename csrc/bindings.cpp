@@ -17,7 +17,44 @@
 // - Q8_0 weights are int8 quants [N, K] + fp16 block scales [N, K/32] (32 values along K per scale).
 #include <torch/library.h>
 
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/op_limits.h"
+
+namespace {
+
+// The kernels' limits and constants that Python needs (kernels/op_limits.h), by name; every value is a list
+// (one element for a scalar; q8_0_gemv_configs: trip, parts of each compiled config in turn).
+c10::Dict<std::string, c10::List<int64_t>> limits() {
+  c10::Dict<std::string, c10::List<int64_t>> d;
+  auto one = [&](const char* name, int64_t v) { d.insert(name, c10::List<int64_t>({v})); };
+  one("quant_block", qwen38::kQuantBlock);
+  one("attention_splits", qwen38::kAttentionSplits);
+  one("attention_same_split_tokens", qwen38::kAttentionSameSplitTokens);
+  one("attention_prefill_rows", qwen38::kAttentionPrefillRows);
+  one("attention_prefill_target_blocks", qwen38::kAttentionPrefillTargetBlocks);
+  one("attention_prefill_max_splits", qwen38::kAttentionPrefillMaxSplits);
+  one("gdn_step_max_tokens", qwen38::kGdnStepMaxTokens);
+  one("bad_position_flag", qwen38::kBadPositionFlag);
+  one("bad_token_flag", qwen38::kBadTokenFlag);
+  c10::List<int64_t> configs;
+#define QWEN38_LIMITS_CONFIG(TRIP, PARTS) \
+  configs.push_back(TRIP);                \
+  configs.push_back(PARTS);
+  QWEN38_Q8_GEMV_CONFIGS(QWEN38_LIMITS_CONFIG)
+#undef QWEN38_LIMITS_CONFIG
+  d.insert("q8_0_gemv_configs", configs);
+  return d;
+}
+
+}  // namespace
+
 TORCH_LIBRARY(qwen38, m) {
+
   // ---- q8_gemv: y = x W^T for Q8_0 W, one op per activation lane (one kernel template behind them).
   // f32 lane: x float32 [T, K] -> out float32 [T, N]; equals dequantize-then-matmul.
   m.def("q8_0_gemv(Tensor x, Tensor weight_q, Tensor weight_d, Tensor(a!) out) -> ()");
@@ -119,6 +156,10 @@ TORCH_LIBRARY(qwen38, m) {
   // (int32 [1]), nonfinite[0] |= some logit is NaN or infinite (bool [1]).
   m.def("argmax_advance(Tensor logits, Tensor(a!) token, Tensor(b!) position, Tensor(c!)? seen=None, "
         "Tensor(d!)? generated=None, Tensor(e!)? num_generated=None, Tensor(f!)? nonfinite=None) -> ()");
+
+  // ---- limits: the kernels' limits and constants Python needs, {name: [values]} (csrc/kernels/op_limits.h;
+  // qwen38_ops.limits reads them once). No tensors: it runs the same in every build, the CPU-only one too.
+  m.def("limits() -> Dict(str, int[])", &limits);
 }
 
 // `import qwen38_ops._C` loads this library (and with it the registrations above); the module itself is

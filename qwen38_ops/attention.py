@@ -1,20 +1,20 @@
 """Gated attention ops: QK norm + RoPE + KV store, split-K causal attention, sigmoid output gate (alone, or
 applied in the attention's combine: attention_gated)."""
 from ._registry import register
+from .limits import ATTENTION_SAME_SPLIT_TOKENS as SAME_SPLIT_TOKENS
+from .limits import ATTENTION_SPLITS
+from .limits import BAD_POSITION  # noqa: F401  (what attn_qk_norm_rope_store stores into bad_position)
 from .reference import attention as ref
 
 for _name in ("attn_qk_norm_rope_store", "attention", "attention_gated", "attn_output_gate"):
     register(_name, getattr(ref, _name))
 
-# The CUDA kernel splits each (token, head) over the context into num_splits(T) parts and keeps
-# (max, sum, acc[hd]) per part for the fixed-order combine. Up to SAME_SPLIT_TOKENS tokens each row gets
-# the decode step's 64 splits, so a speculative verify reproduces plain decode bit for bit
-# (csrc/kernels/attention.h).
-ATTENTION_SPLITS = 64
-SAME_SPLIT_TOKENS = 8
-
 
 def num_splits(num_tokens: int) -> int:
+    """The CUDA kernel splits each (token, head) over the context into num_splits(T) parts and keeps (max, sum,
+    acc[hd]) per part for the fixed-order combine. Up to SAME_SPLIT_TOKENS tokens each row gets the decode step's
+    ATTENTION_SPLITS splits, so a speculative verify reproduces plain decode bit for bit (the constants:
+    csrc/kernels/op_limits.h; the C++ rule: attention_num_splits in csrc/kernels/attention.h)."""
     if num_tokens <= SAME_SPLIT_TOKENS:
         return ATTENTION_SPLITS
     return max(1, ATTENTION_SPLITS // num_tokens)

@@ -7,20 +7,20 @@ with bf16 tensor-core operands: a float32 cache is split into bf16 hi + lo (~1e-
 cache rounds q and the probabilities to bf16.
 """
 from ._registry import register
+from .limits import ATTENTION_PREFILL_MAX_SPLITS as MAX_SPLITS
+from .limits import ATTENTION_PREFILL_ROWS as PREFILL_ROWS
+from .limits import ATTENTION_PREFILL_TARGET_BLOCKS as TARGET_BLOCKS
 from .reference import attention_prefill as ref
 
 register("attention_prefill", ref.attention_prefill)
 
-# Split-K for few query rows (csrc/kernels/attention_prefill.h, which this must equal): a launch of at most
-# TARGET_BLOCKS / 2 blocks of 64 query rows (the query heads of one kv head, a few tokens) deals each block's
-# KV tiles over TARGET_BLOCKS // blocks blocks (at most MAX_SPLITS) and combines their partial softmax in
-# split order. A function of the shapes only, so every call of a shape computes the same float order.
-PREFILL_ROWS = 64
-TARGET_BLOCKS = 264
-MAX_SPLITS = 64
-
 
 def num_splits(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:
+    """Split-K for few query rows: a launch of at most TARGET_BLOCKS / 2 blocks of PREFILL_ROWS query rows (the
+    query heads of one kv head, a few tokens) deals each block's KV tiles over TARGET_BLOCKS // blocks blocks (at
+    most MAX_SPLITS) and combines their partial softmax in split order. A function of the shapes only, so every
+    call of a shape computes the same float order (the constants: csrc/kernels/op_limits.h; the C++ rule:
+    attention_prefill_num_splits in csrc/kernels/attention_prefill.h)."""
     rows = num_tokens * (num_heads // num_kv_heads)
     blocks = num_kv_heads * -(-rows // PREFILL_ROWS)
     splits = TARGET_BLOCKS // blocks if blocks > 0 else 0

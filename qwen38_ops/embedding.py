@@ -4,11 +4,10 @@ embedding from a dense one (float32, bfloat16 or float16). Both write float32 ro
 An id outside [0, V): the reference raises a ValueError; the kernel writes a NaN row and ORs BAD_TOKEN into
 bad_token (int32 [1], when given), for the caller to raise at its next sync (Qwen38State.sync_position)."""
 from ._registry import register
+# BAD_TOKEN: the bit the kernels OR into bad_token (kBadTokenFlag, csrc/kernels/op_limits.h). Not attention's
+# BAD_POSITION: a state keeps both conditions in one flag.
+from .limits import BAD_TOKEN  # noqa: F401
 from .reference import embedding as ref
-
-# The bit the kernels OR into bad_token (csrc/kernels/embedding.h, kBadTokenFlag). Not 1: attention's
-# bad_position stores 1, and a state keeps both conditions in one flag.
-BAD_TOKEN = 2
 
 register("q8_0_embedding", ref.q8_0_embedding)
 register("embedding", ref.embedding)

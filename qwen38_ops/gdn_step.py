@@ -5,8 +5,7 @@ projection's [q | k | v | z | b | a] rows. Every output is bitwise what gdn_conv
 (token by token) and gated_rms_norm give on the same inputs; prompts keep running those ops (the chunked
 recurrence)."""
 from ._registry import register
+from .limits import GDN_STEP_MAX_TOKENS as MAX_TOKENS  # kGdnStepMaxTokens (csrc/kernels/op_limits.h)
 from .reference import gdn_step as ref
-
-MAX_TOKENS = 8  # kGdnStepMaxTokens (csrc/kernels/gdn_step.h)
 
 register("gdn_step", ref.gdn_step)

@@ -16,12 +16,12 @@ void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, c
                              at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache,
                              const std::optional<at::Tensor>& bad_position) {
   constexpr const char* op = "attn_qk_norm_rope_store";
-  QWEN38_CHECK_CUDA("attn_qk_norm_rope_store", qgkv);
-  QWEN38_CHECK_DTYPE("attn_qk_norm_rope_store", qgkv, at::kFloat);
-  QWEN38_CHECK_ROWS("attn_qk_norm_rope_store", qgkv);
-  QWEN38_CHECK_DTYPE("attn_qk_norm_rope_store", q_out, at::kFloat);
-  QWEN38_CHECK_CONTIGUOUS("attn_qk_norm_rope_store", q_out);
-  QWEN38_CHECK_SAME_DEVICE("attn_qk_norm_rope_store", qgkv, q_out);
+  QWEN38_CHECK_CUDA(op, qgkv);
+  QWEN38_CHECK_DTYPE(op, qgkv, at::kFloat);
+  QWEN38_CHECK_ROWS(op, qgkv);
+  QWEN38_CHECK_DTYPE(op, q_out, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS(op, q_out);
+  QWEN38_CHECK_SAME_DEVICE(op, qgkv, q_out);
   QWEN38_CHECK(q_out.dim() == 3, op, ": q_out must be [T, Hq, hd], found ", q_out.sizes());
   const int64_t num_tokens = qgkv.size(0), num_heads = q_out.size(1), head_dim = q_out.size(2);
   QWEN38_CHECK(q_out.size(0) == num_tokens, op, ": q_out must have T = ", num_tokens, " rows, found ", q_out.sizes());
@@ -50,21 +50,20 @@ void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, c
   }
 
   const c10::cuda::CUDAGuard guard(qgkv.device());
-  cudaError_t err;
-  if (k_cache.scalar_type() == at::kFloat) {
-    err = attn_qk_norm_rope_store_launch<float>(
-        qgkv.data_ptr<float>(), qgkv.stride(0), q_norm.data_ptr<float>(), k_norm.data_ptr<float>(),
-        positions.data_ptr<int32_t>(), (float)eps, (float)rope_theta, (int)rotary_dim, q_out.data_ptr<float>(),
-        k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bad, (int)num_tokens, (int)num_heads, (int)num_kv_heads,
-        (int)head_dim, (int)max_seq, current_stream());
-  } else {
-    err = attn_qk_norm_rope_store_launch<__nv_bfloat16>(
-        qgkv.data_ptr<float>(), qgkv.stride(0), q_norm.data_ptr<float>(), k_norm.data_ptr<float>(),
-        positions.data_ptr<int32_t>(), (float)eps, (float)rope_theta, (int)rotary_dim, q_out.data_ptr<float>(),
-        reinterpret_cast<__nv_bfloat16*>(k_cache.data_ptr()), reinterpret_cast<__nv_bfloat16*>(v_cache.data_ptr()),
-        bad, (int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim, (int)max_seq, current_stream());
-  }
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  launch_or_throw(op, with_cache_type(k_cache, [&](auto cache_element) {
+    using CacheT = decltype(cache_element);
+    AttnQkNormRopeStoreArgs<CacheT> a;
+    a.qgkv = qgkv.data_ptr<float>(), a.qgkv_row_stride = qgkv.stride(0);
+    a.q_norm = q_norm.data_ptr<float>(), a.k_norm = k_norm.data_ptr<float>();
+    a.positions = positions.data_ptr<int32_t>();
+    a.eps = (float)eps, a.rope_theta = (float)rope_theta, a.rotary_dim = (int)rotary_dim;
+    a.q_out = q_out.data_ptr<float>(), a.bad_position = bad;
+    a.k_cache = reinterpret_cast<CacheT*>(k_cache.data_ptr());
+    a.v_cache = reinterpret_cast<CacheT*>(v_cache.data_ptr());
+    a.num_tokens = (int)num_tokens, a.num_heads = (int)num_heads, a.num_kv_heads = (int)num_kv_heads;
+    a.head_dim = (int)head_dim, a.max_seq = (int)max_seq;
+    return attn_qk_norm_rope_store_launch(a, current_stream());
+  }));
 }
 
 struct AttentionSizes {
@@ -75,14 +74,8 @@ struct AttentionSizes {
 AttentionSizes check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& positions,
                                       const at::Tensor& workspace) {
-  QWEN38_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, found device ", q.device());
-  QWEN38_CHECK(q.scalar_type() == at::kFloat, op, ": q must be ", at::kFloat, ", found ", q.scalar_type());
-  QWEN38_CHECK(q.is_contiguous(), op, ": q must be contiguous (strides ", q.strides(), ")");
-  QWEN38_CHECK(q.dim() == 3, op, ": q must be [T, Hq, hd], found ", q.sizes());
+  check_q_and_caches(op, q, k_cache, v_cache, attention_head_dim_supported);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  QWEN38_CHECK(attention_head_dim_supported((int)head_dim), op,
-              ": head_dim must be one of 32, 64, 128, 256 (one kernel instance each), found ", head_dim);
-  check_caches(op, q, k_cache, v_cache, head_dim);
   const int64_t num_kv_heads = k_cache.size(1), max_seq = k_cache.size(0);
   QWEN38_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= kAttentionMaxGroup, op,
               ": Hq must be a multiple of Hkv with at most ", kAttentionMaxGroup, " query heads per kv head, found Hq ",
@@ -101,9 +94,9 @@ AttentionSizes check_attention_inputs(const char* op, const at::Tensor& q, const
 
 // The output gate's operands for T rows of Hq heads of hd values (attn_output_gate, attention_gated): qgkv
 // [T, >= Hq*2*hd] (strided rows), out [T, Hq*hd] (strided rows) or [T, Hq, hd] (contiguous), the quantized
-// outputs of the GEMV's lane.
-GateOutputs check_gate_outputs(const char* op, const at::Device& device, int64_t num_tokens, int64_t num_heads,
-                               int64_t head_dim, const at::Tensor& qgkv, at::Tensor& out,
+// outputs of the GEMV's lane (check_quant_outputs), all on `device`, the device of the argument `like`.
+GateOutputs check_gate_outputs(const char* op, const at::Device& device, const char* like, int64_t num_tokens,
+                               int64_t num_heads, int64_t head_dim, const at::Tensor& qgkv, at::Tensor& out,
                                const std::optional<at::Tensor>& out_q, const std::optional<at::Tensor>& out_q_lo,
                                const std::optional<at::Tensor>& out_d) {
   const int64_t width = num_heads * head_dim;
@@ -131,51 +124,28 @@ GateOutputs check_gate_outputs(const char* op, const at::Device& device, int64_t
     g.out_row_stride = out.stride(0);
   }
   g.out = out.data_ptr<float>();
-  QWEN38_CHECK(!out_q_lo.has_value() || out_q.has_value(), op, ": out_q_lo needs out_q (the two-word lane)");
-  QWEN38_CHECK(out_q.has_value() == out_d.has_value(), op, ": out_q and out_d come together");
-  if (out_q.has_value()) {
-    QWEN38_CHECK(width % 32 == 0, op, ": the quantized lanes need Hq*hd % 32 == 0, found ", width);
-    for (const at::Tensor* t : {&*out_q, out_q_lo.has_value() ? &*out_q_lo : &*out_q}) {
-      QWEN38_CHECK(t->device() == device && t->scalar_type() == at::kChar && t->dim() == 2 &&
-                      t->size(0) == num_tokens && t->size(1) == width && t->is_contiguous(),
-                  op, ": out_q and out_q_lo must be contiguous int8 [T, Hq*hd] = [", num_tokens, ", ", width,
-                  "] on ", device, ", found ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
-    }
-    QWEN38_CHECK(out_d->device() == device && out_d->scalar_type() == at::kFloat && out_d->dim() == 2 &&
-                    out_d->size(0) == num_tokens && out_d->size(1) == width / 32 && out_d->is_contiguous(),
-                op, ": out_d must be contiguous float32 [T, Hq*hd/32] = [", num_tokens, ", ", width / 32, "] on ",
-                device, ", found ", out_d->scalar_type(), " ", out_d->sizes(), " on ", out_d->device());
-    g.out_q = out_q->data_ptr<int8_t>();
-    g.out_q_lo = out_q_lo.has_value() ? out_q_lo->data_ptr<int8_t>() : nullptr;
-    g.out_d = out_d->data_ptr<float>();
-  }
+  const QuantOutputs quant = check_quant_outputs(op, device, like, num_tokens, width, "Hq*hd", out_q, out_q_lo, out_d);
+  g.out_q = quant.q;
+  g.out_q_lo = quant.q_lo;
+  g.out_d = quant.d;
   return g;
 }
 
 void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& positions,
                double scale, at::Tensor& out, at::Tensor& workspace) {
   constexpr const char* op = "attention";
-  const AttentionSizes n = check_attention_inputs(op, q, k_cache, v_cache, positions, workspace);
-  QWEN38_CHECK_SAME_DEVICE("attention", q, out);
-  QWEN38_CHECK_DTYPE("attention", out, at::kFloat);
-  QWEN38_CHECK_CONTIGUOUS("attention", out);
+  check_attention_inputs(op, q, k_cache, v_cache, positions, workspace);
+  QWEN38_CHECK_SAME_DEVICE(op, q, out);
+  QWEN38_CHECK_DTYPE(op, out, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS(op, out);
   QWEN38_CHECK(out.sizes() == q.sizes(), op, ": out must be shaped like q ", q.sizes(), ", found ", out.sizes());
 
   const c10::cuda::CUDAGuard guard(q.device());
-  cudaError_t err;
-  if (k_cache.scalar_type() == at::kFloat) {
-    err = attention_launch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                  positions.data_ptr<int32_t>(), (float)scale, out.data_ptr<float>(),
-                                  workspace.data_ptr<float>(), (int)n.num_tokens, (int)n.num_heads,
-                                  (int)n.num_kv_heads, (int)n.head_dim, (int)n.max_seq, current_stream());
-  } else {
-    err = attention_launch<__nv_bfloat16>(
-        q.data_ptr<float>(), reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
-        reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), positions.data_ptr<int32_t>(), (float)scale,
-        out.data_ptr<float>(), workspace.data_ptr<float>(), (int)n.num_tokens, (int)n.num_heads, (int)n.num_kv_heads,
-        (int)n.head_dim, (int)n.max_seq, current_stream());
-  }
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  launch_or_throw(op, with_cache_type(k_cache, [&](auto cache_element) {
+    using CacheT = decltype(cache_element);
+    return attention_launch(attention_args<CacheT>(q, k_cache, v_cache, positions, scale, &out, workspace),
+                            current_stream());
+  }));
 }
 
 void attention_gated(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -188,41 +158,38 @@ void attention_gated(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               " (the decode step and the verify; longer inputs: attention_prefill, then attn_output_gate), found ",
               n.num_tokens);
   const GateOutputs gate =
-      check_gate_outputs(op, q.device(), n.num_tokens, n.num_heads, n.head_dim, qgkv, out, out_q, out_q_lo, out_d);
+      check_gate_outputs(op, q.device(), "q", n.num_tokens, n.num_heads, n.head_dim, qgkv, out, out_q, out_q_lo, out_d);
 
   const c10::cuda::CUDAGuard guard(q.device());
-  cudaError_t err;
-  if (k_cache.scalar_type() == at::kFloat) {
-    err = attention_gated_launch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                        positions.data_ptr<int32_t>(), (float)scale, gate, workspace.data_ptr<float>(),
-                                        (int)n.num_tokens, (int)n.num_heads, (int)n.num_kv_heads, (int)n.head_dim,
-                                        (int)n.max_seq, current_stream());
-  } else {
-    err = attention_gated_launch<__nv_bfloat16>(
-        q.data_ptr<float>(), reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
-        reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), positions.data_ptr<int32_t>(), (float)scale, gate,
-        workspace.data_ptr<float>(), (int)n.num_tokens, (int)n.num_heads, (int)n.num_kv_heads, (int)n.head_dim,
-        (int)n.max_seq, current_stream());
-  }
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  launch_or_throw(op, with_cache_type(k_cache, [&](auto cache_element) {
+    using CacheT = decltype(cache_element);
+    AttentionGatedArgs<CacheT> a;
+    static_cast<AttentionArgs<CacheT>&>(a) =
+        attention_args<CacheT>(q, k_cache, v_cache, positions, scale, nullptr, workspace);
+    a.gate = gate;
+    return attention_gated_launch(a, current_stream());
+  }));
 }
 
 void attn_output_gate(const at::Tensor& attn, const at::Tensor& qgkv, at::Tensor& out,
                       const std::optional<at::Tensor>& out_q, const std::optional<at::Tensor>& out_q_lo,
                       const std::optional<at::Tensor>& out_d) {
   constexpr const char* op = "attn_output_gate";
-  QWEN38_CHECK_CUDA("attn_output_gate", attn);
-  QWEN38_CHECK_DTYPE("attn_output_gate", attn, at::kFloat);
-  QWEN38_CHECK_CONTIGUOUS("attn_output_gate", attn);
+  QWEN38_CHECK_CUDA(op, attn);
+  QWEN38_CHECK_DTYPE(op, attn, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS(op, attn);
   QWEN38_CHECK(attn.dim() == 3, op, ": attn must be [T, Hq, hd], found ", attn.sizes());
   const int64_t num_tokens = attn.size(0), num_heads = attn.size(1), head_dim = attn.size(2);
-  const GateOutputs gate =
-      check_gate_outputs(op, attn.device(), num_tokens, num_heads, head_dim, qgkv, out, out_q, out_q_lo, out_d);
+  AttnOutputGateArgs a;
+  a.gate = check_gate_outputs(op, attn.device(), "attn", num_tokens, num_heads, head_dim, qgkv, out, out_q, out_q_lo,
+                              out_d);
+  a.attn = attn.data_ptr<float>();
+  a.num_tokens = static_cast<int>(num_tokens);
+  a.num_heads = static_cast<int>(num_heads);
+  a.head_dim = static_cast<int>(head_dim);
 
   const c10::cuda::CUDAGuard guard(attn.device());
-  const cudaError_t err = attn_output_gate_launch(attn.data_ptr<float>(), gate, (int)num_tokens, (int)num_heads,
-                                                  (int)head_dim, current_stream());
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  launch_or_throw(op, attn_output_gate_launch(a, current_stream()));
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
-// Argument checks shared by the attention bindings (attention.cpp, attention_prefill.cpp).
+// What the attention bindings (attention.cpp, attention_prefill.cpp) share: the checks of the caches and
+// positions, and the packing of attention's launch arguments for the caches' element type.
 #pragma once
 #include <ATen/ATen.h>
+#include <cuda_bf16.h>
 
 #include <cstdint>
 
 #include "checks.h"
+#include "../kernels/attention.h"
 
 namespace qwen38 {
 
@@ -26,6 +29,19 @@ inline void check_caches(const char* op, const at::Tensor& like, const at::Tenso
   QWEN38_CHECK(k_cache.size(0) <= INT32_MAX, op, ": max_seq must fit in int32, found ", k_cache.size(0));
 }
 
+// q: contiguous float32 [T, Hq, hd] on a CUDA device, hd one the kernel is built for (`head_dim_supported`), and
+// the caches for it (check_caches).
+inline void check_q_and_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, bool (*head_dim_supported)(int)) {
+  QWEN38_CHECK_CUDA(op, q);
+  QWEN38_CHECK_DTYPE(op, q, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS(op, q);
+  QWEN38_CHECK(q.dim() == 3, op, ": q must be [T, Hq, hd], found ", q.sizes());
+  QWEN38_CHECK(head_dim_supported(static_cast<int>(q.size(2))), op,
+              ": head_dim must be one of 32, 64, 128, 256 (one kernel instance each), found ", q.size(2));
+  check_caches(op, q, k_cache, v_cache, q.size(2));
+}
+
 inline void check_positions(const char* op, const at::Tensor& like, const at::Tensor& positions, int64_t num_tokens) {
   QWEN38_CHECK(positions.device() == like.device(), op, ": positions must be on ", like.device(), ", found ",
               positions.device());
@@ -33,6 +49,35 @@ inline void check_positions(const char* op, const at::Tensor& like, const at::Te
                   positions.is_contiguous(),
               op, ": positions must be contiguous int32 [T] = [", num_tokens, "], found ", positions.scalar_type(),
               " ", positions.sizes());
+}
+
+// launch(CacheT{}) with CacheT the caches' element type: float or __nv_bfloat16 (check_caches' two dtypes).
+template <typename Launch>
+cudaError_t with_cache_type(const at::Tensor& k_cache, Launch&& launch) {
+  if (k_cache.scalar_type() == at::kFloat) return launch(float{});
+  return launch(__nv_bfloat16{});
+}
+
+// attention's arguments from checked tensors: q [T, Hq, hd], the caches [max_seq, Hkv, hd], positions [T],
+// out (null: not written, attention_gated) and the workspace.
+template <typename CacheT>
+AttentionArgs<CacheT> attention_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& positions, double scale, at::Tensor* out,
+                                     at::Tensor& workspace) {
+  AttentionArgs<CacheT> a;
+  a.q = q.data_ptr<float>();
+  a.k_cache = reinterpret_cast<const CacheT*>(k_cache.data_ptr());
+  a.v_cache = reinterpret_cast<const CacheT*>(v_cache.data_ptr());
+  a.positions = positions.data_ptr<int32_t>();
+  a.scale = static_cast<float>(scale);
+  a.out = out != nullptr ? out->data_ptr<float>() : nullptr;
+  a.workspace = workspace.data_ptr<float>();
+  a.num_tokens = static_cast<int>(q.size(0));
+  a.num_heads = static_cast<int>(q.size(1));
+  a.head_dim = static_cast<int>(q.size(2));
+  a.num_kv_heads = static_cast<int>(k_cache.size(1));
+  a.max_seq = static_cast<int>(k_cache.size(0));
+  return a;
 }
 
 }  // namespace qwen38

@@ -12,15 +12,8 @@ namespace {
 void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& positions, double scale, at::Tensor& out, at::Tensor& workspace) {
   constexpr const char* op = "attention_prefill";
-  QWEN38_CHECK_CUDA("attention_prefill", q);
-  QWEN38_CHECK_DTYPE("attention_prefill", q, at::kFloat);
-  QWEN38_CHECK_CONTIGUOUS("attention_prefill", q);
-  QWEN38_CHECK(q.dim() == 3, op, ": q must be [T, Hq, hd], found ", q.sizes());
+  check_q_and_caches(op, q, k_cache, v_cache, attention_prefill_head_dim_supported);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  QWEN38_CHECK(attention_prefill_head_dim_supported((int)head_dim), op,
-              ": head_dim must be one of 32, 64, 128, 256 (one kernel instance each), found ", head_dim);
-
-  check_caches(op, q, k_cache, v_cache, head_dim);
   const int64_t num_kv_heads = k_cache.size(1), max_seq = k_cache.size(0);
   QWEN38_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op,
               ": Hq must be a multiple of Hkv, found Hq ", num_heads, ", Hkv ", num_kv_heads);
@@ -31,15 +24,15 @@ void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
   check_positions(op, q, positions, num_tokens);
 
-  QWEN38_CHECK_SAME_DEVICE("attention_prefill", q, out);
-  QWEN38_CHECK_DTYPE("attention_prefill", out, at::kFloat);
-  QWEN38_CHECK_CONTIGUOUS("attention_prefill", out);
+  QWEN38_CHECK_SAME_DEVICE(op, q, out);
+  QWEN38_CHECK_DTYPE(op, out, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS(op, out);
   QWEN38_CHECK(out.sizes() == q.sizes(), op, ": out must be shaped like q ", q.sizes(), ", found ", out.sizes());
   QWEN38_CHECK(aligned16(q) && aligned16(k_cache) && aligned16(v_cache) && aligned16(out), op,
               ": q, k_cache, v_cache and out must be 16-byte aligned (the kernel moves them in 16-byte pieces)");
-  QWEN38_CHECK_SAME_DEVICE("attention_prefill", q, workspace);
-  QWEN38_CHECK_DTYPE("attention_prefill", workspace, at::kFloat);
-  QWEN38_CHECK_CONTIGUOUS("attention_prefill", workspace);
+  QWEN38_CHECK_SAME_DEVICE(op, q, workspace);
+  QWEN38_CHECK_DTYPE(op, workspace, at::kFloat);
+  QWEN38_CHECK_CONTIGUOUS(op, workspace);
   const int64_t needed =
       attention_prefill_workspace_numel((int)num_tokens, (int)num_heads, (int)num_kv_heads, (int)head_dim);
   QWEN38_CHECK(workspace.numel() >= needed, op, ": workspace must hold splits * T * Hq * (hd + 2) = ", needed,
@@ -48,20 +41,11 @@ void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
               ": workspace must be 16-byte aligned (the split-K combine reads it in 16-byte pieces)");
 
   const c10::cuda::CUDAGuard guard(q.device());
-  cudaError_t err;
-  if (k_cache.scalar_type() == at::kFloat) {
-    err = attention_prefill_launch<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                          positions.data_ptr<int32_t>(), (float)scale, out.data_ptr<float>(),
-                                          workspace.data_ptr<float>(), (int)num_tokens, (int)num_heads,
-                                          (int)num_kv_heads, (int)head_dim, (int)max_seq, current_stream());
-  } else {
-    err = attention_prefill_launch<__nv_bfloat16>(
-        q.data_ptr<float>(), reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
-        reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), positions.data_ptr<int32_t>(), (float)scale,
-        out.data_ptr<float>(), workspace.data_ptr<float>(), (int)num_tokens, (int)num_heads, (int)num_kv_heads,
-        (int)head_dim, (int)max_seq, current_stream());
-  }
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  launch_or_throw(op, with_cache_type(k_cache, [&](auto cache_element) {
+    using CacheT = decltype(cache_element);
+    return attention_prefill_launch(attention_args<CacheT>(q, k_cache, v_cache, positions, scale, &out, workspace),
+                                    current_stream());
+  }));
 }
 
 }  // namespace

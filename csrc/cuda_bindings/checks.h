@@ -1,5 +1,6 @@
-// Argument checks shared by the CUDA bindings. Every message names the op, the argument and what was
-// expected vs found, because these are the errors a user sees when a buffer is wrong.
+// Argument checks shared by the CUDA bindings, and the one launch epilogue (launch_or_throw). Every message
+// names the op, the argument and what was expected vs found, because these are the errors a user sees when a
+// buffer is wrong. A binding names its op once (`constexpr const char* op = "...";`) and passes it to every check.
 //
 // Numbers are formatted here with snprintf, never streamed: on the device image (this extension built by
 // /opt/gcc against torch 2.11+cu130) a failed TORCH_CHECK whose message streamed an integer (a size, a
@@ -13,6 +14,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -72,6 +74,21 @@ inline void check_row_layout(const char* op, const char* name, const at::Tensor&
                                                why, "), found address ", t.data_ptr(), " row stride ", t.stride(0)));
 }
 
+// `name` is on `device`, the device of the argument `like` names.
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Device& device,
+                              const char* like) {
+  TORCH_CHECK(t.device() == device, message(op, ": ", name, " is on ", t.device(), " but ", like, " is on ", device));
+}
+
+// An activation-side tensor: `dtype` [rows, width] with a contiguous last dimension (rows may be strided), each
+// row starting `align_bytes`-aligned (`why` says what needs it), on `device`, the device of the argument `like`.
+inline void check_rows(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t rows,
+                       int64_t width, int64_t align_bytes, const char* why, const at::Device& device,
+                       const char* like) {
+  check_same_device(op, name, t, device, like);
+  check_row_layout(op, name, t, dtype, rows, width, align_bytes, why);
+}
+
 // `name` is contiguous float32 of exactly `shape`, on the device of the argument `like` names.
 inline void check_float_tensor(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
                                const at::Device& device, const char* like) {
@@ -93,18 +110,85 @@ inline void check_contiguous(const char* op, const char* name, const at::Tensor&
   TORCH_CHECK(t.is_contiguous(), message(op, ": ", name, " must be contiguous (strides ", t.strides(), ")"));
 }
 
+// The optional quantized lane of an activation output of `rows` x `width` values (csrc/bindings.cpp): none,
+// the int8 lane (out_q + out_d) or the two-word lane (out_q + out_q_lo + out_d). Pointers are null where absent;
+// strides in elements.
+struct QuantOutputs {
+  int8_t* q = nullptr;
+  int64_t q_stride = 0;
+  int8_t* q_lo = nullptr;
+  int64_t q_lo_stride = 0;
+  float* d = nullptr;
+  int64_t d_stride = 0;
+};
+
+// One rule for every op that writes the quantized lane (norm_quant's producers, gdn_step, attention's output
+// gate): out_q and out_q_lo contiguous int8 [rows, width] starting 4-byte aligned (the float4 producers store 4
+// bytes at a time), out_d contiguous float32 [rows, width/32], all on `device`, the device of the argument `like`;
+// width % 32 == 0 (`width_name` names the width in the message). Contiguous, because the output gate indexes
+// these rows flat; the producers, which take row strides, get them from these tensors (a one-row tensor may
+// still carry any row stride).
+inline QuantOutputs check_quant_outputs(const char* op, const at::Device& device, const char* like, int64_t rows,
+                                        int64_t width, const char* width_name,
+                                        const std::optional<at::Tensor>& out_q,
+                                        const std::optional<at::Tensor>& out_q_lo,
+                                        const std::optional<at::Tensor>& out_d) {
+  TORCH_CHECK(!out_q_lo.has_value() || out_q.has_value(), message(op, ": out_q_lo needs out_q (the two-word lane)"));
+  TORCH_CHECK(out_q.has_value() == out_d.has_value(), message(op, ": out_q and out_d come together"));
+  QuantOutputs o;
+  if (!out_q.has_value()) return o;
+  TORCH_CHECK(width % 32 == 0, message(op, ": the quantized lanes need ", width_name, " % 32 == 0 (32-value blocks), "
+                                       "found ", width_name, " = ", width));
+  auto check = [&](const char* name, const at::Tensor& t, at::ScalarType dtype, const char* dtype_name, int64_t n) {
+    check_same_device(op, name, t, device, like);
+    TORCH_CHECK(t.scalar_type() == dtype && t.dim() == 2 && t.size(0) == rows && t.size(1) == n && t.is_contiguous(),
+                message(op, ": ", name, " must be contiguous ", dtype_name, " [", rows, ", ", n, "], found ",
+                        t.scalar_type(), " sizes ", t.sizes(), " strides ", t.strides()));
+    TORCH_CHECK(aligned(t, 4),
+                message(op, ": ", name, " must start 4-byte aligned (4-byte stores), found address ", t.data_ptr()));
+  };
+  check("out_q", *out_q, at::kChar, "int8", width);
+  o.q = out_q->data_ptr<int8_t>();
+  o.q_stride = out_q->stride(0);
+  if (out_q_lo.has_value()) {
+    check("out_q_lo", *out_q_lo, at::kChar, "int8", width);
+    o.q_lo = out_q_lo->data_ptr<int8_t>();
+    o.q_lo_stride = out_q_lo->stride(0);
+  }
+  check("out_d", *out_d, at::kFloat, "float32", width / 32);
+  o.d = out_d->data_ptr<float>();
+  o.d_stride = out_d->stride(0);
+  return o;
+}
+
+// The quantized lane into an Args struct with the producers' fields (out_q, out_q_lo, out_d and their strides).
+template <typename Args>
+void set_quant_outputs(Args& a, const QuantOutputs& q) {
+  a.out_q = q.q, a.out_q_stride = q.q_stride;
+  a.out_q_lo = q.q_lo, a.out_q_lo_stride = q.q_lo_stride;
+  a.out_d = q.d, a.out_d_stride = q.d_stride;
+}
+
+// The one launch epilogue: a launcher's error as the op's RuntimeError; `hint` (may be empty) says what the
+// caller can change.
+inline void launch_or_throw(const char* op, cudaError_t err, const char* hint = "") {
+  TORCH_CHECK(err == cudaSuccess, message(op, ": kernel launch failed: ", cudaGetErrorString(err), hint));
+}
+
 }  // namespace qwen38
 
 #define QWEN38_CHECK(cond, ...) TORCH_CHECK(cond, ::qwen38::message(__VA_ARGS__))
 
-#define QWEN38_CHECK_CUDA(op, t) QWEN38_CHECK((t).is_cuda(), op ": " #t " must be a CUDA tensor, found device ", (t).device())
+// `op` is the binding's op name (a const char*); #t names the argument.
+#define QWEN38_CHECK_CUDA(op, t) \
+  QWEN38_CHECK((t).is_cuda(), op, ": " #t " must be a CUDA tensor, found device ", (t).device())
 #define QWEN38_CHECK_DTYPE(op, t, dt) \
-  QWEN38_CHECK((t).scalar_type() == (dt), op ": " #t " must be ", dt, ", found ", (t).scalar_type())
+  QWEN38_CHECK((t).scalar_type() == (dt), op, ": " #t " must be ", dt, ", found ", (t).scalar_type())
 #define QWEN38_CHECK_CONTIGUOUS(op, t) \
-  QWEN38_CHECK((t).is_contiguous(), op ": " #t " must be contiguous (strides ", (t).strides(), ")")
+  QWEN38_CHECK((t).is_contiguous(), op, ": " #t " must be contiguous (strides ", (t).strides(), ")")
 // Rows may be strided (slices of a fused projection), the last dimension may not.
-#define QWEN38_CHECK_ROWS(op, t)                                                                            \
-  QWEN38_CHECK((t).dim() == 2 && (t).stride(1) == 1, op ": " #t " must be 2-D [rows, n] with a contiguous " \
+#define QWEN38_CHECK_ROWS(op, t)                                                                             \
+  QWEN38_CHECK((t).dim() == 2 && (t).stride(1) == 1, op, ": " #t " must be 2-D [rows, n] with a contiguous " \
                "last dimension, found sizes ", (t).sizes(), " strides ", (t).strides())
 #define QWEN38_CHECK_SAME_DEVICE(op, a, b) \
-  QWEN38_CHECK((a).device() == (b).device(), op ": " #a " is on ", (a).device(), " but " #b " is on ", (b).device())
+  QWEN38_CHECK((a).device() == (b).device(), op, ": " #a " is on ", (a).device(), " but " #b " is on ", (b).device())

@@ -37,10 +37,10 @@ void q8_0_embedding_cuda(const at::Tensor& token, const at::Tensor& weight_q, co
   constexpr const char* op = "q8_0_embedding";
   check_token(op, token);
   const int64_t T = token.size(0);
-  QWEN38_CHECK_SAME_DEVICE("q8_0_embedding", token, weight_q);
-  QWEN38_CHECK_SAME_DEVICE("q8_0_embedding", token, weight_d);
-  QWEN38_CHECK_SAME_DEVICE("q8_0_embedding", token, out);
-  QWEN38_CHECK_DTYPE("q8_0_embedding", weight_q, at::kChar);
+  QWEN38_CHECK_SAME_DEVICE(op, token, weight_q);
+  QWEN38_CHECK_SAME_DEVICE(op, token, weight_d);
+  QWEN38_CHECK_SAME_DEVICE(op, token, out);
+  QWEN38_CHECK_DTYPE(op, weight_q, at::kChar);
   check_contiguous(op, "weight_q", weight_q);
   QWEN38_CHECK(weight_q.dim() == 2 && weight_q.size(1) % 32 == 0 && weight_q.size(1) > 0 &&
                   weight_q.size(0) <= INT_MAX && weight_q.size(1) <= INT_MAX,
@@ -48,14 +48,12 @@ void q8_0_embedding_cuda(const at::Tensor& token, const at::Tensor& weight_q, co
   const int64_t V = weight_q.size(0), D = weight_q.size(1);
   QWEN38_CHECK(reinterpret_cast<uintptr_t>(weight_q.data_ptr()) % 16 == 0, op,
               ": weight_q must be 16-byte aligned (16-byte loads), found address ", text(weight_q.data_ptr()));
-  QWEN38_CHECK_DTYPE("q8_0_embedding", weight_d, at::kHalf);
+  QWEN38_CHECK_DTYPE(op, weight_d, at::kHalf);
   check_contiguous(op, "weight_d", weight_d);
   QWEN38_CHECK(weight_d.dim() == 2 && weight_d.size(0) == V && weight_d.size(1) == D / 32, op,
               ": weight_d must be [V, D/32] = [", text(V), ", ", text(D / 32), "], found ", text(weight_d.sizes()));
-  QWEN38_CHECK_DTYPE("q8_0_embedding", out, at::kFloat);
-  QWEN38_CHECK(out.dim() == 2 && out.stride(1) == 1, op,
-              ": out must be 2-D [rows, n] with a contiguous last dimension, found sizes ", text(out.sizes()),
-              " strides ", text(out.strides()));
+  QWEN38_CHECK_DTYPE(op, out, at::kFloat);
+  QWEN38_CHECK_ROWS(op, out);
   QWEN38_CHECK(out.size(0) == T && out.size(1) == D, op, ": out must be [T, D] = [", text(T), ", ", text(D),
               "], found ", text(out.sizes()));
   QWEN38_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && (T <= 1 || out.stride(0) % 4 == 0), op,
@@ -73,8 +71,7 @@ void q8_0_embedding_cuda(const at::Tensor& token, const at::Tensor& weight_q, co
   a.V = static_cast<int>(V);
   a.D = static_cast<int>(D);
   a.bad_token = bad_token_ptr(op, token, bad_token);
-  const cudaError_t err = q8_0_embedding(a, current_stream());
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  launch_or_throw(op, q8_0_embedding_launch(a, current_stream()));
 }
 
 template <typename W>
@@ -88,7 +85,7 @@ cudaError_t launch_dense(const at::Tensor& token, const at::Tensor& weight, at::
   a.T = static_cast<int>(token.size(0));
   a.V = static_cast<int>(weight.size(0));
   a.D = static_cast<int>(weight.size(1));
-  return embedding<W>(a, current_stream());
+  return embedding_launch<W>(a, current_stream());
 }
 
 void embedding_cuda(const at::Tensor& token, const at::Tensor& weight, at::Tensor& out,
@@ -96,8 +93,8 @@ void embedding_cuda(const at::Tensor& token, const at::Tensor& weight, at::Tenso
   constexpr const char* op = "embedding";
   check_token(op, token);
   const int64_t T = token.size(0);
-  QWEN38_CHECK_SAME_DEVICE("embedding", token, weight);
-  QWEN38_CHECK_SAME_DEVICE("embedding", token, out);
+  QWEN38_CHECK_SAME_DEVICE(op, token, weight);
+  QWEN38_CHECK_SAME_DEVICE(op, token, out);
   const at::ScalarType dtype = weight.scalar_type();
   QWEN38_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
               ": weight must be float32, bfloat16 or float16, found ", dtype);
@@ -105,10 +102,8 @@ void embedding_cuda(const at::Tensor& token, const at::Tensor& weight, at::Tenso
   QWEN38_CHECK(weight.dim() == 2 && weight.size(1) > 0 && weight.size(0) <= INT_MAX && weight.size(1) <= INT_MAX, op,
               ": weight must be [V, D] with D > 0, found ", text(weight.sizes()));
   const int64_t D = weight.size(1);
-  QWEN38_CHECK_DTYPE("embedding", out, at::kFloat);
-  QWEN38_CHECK(out.dim() == 2 && out.stride(1) == 1, op,
-              ": out must be 2-D [rows, n] with a contiguous last dimension, found sizes ", text(out.sizes()),
-              " strides ", text(out.strides()));
+  QWEN38_CHECK_DTYPE(op, out, at::kFloat);
+  QWEN38_CHECK_ROWS(op, out);
   QWEN38_CHECK(out.size(0) == T && out.size(1) == D, op, ": out must be [T, D] = [", text(T), ", ", text(D),
               "], found ", text(out.sizes()));
   int32_t* bad = bad_token_ptr(op, token, bad_token);
@@ -122,7 +117,7 @@ void embedding_cuda(const at::Tensor& token, const at::Tensor& weight, at::Tenso
   } else {
     err = launch_dense<__half>(token, weight, out, bad);
   }
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  launch_or_throw(op, err);
 }
 
 }  // namespace

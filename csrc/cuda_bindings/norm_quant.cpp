@@ -4,27 +4,24 @@
 
 #include <climits>
 #include <cstdint>
-#include <cstdio>
-#include <string>
 #include <optional>
 
 #include "checks.h"
 #include "../kernels/norm_quant.h"
-#include "../kernels/pdl.cuh"
 
 namespace qwen38 {
 namespace {
 
-// [rows, width] with a contiguous last dimension, `dtype`, on `device`, rows `align_bytes`-aligned.
-void check_rows(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t rows,
-                int64_t width, int64_t align_bytes, const at::Device& device) {
-  QWEN38_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, found device ", t.device());
-  QWEN38_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but the first argument is on ", device);
-  check_row_layout(op, name, t, dtype, rows, width, align_bytes, "vector accesses");
+// A float row tensor [rows, width] (contiguous last dimension, rows 16-byte aligned for float4 accesses) on
+// `device`, the first argument's; `first`: it is the first argument, so it must be on a CUDA device.
+void check_float_rows(const char* op, const char* name, const at::Tensor& t, int64_t rows, int64_t width,
+                      const at::Device& device, bool first = false) {
+  if (first) QWEN38_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, found device ", t.device());
+  check_rows(op, name, t, at::kFloat, rows, width, 16, "vector accesses", device, "the first argument");
 }
 
 void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t n, const at::Device& device) {
-  QWEN38_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but the first argument is on ", device);
+  check_same_device(op, name, t, device, "the first argument");
   QWEN38_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, found ", t.scalar_type());
   QWEN38_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous(), op, ": ", name, " must be a contiguous [", text(n),
               "], found sizes ", text(t.sizes()));
@@ -36,44 +33,28 @@ void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t
 int check_input(const char* op, const at::Tensor& x, int64_t width) {
   QWEN38_CHECK(x.dim() == 2 && x.size(0) <= INT_MAX && x.size(1) <= INT_MAX, op, ": x must be 2-D [T, D], found ",
               text(x.sizes()));
-  check_rows(op, "x", x, at::kFloat, x.size(0), width, 16, x.device());
+  check_float_rows(op, "x", x, x.size(0), width, x.device(), true);
   return static_cast<int>(x.size(0));
 }
 
-// out (optional for quantize_act) and the optional quantized lane: out_q [+ out_q_lo] int8 [T, D] with
-// out_d float32 [T, D/32].
+// out (optional for quantize_act) and the optional quantized lane (checks.h: check_quant_outputs).
 void set_outputs(const char* op, ProducerArgs& a, const at::Tensor* out, const std::optional<at::Tensor>& out_q,
                  const std::optional<at::Tensor>& out_q_lo, const std::optional<at::Tensor>& out_d,
                  const at::Device& device) {
   QWEN38_CHECK(a.D % 4 == 0, op, ": the CUDA kernel needs the row width D % 4 == 0 (float4 rows), found D = ",
               text(a.D));
   if (out != nullptr) {
-    check_rows(op, "out", *out, at::kFloat, a.T, a.D, 16, device);
+    check_float_rows(op, "out", *out, a.T, a.D, device);
     a.out = out->data_ptr<float>();
     a.out_stride = out->stride(0);
   }
-  QWEN38_CHECK(!out_q_lo.has_value() || out_q.has_value(), op, ": out_q_lo needs out_q (the two-word lane)");
-  QWEN38_CHECK(out_q.has_value() == out_d.has_value(), op, ": out_q and out_d come together");
-  if (!out_q.has_value()) return;
-  QWEN38_CHECK(a.D % 32 == 0, op, ": the quantized lanes need D % 32 == 0 (32-value blocks), found D = ", text(a.D));
-  check_rows(op, "out_q", *out_q, at::kChar, a.T, a.D, 4, device);
-  a.out_q = out_q->data_ptr<int8_t>();
-  a.out_q_stride = out_q->stride(0);
-  if (out_q_lo.has_value()) {
-    check_rows(op, "out_q_lo", *out_q_lo, at::kChar, a.T, a.D, 4, device);
-    a.out_q_lo = out_q_lo->data_ptr<int8_t>();
-    a.out_q_lo_stride = out_q_lo->stride(0);
-  }
-  check_rows(op, "out_d", *out_d, at::kFloat, a.T, a.D / 32, 4, device);
-  a.out_d = out_d->data_ptr<float>();
-  a.out_d_stride = out_d->stride(0);
+  set_quant_outputs(a, check_quant_outputs(op, device, "the first argument", a.T, a.D, "D", out_q, out_q_lo, out_d));
 }
 
 void run(const char* op, Producer producer, const ProducerArgs& a, const at::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
-  const cudaError_t err = produce_activation(producer, a, pdl_enabled(), current_stream());
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err),
-              err == cudaErrorInvalidValue ? " (row or head size beyond the kernel's limits?)" : "");
+  const cudaError_t err = produce_activation_launch(producer, a, current_stream());
+  launch_or_throw(op, err, err == cudaErrorInvalidValue ? " (row or head size beyond the kernel's limits?)" : "");
 }
 
 void quantize_act(const at::Tensor& x, at::Tensor& out_q, const std::optional<at::Tensor>& out_q_lo,
@@ -117,8 +98,8 @@ void add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w
   a.D = static_cast<int>(residual.size(1));
   QWEN38_CHECK(residual.size(0) <= INT_MAX, op, ": too many rows, found ", text(residual.size(0)));
   a.T = static_cast<int>(residual.size(0));
-  check_rows(op, "residual", residual, at::kFloat, a.T, a.D, 16, residual.device());
-  check_rows(op, "x", x, at::kFloat, a.T, a.D, 16, residual.device());
+  check_float_rows(op, "residual", residual, a.T, a.D, residual.device(), true);
+  check_float_rows(op, "x", x, a.T, a.D, residual.device());
   QWEN38_CHECK(a.D <= kProducerMaxRow, op, ": the CUDA kernel handles D <= ", text(kProducerMaxRow), ", found ",
               text(a.D));
   check_vector(op, "weight", weight, a.D, residual.device());
@@ -141,7 +122,7 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out, const std::optional<at
   a.D = static_cast<int>(gate_up.size(1) / 2);
   QWEN38_CHECK(gate_up.size(0) <= INT_MAX, op, ": too many rows, found ", text(gate_up.size(0)));
   a.T = static_cast<int>(gate_up.size(0));
-  check_rows(op, "gate_up", gate_up, at::kFloat, a.T, 2 * static_cast<int64_t>(a.D), 16, gate_up.device());
+  check_float_rows(op, "gate_up", gate_up, a.T, 2 * static_cast<int64_t>(a.D), gate_up.device(), true);
   a.x = gate_up.data_ptr<float>();
   a.x_stride = gate_up.stride(0);
   set_outputs(op, a, &out, out_q, out_q_lo, out_d, gate_up.device());
@@ -156,7 +137,7 @@ void gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& 
   QWEN38_CHECK(x.dim() == 2, op, ": x must be 2-D [T, H*dv], found ", text(x.sizes()));
   a.D = static_cast<int>(x.size(1));
   a.T = check_input(op, x, x.size(1));
-  check_rows(op, "z", z, at::kFloat, a.T, a.D, 16, x.device());
+  check_float_rows(op, "z", z, a.T, a.D, x.device());
   QWEN38_CHECK(weight.dim() == 1, op, ": weight must be 1-D [dv], found ", text(weight.sizes()));
   const int64_t head_dim = weight.size(0);
   QWEN38_CHECK(head_dim > 0 && a.D % head_dim == 0, op, ": x's width ", text(a.D), " must be a multiple of dv = ",

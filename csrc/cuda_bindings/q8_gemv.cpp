@@ -5,12 +5,8 @@
 
 #include <climits>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <string>
 
 #include "checks.h"
-#include "../kernels/pdl.cuh"
 #include "../kernels/q8_gemm.h"
 
 namespace qwen38 {
@@ -29,8 +25,7 @@ void check_weights(const char* op, const at::Tensor& weight_q, const at::Tensor&
               text(weight_q.sizes()));
   QWEN38_CHECK(reinterpret_cast<uintptr_t>(weight_q.data_ptr()) % 16 == 0, op,
               ": weight_q must be 16-byte aligned (16-byte loads), found address ", text(weight_q.data_ptr()));
-  QWEN38_CHECK(weight_d.device() == weight_q.device(), op, ": weight_d is on ", weight_d.device(),
-              " but weight_q is on ", weight_q.device());
+  check_same_device(op, "weight_d", weight_d, weight_q.device(), "weight_q");
   QWEN38_CHECK(weight_d.scalar_type() == at::kHalf, op, ": weight_d must be float16, found ", weight_d.scalar_type());
   QWEN38_CHECK(weight_d.dim() == 2 && weight_d.size(0) == N && weight_d.size(1) == K / 32 &&
                   weight_d.is_contiguous(),
@@ -43,15 +38,13 @@ void check_weights(const char* op, const at::Tensor& weight_q, const at::Tensor&
 }
 
 // An activation-side tensor: [T, width] rows with a contiguous last dimension, on weight_q's device.
-void check_rows(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t rows,
-                int64_t width, int64_t align_bytes, const at::Tensor& weight_q) {
-  QWEN38_CHECK(t.device() == weight_q.device(), op, ": ", name, " is on ", t.device(), " but weight_q is on ",
-              weight_q.device());
-  check_row_layout(op, name, t, dtype, rows, width, align_bytes, "vector loads");
+void check_act(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t rows,
+               int64_t width, int64_t align_bytes, const at::Tensor& weight_q) {
+  check_rows(op, name, t, dtype, rows, width, align_bytes, "vector loads", weight_q.device(), "weight_q");
 }
 
 void check_out(const char* op, const at::Tensor& out, Q8GemvArgs& a, const at::Tensor& weight_q) {
-  check_rows(op, "out", out, at::kFloat, a.T, a.N, 4, weight_q);
+  check_act(op, "out", out, at::kFloat, a.T, a.N, 4, weight_q);
   a.out = out.data_ptr<float>();
   a.out_stride = out.stride(0);
 }
@@ -64,11 +57,11 @@ int64_t token_rows(const char* op, const at::Tensor& x) {
 
 void run(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& weight_q) {
   const c10::cuda::CUDAGuard guard(weight_q.device());
-  Q8GemvConfig cfg = q8_0_gemv_default_config(act, a.N);
-  const bool overridden = q8_0_gemv_config_from_env(&cfg);
-  const cudaError_t err = q8_0_gemv(act, a, cfg, pdl_enabled(), current_stream());
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err),
-              overridden ? " (QWEN38_Q8_GEMV_CONFIG must name a compiled \"trip,parts\" config, see q8_gemv.h)" : "");
+  const cudaError_t err = q8_0_gemv_launch(act, a, current_stream());
+  Q8GemvConfig env;
+  launch_or_throw(op, err, q8_0_gemv_config_from_env(&env)
+                               ? " (QWEN38_Q8_GEMV_CONFIG must name a compiled \"trip,parts\" config, see q8_gemv.h)"
+                               : "");
 }
 
 // The GEMM's extra requirements (q8_gemm.h): K in whole 64-byte stages, 8-byte scale pairs.
@@ -78,12 +71,9 @@ void run_gemm(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& 
               ": x_d's rows must start 8-byte aligned (scale pairs), found address ", text(a.x_d), " row stride ",
               a.x_d_stride);
   const c10::cuda::CUDAGuard guard(weight_q.device());
-  // Benchmarking knob: QWEN38_Q8_GEMM_TILE=32|64|128 replaces the default token tile (read at every call).
-  const char* env = std::getenv("QWEN38_Q8_GEMM_TILE");
-  const int tile = env != nullptr && env[0] != '\0' ? std::atoi(env) : q8_0_gemm_default_tile(act, a);
-  const cudaError_t err = q8_0_gemm(act, a, tile, current_stream());
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err),
-              env != nullptr ? " (QWEN38_Q8_GEMM_TILE must be 32, 64 or 128)" : "");
+  const cudaError_t err = q8_0_gemm_launch(act, a, current_stream());
+  int tile;
+  launch_or_throw(op, err, q8_0_gemm_tile_from_env(&tile) ? " (QWEN38_Q8_GEMM_TILE must be 32, 64 or 128)" : "");
 }
 
 void q8_0_gemv_f32(const at::Tensor& x, const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& out) {
@@ -91,11 +81,28 @@ void q8_0_gemv_f32(const at::Tensor& x, const at::Tensor& weight_q, const at::Te
   Q8GemvArgs a;
   check_weights(op, weight_q, weight_d, a);
   a.T = static_cast<int>(token_rows(op, x));
-  check_rows(op, "x", x, at::kFloat, a.T, a.K, 16, weight_q);
+  check_act(op, "x", x, at::kFloat, a.T, a.K, 16, weight_q);
   a.x = x.data_ptr<float>();
   a.x_stride = x.stride(0);
   check_out(op, out, a, weight_q);
   run(op, Q8Act::F32, a, weight_q);
+}
+
+// The int lanes' activation: x_q (+ x_q_lo, the two-word lane) int8 [T, K] and x_d float32 [T, K/32].
+void set_int_x(const char* op, Q8GemvArgs& a, const at::Tensor& x_q, const at::Tensor* x_q_lo, const at::Tensor& x_d,
+               const at::Tensor& weight_q) {
+  a.T = static_cast<int>(token_rows(op, x_q));
+  check_act(op, "x_q", x_q, at::kChar, a.T, a.K, 16, weight_q);
+  if (x_q_lo != nullptr) check_act(op, "x_q_lo", *x_q_lo, at::kChar, a.T, a.K, 16, weight_q);
+  check_act(op, "x_d", x_d, at::kFloat, a.T, a.K / 32, 4, weight_q);
+  a.x = x_q.data_ptr<int8_t>();
+  a.x_stride = x_q.stride(0);
+  if (x_q_lo != nullptr) {
+    a.x_lo = x_q_lo->data_ptr<int8_t>();
+    a.x_lo_stride = x_q_lo->stride(0);
+  }
+  a.x_d = x_d.data_ptr<float>();
+  a.x_d_stride = x_d.stride(0);
 }
 
 template <bool kGemm>
@@ -104,13 +111,7 @@ void q8_0_int8(const at::Tensor& x_q, const at::Tensor& x_d, const at::Tensor& w
   const char* op = kGemm ? "q8_0_gemm_int8" : "q8_0_gemv_int8";
   Q8GemvArgs a;
   check_weights(op, weight_q, weight_d, a);
-  a.T = static_cast<int>(token_rows(op, x_q));
-  check_rows(op, "x_q", x_q, at::kChar, a.T, a.K, 16, weight_q);
-  check_rows(op, "x_d", x_d, at::kFloat, a.T, a.K / 32, 4, weight_q);
-  a.x = x_q.data_ptr<int8_t>();
-  a.x_stride = x_q.stride(0);
-  a.x_d = x_d.data_ptr<float>();
-  a.x_d_stride = x_d.stride(0);
+  set_int_x(op, a, x_q, nullptr, x_d, weight_q);
   check_out(op, out, a, weight_q);
   (kGemm ? run_gemm : run)(op, Q8Act::Int8, a, weight_q);
 }
@@ -121,16 +122,7 @@ void q8_0_int8x2(const at::Tensor& x_q, const at::Tensor& x_q_lo, const at::Tens
   const char* op = kGemm ? "q8_0_gemm_int8x2" : "q8_0_gemv_int8x2";
   Q8GemvArgs a;
   check_weights(op, weight_q, weight_d, a);
-  a.T = static_cast<int>(token_rows(op, x_q));
-  check_rows(op, "x_q", x_q, at::kChar, a.T, a.K, 16, weight_q);
-  check_rows(op, "x_q_lo", x_q_lo, at::kChar, a.T, a.K, 16, weight_q);
-  check_rows(op, "x_d", x_d, at::kFloat, a.T, a.K / 32, 4, weight_q);
-  a.x = x_q.data_ptr<int8_t>();
-  a.x_stride = x_q.stride(0);
-  a.x_lo = x_q_lo.data_ptr<int8_t>();
-  a.x_lo_stride = x_q_lo.stride(0);
-  a.x_d = x_d.data_ptr<float>();
-  a.x_d_stride = x_d.stride(0);
+  set_int_x(op, a, x_q, &x_q_lo, x_d, weight_q);
   check_out(op, out, a, weight_q);
   (kGemm ? run_gemm : run)(op, Q8Act::Int8x2, a, weight_q);
 }

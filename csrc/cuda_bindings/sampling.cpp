@@ -32,28 +32,29 @@ void argmax_advance_cuda(const at::Tensor& logits, at::Tensor& token, at::Tensor
                          const std::optional<at::Tensor>& seen, const std::optional<at::Tensor>& generated,
                          const std::optional<at::Tensor>& num_generated, const std::optional<at::Tensor>& nonfinite) {
   constexpr const char* op = "argmax_advance";
-  QWEN38_CHECK_CUDA("argmax_advance", logits);
-  QWEN38_CHECK_DTYPE("argmax_advance", logits, at::kFloat);
+  QWEN38_CHECK_CUDA(op, logits);
+  QWEN38_CHECK_DTYPE(op, logits, at::kFloat);
   check_contiguous(op, "logits", logits);
   QWEN38_CHECK(logits.numel() >= 1 && logits.numel() <= INT_MAX, op, ": logits must hold 1..2^31-1 values [V], found ",
               text(logits.sizes()));
-  QWEN38_CHECK_SAME_DEVICE("argmax_advance", logits, token);
-  QWEN38_CHECK_SAME_DEVICE("argmax_advance", logits, position);
-  QWEN38_CHECK_DTYPE("argmax_advance", token, at::kInt);
-  QWEN38_CHECK_DTYPE("argmax_advance", position, at::kInt);
+  QWEN38_CHECK_SAME_DEVICE(op, logits, token);
+  QWEN38_CHECK_SAME_DEVICE(op, logits, position);
+  QWEN38_CHECK_DTYPE(op, token, at::kInt);
+  QWEN38_CHECK_DTYPE(op, position, at::kInt);
   QWEN38_CHECK(token.numel() == 1, op, ": token must hold one value, found sizes ", text(token.sizes()));
   QWEN38_CHECK(position.numel() == 1, op, ": position must hold one value, found sizes ", text(position.sizes()));
-  SamplerBooks books;
-  books.seen = book<bool>("seen", seen, at::kBool, logits.numel(), logits);
-  books.generated = book<bool>("generated", generated, at::kBool, logits.numel(), logits);
-  books.num_generated = book<int32_t>("num_generated", num_generated, at::kInt, 1, logits);
-  books.nonfinite = book<bool>("nonfinite", nonfinite, at::kBool, 1, logits);
+  ArgmaxAdvanceArgs a;
+  a.logits = logits.data_ptr<float>();
+  a.V = static_cast<int>(logits.numel());
+  a.token = token.data_ptr<int32_t>();
+  a.position = position.data_ptr<int32_t>();
+  a.books.seen = book<bool>("seen", seen, at::kBool, logits.numel(), logits);
+  a.books.generated = book<bool>("generated", generated, at::kBool, logits.numel(), logits);
+  a.books.num_generated = book<int32_t>("num_generated", num_generated, at::kInt, 1, logits);
+  a.books.nonfinite = book<bool>("nonfinite", nonfinite, at::kBool, 1, logits);
 
   const c10::cuda::CUDAGuard guard(logits.device());
-  const cudaError_t err = argmax_advance(logits.data_ptr<float>(), static_cast<int>(logits.numel()),
-                                         token.data_ptr<int32_t>(), position.data_ptr<int32_t>(), books,
-                                         current_stream());
-  QWEN38_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  launch_or_throw(op, argmax_advance_launch(a, current_stream()));
 }
 
 }  // namespace

@@ -1,105 +1,21 @@
-// Gated full attention: QK RMSNorm + partial NEOX RoPE + KV store, split-K flash-decode with a
-// fixed-order combine, sigmoid output gate (+ activation quantization).
+// attention and attention_gated: split-K causal flash-decode over the KV cache with a fixed-order combine, the
+// sigmoid output gate (+ activation quantization) optionally applied in the combine. attn_qk_norm_rope_store and
+// the standalone attn_output_gate are attention_rope_gate.cu's.
 //
 // Positions live on the device (int32): every kernel reads positions[t] itself and derives what depends
-// on it (the cache row to store, the causal bound, each split's row range), so the grid is fixed at
-// launch and one captured graph serves every decode position.
+// on it (the causal bound, each split's row range), so the grid is fixed at launch and one captured graph
+// serves every decode position.
 #include "attention.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "attention_gate.cuh"
+#include "common.cuh"
 #include "pdl.cuh"
-#include "quantize.cuh"
 
 namespace qwen38 {
 namespace {
-
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr float kLog2e = 1.4426950408889634f;
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-// ---------------------------------------------------------------------------------------------------
-// attn_qk_norm_rope_store. One block per (head, token) over Hq query heads then Hkv key heads (a key
-// block also copies its v head); one thread per dim. Latency-bound and tiny (28 blocks a decode token at
-// 27B), so plainness wins over vector loads.
-//
-// RoPE angles are formed exactly as HF forms them in float32: inv_freq = 1 / theta^(2i/rotary_dim)
-// (each step rounded to float32), angle = float(pos) * inv_freq rounded to float32, cos/sin of that
-// float. Fast-math powf/sinf/cosf would lose about pos * 1e-7 rad in the angle (0.003 rad at 32k); the
-// power and the cos/sin go through double precision and are rounded once to float, which matches
-// torch's float32 results to an ulp whatever the build flags.
-template <typename CacheT>
-__global__ void qk_norm_rope_store_kernel(const float* __restrict__ qgkv, int64_t qgkv_row_stride,
-                                          const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-                                          const int32_t* __restrict__ positions, float eps, float rope_theta,
-                                          int rotary_dim, float* __restrict__ q_out, CacheT* __restrict__ k_cache,
-                                          CacheT* __restrict__ v_cache, int32_t* __restrict__ bad_position,
-                                          int num_heads, int num_kv_heads, int head_dim, int max_seq) {
-  // PDL (pdl.cuh): nothing is read before the wait; qgkv is the predecessor's output.
-  pdl_allow_successor();
-  pdl_wait_for_predecessor();
-  const int head = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
-  const bool is_query = head < num_heads;
-  const int kv_head = head - num_heads;
-  const float* row = qgkv + t * qgkv_row_stride;
-  const int k_offset = 2 * num_heads * head_dim;  // k follows the interleaved [query | gate] pairs
-  const int v_offset = k_offset + num_kv_heads * head_dim;
-  const float* src = is_query ? row + head * 2 * head_dim : row + k_offset + kv_head * head_dim;
-  const bool active = d < head_dim;
-
-  const float x = active ? src[d] : 0.0f;
-  __shared__ float warp_sums[32];
-  __shared__ float normed[1024];
-  const float sum = warp_sum(x * x);
-  if ((d & 31) == 0) warp_sums[d >> 5] = sum;
-  __syncthreads();
-  float total = 0.0f;
-  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += warp_sums[w];
-  const float weight = active ? (is_query ? q_norm[d] : k_norm[d]) : 0.0f;
-  float y = x * (1.0f / sqrtf(total / (float)head_dim + eps)) * weight;
-  if (active) normed[d] = y;
-  __syncthreads();
-
-  const int pos = positions[t];
-  if (d < rotary_dim) {
-    const int half = rotary_dim / 2;
-    const bool low = d < half;
-    const int i = low ? d : d - half;
-    const float exponent = __fdiv_rn((float)(2 * i), (float)rotary_dim);
-    const float power = (float)pow((double)rope_theta, (double)exponent);
-    const float angle = __fmul_rn((float)pos, __frcp_rn(power));
-    double sin_d, cos_d;
-    sincos((double)angle, &sin_d, &cos_d);
-    const float c = (float)cos_d, s = (float)sin_d;
-    const float partner = normed[low ? d + half : d - half];
-    // NEOX rotate-half: (x_i, x_{i+half}) -> (x_i c - x_{i+half} s, x_{i+half} c + x_i s)
-    y = low ? __fsub_rn(__fmul_rn(y, c), __fmul_rn(partner, s)) : __fadd_rn(__fmul_rn(y, c), __fmul_rn(partner, s));
-  }
-  if (!active) return;
-  if (is_query) {
-    q_out[((int64_t)t * num_heads + head) * head_dim + d] = y;
-  } else if (pos >= 0 && pos < max_seq) {
-    const int64_t dst = ((int64_t)pos * num_kv_heads + kv_head) * head_dim + d;
-    k_cache[dst] = from_float<CacheT>(y);
-    v_cache[dst] = from_float<CacheT>(row[v_offset + kv_head * head_dim + d]);
-  } else if (d == 0 && bad_position != nullptr) {
-    // Nothing is written outside the cache; the position comes from the device (a graph replay), so the
-    // error is raised on the host at its next sync, from this flag.
-    *bad_position = 1;
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------
 // attention: split-K flash-decode.
@@ -177,15 +93,6 @@ __device__ __forceinline__ SplitRange split_range(int ctx, int num_splits, int m
   return r;
 }
 
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src, bool fill) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  const int src_bytes = fill ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
-
 template <typename CacheT, int kVecElems>
 __device__ __forceinline__ void load_vec_as_float(const CacheT* p, float* out);
 template <>
@@ -225,8 +132,8 @@ __device__ __forceinline__ void issue_tile(CacheT* stage_k, CacheT* stage_v, con
     const bool fill = row < end_row;
     const int64_t src = ((int64_t)(fill ? row : 0) * num_kv_heads + kv_head) * kHeadDim + col;
     const int dst = local_row * kHeadDim + col;
-    cp_async_16(stage_k + dst, k_cache + src, fill);
-    cp_async_16(stage_v + dst, v_cache + src, fill);
+    cp_async<16>(stage_k + dst, k_cache + src, fill);
+    cp_async<16>(stage_v + dst, v_cache + src, fill);
   }
 }
 
@@ -434,28 +341,6 @@ attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k
   }
 }
 
-// The sigmoid output gate (attn_output_gate, and fused into the combine by attention_gated): out = attn *
-// sigmoid(gate), gate from qgkv's interleaved [query_h | gate_h] rows, plus the int8 / two-word int8 form the
-// o_proj GEMV reads. kNone: the combine writes attention's plain output.
-enum class GateLane { kNone, kFloat, kInt8, kInt8x2 };
-
-__device__ __forceinline__ float gate_of(const GateOutputs& g, int t, int c, int head_dim) {
-  const int head = c / head_dim, d = c - head * head_dim;
-  return g.qgkv[t * g.qgkv_row_stride + (int64_t)head * 2 * head_dim + head_dim + d];
-}
-
-// Value c of row t (flat index i = t * Hq*hd + c). The 32 lanes of the calling warp must hold one quantization
-// block (32 consecutive c of one row): its amax is a warp shuffle.
-template <GateLane kLane>
-__device__ __forceinline__ void store_gated(float attn, float gate, int t, int c, int64_t i, const GateOutputs& g) {
-  const float y = attn * (1.0f / (1.0f + expf(-gate)));
-  g.out[t * g.out_row_stride + c] = y;
-  if constexpr (kLane == GateLane::kInt8 || kLane == GateLane::kInt8x2) {
-    store_quantized_lane<kLane == GateLane::kInt8x2>(y, &g.out_q[i], kLane == GateLane::kInt8x2 ? &g.out_q_lo[i] : nullptr,
-                                                    &g.out_d[i / kQuantBlock]);
-  }
-}
-
 // The fixed-order combine of the splits of one (token, query head): weights 2^(m_s - max m), summed in
 // split order. The per-split (m, l) pairs are fetched by one thread each into shared memory first, and
 // every partial accumulator a thread needs is in flight at once: the combine is latency-bound (its
@@ -517,20 +402,17 @@ template <int kHeadDim, GateLane kLane>
 cudaError_t launch_combine(dim3 grid, cudaStream_t stream, const int32_t* positions, const float* ws_acc,
                            const float* ws_ml, float* out, const GateOutputs& gate, int num_heads, int max_seq,
                            int num_splits, int tile_rows) {
-  return launch_maybe_pdl(attention_combine_kernel<kHeadDim, kLane>, grid, dim3(kCombineThreads), 0, stream,
-                          pdl_enabled(), positions, ws_acc, ws_ml, out, gate, num_heads, max_seq, num_splits,
-                          tile_rows);
+  return launch_pdl(attention_combine_kernel<kHeadDim, kLane>, grid, dim3(kCombineThreads), 0, stream, positions,
+                    ws_acc, ws_ml, out, gate, num_heads, max_seq, num_splits, tile_rows);
 }
 
-// gate: null for attention's plain output, else the output gate fused into the combine (which then must run:
-// the caller guarantees more than one split).
+// gate: null for attention's plain output (a.out), else the output gate fused into the combine (which then must
+// run: the caller guarantees more than one split; a.out is not written).
 template <typename CacheT, int kHeadDim, int kGroup>
-cudaError_t launch_attention(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                             float scale, float* out, const GateOutputs* gate, float* workspace, int num_tokens,
-                             int num_heads, int num_kv_heads, int max_seq, cudaStream_t stream) {
+cudaError_t launch_attention(const AttentionArgs<CacheT>& a, const GateOutputs* gate, cudaStream_t stream) {
   using Split = GroupSplit<kGroup>;
   using Tile = AttnTile<CacheT, kHeadDim, Split::kRowWarps>;
-  const int num_splits = attention_num_splits(num_tokens);
+  const int num_splits = attention_num_splits(a.num_tokens);
   constexpr int kRingBytes = kStages * Tile::kStageBytes;
   constexpr int kMergeBytes = Split::kRowWarps * kGroup * (kHeadDim + 2) * (int)sizeof(float);
   constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
@@ -538,17 +420,18 @@ cudaError_t launch_attention(const float* q, const CacheT* k_cache, const CacheT
   // Not a stream operation, so legal while a graph is being captured; idempotent, so cheap to repeat.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  float* ws_acc = workspace;
-  float* ws_ml = workspace + (int64_t)num_tokens * num_heads * num_splits * kHeadDim;
-  const dim3 grid(num_splits, num_kv_heads, num_tokens);
-  err = launch_maybe_pdl(kernel, grid, dim3(kAttnThreads), kSmemBytes, stream, pdl_enabled(), q, k_cache, v_cache,
-                         positions, scale * kLog2e, out, ws_acc, ws_ml, num_heads, num_kv_heads,
-                         num_heads / num_kv_heads, max_seq, num_splits);
+  float* out = gate != nullptr ? nullptr : a.out;
+  float* ws_acc = a.workspace;
+  float* ws_ml = a.workspace + (int64_t)a.num_tokens * a.num_heads * num_splits * kHeadDim;
+  const dim3 grid(num_splits, a.num_kv_heads, a.num_tokens);
+  err = launch_pdl(kernel, grid, dim3(kAttnThreads), kSmemBytes, stream, a.q, a.k_cache, a.v_cache, a.positions,
+                   a.scale * kLog2e, out, ws_acc, ws_ml, a.num_heads, a.num_kv_heads, a.num_heads / a.num_kv_heads,
+                   a.max_seq, num_splits);
   if (err != cudaSuccess || num_splits == 1) return err;
-  const dim3 combine_grid(num_heads, num_tokens);
+  const dim3 combine_grid(a.num_heads, a.num_tokens);
   const GateOutputs g = gate != nullptr ? *gate : GateOutputs{};
-#define QWEN38_COMBINE(LANE) \
-  launch_combine<kHeadDim, LANE>(combine_grid, stream, positions, ws_acc, ws_ml, out, g, num_heads, max_seq, \
+#define QWEN38_COMBINE(LANE)                                                                                     \
+  launch_combine<kHeadDim, LANE>(combine_grid, stream, a.positions, ws_acc, ws_ml, out, g, a.num_heads, a.max_seq, \
                                  num_splits, Tile::kRows)
   if (gate == nullptr) return QWEN38_COMBINE(GateLane::kNone);
   if (g.out_q == nullptr) return QWEN38_COMBINE(GateLane::kFloat);
@@ -558,126 +441,48 @@ cudaError_t launch_attention(const float* q, const CacheT* k_cache, const CacheT
 }
 
 template <typename CacheT, int kHeadDim>
-cudaError_t dispatch_group(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                           float scale, float* out, const GateOutputs* gate, float* workspace, int num_tokens,
-                           int num_heads, int num_kv_heads, int max_seq, cudaStream_t stream) {
+cudaError_t dispatch_group(const AttentionArgs<CacheT>& a, const GateOutputs* gate, cudaStream_t stream) {
   // Group sizes share an instance rounded up (the surplus heads are computed on zeros and never written):
   // 1, 2, 4 (3, 4), 6 (5, 6: the 27B model), 8 (7, 8).
-  const int group = num_heads / num_kv_heads;
-#define QWEN38_ATTN_GROUP(G)                                                                                 \
-  return launch_attention<CacheT, kHeadDim, G>(q, k_cache, v_cache, positions, scale, out, gate, workspace, \
-                                               num_tokens, num_heads, num_kv_heads, max_seq, stream)
-  if (group <= 1) QWEN38_ATTN_GROUP(1);
-  if (group <= 2) QWEN38_ATTN_GROUP(2);
-  if (group <= 4) QWEN38_ATTN_GROUP(4);
-  if (group <= 6) QWEN38_ATTN_GROUP(6);
-  QWEN38_ATTN_GROUP(8);
-#undef QWEN38_ATTN_GROUP
+  const int group = a.num_heads / a.num_kv_heads;
+  if (group <= 1) return launch_attention<CacheT, kHeadDim, 1>(a, gate, stream);
+  if (group <= 2) return launch_attention<CacheT, kHeadDim, 2>(a, gate, stream);
+  if (group <= 4) return launch_attention<CacheT, kHeadDim, 4>(a, gate, stream);
+  if (group <= 6) return launch_attention<CacheT, kHeadDim, 6>(a, gate, stream);
+  return launch_attention<CacheT, kHeadDim, 8>(a, gate, stream);
 }
 
-// ---------------------------------------------------------------------------------------------------
-// attn_output_gate. One thread per output value and one warp per 32-value quantization block, so the
-// block's amax is a warp shuffle (requires Hq*hd % 32 == 0 when quantizing, checked by the binding).
-template <GateLane kLane>
-__global__ void attn_output_gate_kernel(const float* __restrict__ attn, GateOutputs g, int num_tokens, int num_heads,
-                                        int head_dim) {
-  const int width = num_heads * head_dim;
-  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (int64_t)num_tokens * width) return;  // whole warps: width % 32 == 0 on the quantized lanes
-  // PDL (pdl.cuh): nothing is read before the wait; attn is the predecessor's output.
-  pdl_allow_successor();
-  pdl_wait_for_predecessor();
-  const int t = (int)(i / width), c = (int)(i - (int64_t)t * width);
-  store_gated<kLane>(attn[i], gate_of(g, t, c, head_dim), t, c, i, g);
+// attention_launch and attention_gated_launch: gate null for the plain output.
+template <typename CacheT>
+cudaError_t dispatch_head_dim(const AttentionArgs<CacheT>& a, const GateOutputs* gate, cudaStream_t stream) {
+  if (a.num_tokens <= 0) return cudaSuccess;
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.num_heads / a.num_kv_heads > kAttentionMaxGroup)
+    return cudaErrorInvalidValue;
+  switch (a.head_dim) {
+    case 32: return dispatch_group<CacheT, 32>(a, gate, stream);
+    case 64: return dispatch_group<CacheT, 64>(a, gate, stream);
+    case 128: return dispatch_group<CacheT, 128>(a, gate, stream);
+    case 256: return dispatch_group<CacheT, 256>(a, gate, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 template <typename CacheT>
-cudaError_t attn_qk_norm_rope_store_launch(const float* qgkv, int64_t qgkv_row_stride, const float* q_norm,
-                                           const float* k_norm, const int32_t* positions, float eps,
-                                           float rope_theta, int rotary_dim, float* q_out, CacheT* k_cache,
-                                           CacheT* v_cache, int32_t* bad_position, int num_tokens, int num_heads,
-                                           int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream) {
-  if (num_tokens <= 0) return cudaSuccess;
-  if (head_dim <= 0 || head_dim > 1024 || rotary_dim < 0 || rotary_dim > head_dim || rotary_dim % 2 != 0)
-    return cudaErrorInvalidValue;
-  const int threads = (head_dim + 31) / 32 * 32;
-  return launch_maybe_pdl(qk_norm_rope_store_kernel<CacheT>, dim3(num_heads + num_kv_heads, num_tokens),
-                          dim3(threads), 0, stream, pdl_enabled(), qgkv, qgkv_row_stride, q_norm, k_norm, positions,
-                          eps, rope_theta, rotary_dim, q_out, k_cache, v_cache, bad_position, num_heads,
-                          num_kv_heads, head_dim, max_seq);
-}
-
-// attention_launch and attention_gated_launch: gate null for the plain output.
-template <typename CacheT>
-cudaError_t dispatch_head_dim(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                              float scale, float* out, const GateOutputs* gate, float* workspace, int num_tokens,
-                              int num_heads, int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream) {
-  if (num_tokens <= 0) return cudaSuccess;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kAttentionMaxGroup)
-    return cudaErrorInvalidValue;
-#define QWEN38_ATTN_HEAD_DIM(D)                                                                              \
-  case D:                                                                                                     \
-    return dispatch_group<CacheT, D>(q, k_cache, v_cache, positions, scale, out, gate, workspace, num_tokens,\
-                                     num_heads, num_kv_heads, max_seq, stream);
-  switch (head_dim) {
-    QWEN38_ATTN_HEAD_DIM(32)
-    QWEN38_ATTN_HEAD_DIM(64)
-    QWEN38_ATTN_HEAD_DIM(128)
-    QWEN38_ATTN_HEAD_DIM(256)
-#undef QWEN38_ATTN_HEAD_DIM
-    default: return cudaErrorInvalidValue;
-  }
+cudaError_t attention_launch(const AttentionArgs<CacheT>& args, cudaStream_t stream) {
+  return dispatch_head_dim(args, nullptr, stream);
 }
 
 template <typename CacheT>
-cudaError_t attention_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                             float scale, float* out, float* workspace, int num_tokens, int num_heads,
-                             int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream) {
-  return dispatch_head_dim(q, k_cache, v_cache, positions, scale, out, nullptr, workspace, num_tokens, num_heads,
-                           num_kv_heads, head_dim, max_seq, stream);
+cudaError_t attention_gated_launch(const AttentionGatedArgs<CacheT>& args, cudaStream_t stream) {
+  if (args.num_tokens > kAttentionSameSplitTokens || args.head_dim % 32 != 0) return cudaErrorInvalidValue;
+  return dispatch_head_dim<CacheT>(args, &args.gate, stream);
 }
 
-template <typename CacheT>
-cudaError_t attention_gated_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache,
-                                   const int32_t* positions, float scale, const GateOutputs& gate, float* workspace,
-                                   int num_tokens, int num_heads, int num_kv_heads, int head_dim, int max_seq,
-                                   cudaStream_t stream) {
-  if (num_tokens > kAttentionSameSplitTokens || head_dim % 32 != 0) return cudaErrorInvalidValue;
-  return dispatch_head_dim(q, k_cache, v_cache, positions, scale, nullptr, &gate, workspace, num_tokens, num_heads,
-                           num_kv_heads, head_dim, max_seq, stream);
-}
-
-cudaError_t attn_output_gate_launch(const float* attn, const GateOutputs& gate, int num_tokens, int num_heads,
-                                    int head_dim, cudaStream_t stream) {
-  const int64_t n = (int64_t)num_tokens * num_heads * head_dim;
-  if (n <= 0) return cudaSuccess;
-  const int threads = 256;
-  const unsigned blocks = (unsigned)((n + threads - 1) / threads);
-  auto kernel = gate.out_q == nullptr      ? attn_output_gate_kernel<GateLane::kFloat>
-                : gate.out_q_lo == nullptr ? attn_output_gate_kernel<GateLane::kInt8>
-                                           : attn_output_gate_kernel<GateLane::kInt8x2>;
-  return launch_maybe_pdl(kernel, dim3(blocks), dim3(threads), 0, stream, pdl_enabled(), attn, gate, num_tokens,
-                          num_heads, head_dim);
-}
-
-template cudaError_t attn_qk_norm_rope_store_launch<float>(const float*, int64_t, const float*, const float*,
-                                                           const int32_t*, float, float, int, float*, float*,
-                                                           float*, int32_t*, int, int, int, int, int, cudaStream_t);
-template cudaError_t attn_qk_norm_rope_store_launch<__nv_bfloat16>(const float*, int64_t, const float*,
-                                                                   const float*, const int32_t*, float, float, int,
-                                                                   float*, __nv_bfloat16*, __nv_bfloat16*, int32_t*,
-                                                                   int, int, int, int, int, cudaStream_t);
-template cudaError_t attention_launch<float>(const float*, const float*, const float*, const int32_t*, float, float*,
-                                             float*, int, int, int, int, int, cudaStream_t);
-template cudaError_t attention_launch<__nv_bfloat16>(const float*, const __nv_bfloat16*, const __nv_bfloat16*,
-                                                     const int32_t*, float, float*, float*, int, int, int, int, int,
-                                                     cudaStream_t);
-template cudaError_t attention_gated_launch<float>(const float*, const float*, const float*, const int32_t*, float,
-                                                   const GateOutputs&, float*, int, int, int, int, int, cudaStream_t);
-template cudaError_t attention_gated_launch<__nv_bfloat16>(const float*, const __nv_bfloat16*, const __nv_bfloat16*,
-                                                           const int32_t*, float, const GateOutputs&, float*, int, int,
-                                                           int, int, int, cudaStream_t);
+template cudaError_t attention_launch<float>(const AttentionArgs<float>&, cudaStream_t);
+template cudaError_t attention_launch<__nv_bfloat16>(const AttentionArgs<__nv_bfloat16>&, cudaStream_t);
+template cudaError_t attention_gated_launch<float>(const AttentionGatedArgs<float>&, cudaStream_t);
+template cudaError_t attention_gated_launch<__nv_bfloat16>(const AttentionGatedArgs<__nv_bfloat16>&, cudaStream_t);
 
 }  // namespace qwen38

@@ -1,23 +1,23 @@
-// Gated full attention kernels: per-head QK RMSNorm + partial NEOX RoPE + KV-cache store at the
-// device-held position, split-K causal flash-decode over the cache (GQA) with a fixed-order combine, and
-// the sigmoid output gate (with the optional int8 / two-word int8 activation outputs), alone or in the combine. Host launchers take
-// raw device pointers, sizes and a stream; they launch asynchronously and return the cudaError_t.
-// Layouts are those of csrc/bindings.cpp. The cache element type is float or __nv_bfloat16.
+// Gated full attention kernels, in two files by strategy: attention.cu holds the split-K causal flash-decode over
+// the cache (GQA) with its fixed-order combine, plain (attention) or with the sigmoid output gate applied in the
+// combine (attention_gated); attention_rope_gate.cu holds the per-head QK RMSNorm + partial NEOX RoPE + KV-cache
+// store at the device-held position (attn_qk_norm_rope_store) and the standalone output gate (attn_output_gate).
+// The gate's optional int8 / two-word int8 activation outputs are attention_gate.cuh's, shared by both. Each
+// launcher takes its op's Args and a stream, launches asynchronously (with PDL when pdl_enabled(): pdl.cuh) and
+// returns the cudaError_t. Layouts are those of csrc/bindings.cpp. The cache element type is float or
+// __nv_bfloat16.
 #pragma once
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "op_limits.h"  // kAttentionSplits, kAttentionSameSplitTokens, kBadPositionFlag
+
 namespace qwen38 {
 
-// Splits per (token, query head) of the attention kernel. Up to kAttentionSameSplitTokens tokens every
-// row gets the decode step's kAttentionSplits, so a speculative verify of T <= 8 tokens computes each row
-// with exactly the float order of a T = 1 step (greedy speculative output equals plain greedy, bit for
-// bit); longer inputs share the 64 splits among their rows. Must equal qwen38_ops.attention.
-constexpr int kAttentionSplits = 64;
-constexpr int kAttentionSameSplitTokens = 8;
 constexpr int kAttentionMaxGroup = 8;  // query heads per kv head
 
+// Splits per (token, query head) of the attention kernel (op_limits.h says why).
 inline int attention_num_splits(int num_tokens) {
   if (num_tokens <= kAttentionSameSplitTokens) return kAttentionSplits;
   const int s = kAttentionSplits / num_tokens;
@@ -33,22 +33,43 @@ inline bool attention_head_dim_supported(int head_dim) {
 }
 
 // qgkv [T, Hq*2*hd + 2*Hkv*hd] (row stride qgkv_row_stride), q_norm/k_norm [hd], positions int32 [T],
-// q_out [T, Hq, hd], caches [max_seq, Hkv, hd]. A position outside [0, max_seq) stores nothing.
-// hd <= 1024, rotary_dim even and <= hd.
+// q_out [T, Hq, hd], caches [max_seq, Hkv, hd]. A position outside [0, max_seq) stores nothing and stores
+// kBadPositionFlag into *bad_position (when not null). hd <= 1024, rotary_dim even and <= hd.
 template <typename CacheT>
-cudaError_t attn_qk_norm_rope_store_launch(const float* qgkv, int64_t qgkv_row_stride, const float* q_norm,
-                                           const float* k_norm, const int32_t* positions, float eps,
-                                           float rope_theta, int rotary_dim, float* q_out, CacheT* k_cache,
-                                           CacheT* v_cache, int32_t* bad_position, int num_tokens, int num_heads,
-                                           int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream);
+struct AttnQkNormRopeStoreArgs {
+  const float* qgkv = nullptr;
+  int64_t qgkv_row_stride = 0;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  const int32_t* positions = nullptr;
+  float eps = 0.f, rope_theta = 0.f;
+  int rotary_dim = 0;
+  float* q_out = nullptr;
+  CacheT* k_cache = nullptr;
+  CacheT* v_cache = nullptr;
+  int32_t* bad_position = nullptr;
+  int num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, max_seq = 0;
+};
+template <typename CacheT>
+cudaError_t attn_qk_norm_rope_store_launch(const AttnQkNormRopeStoreArgs<CacheT>& args, cudaStream_t stream);
 
 // q [T, Hq, hd], caches [max_seq, Hkv, hd] (16-byte aligned), positions int32 [T], out [T, Hq, hd],
 // workspace float32 with attention_workspace_numel(T, Hq, hd) elements. Token t attends rows
 // 0..positions[t] (clamped to the cache). Hq / Hkv <= kAttentionMaxGroup, head_dim supported as above.
+// attention_prefill_launch (attention_prefill.h) takes the same arguments, with its own workspace size.
 template <typename CacheT>
-cudaError_t attention_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                             float scale, float* out, float* workspace, int num_tokens, int num_heads,
-                             int num_kv_heads, int head_dim, int max_seq, cudaStream_t stream);
+struct AttentionArgs {
+  const float* q = nullptr;
+  const CacheT* k_cache = nullptr;
+  const CacheT* v_cache = nullptr;
+  const int32_t* positions = nullptr;
+  float scale = 0.f;
+  float* out = nullptr;  // unused by attention_gated_launch (the gate's out is its output)
+  float* workspace = nullptr;
+  int num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, max_seq = 0;
+};
+template <typename CacheT>
+cudaError_t attention_launch(const AttentionArgs<CacheT>& args, cudaStream_t stream);
 
 // The sigmoid output gate's operands: out [T, Hq*hd] = attn * sigmoid(gate), the gate read from qgkv's
 // interleaved [query_h | gate_h] halves (row stride qgkv_row_stride); out row stride out_row_stride. out_q (and
@@ -67,13 +88,18 @@ struct GateOutputs {
 // attention_launch, then the output gate applied in its split-K combine (one launch fewer): the decode step and
 // the verify, T <= kAttentionSameSplitTokens (so the combine always runs), head_dim % 32 == 0.
 template <typename CacheT>
-cudaError_t attention_gated_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache,
-                                   const int32_t* positions, float scale, const GateOutputs& gate, float* workspace,
-                                   int num_tokens, int num_heads, int num_kv_heads, int head_dim, int max_seq,
-                                   cudaStream_t stream);
+struct AttentionGatedArgs : AttentionArgs<CacheT> {
+  GateOutputs gate;
+};
+template <typename CacheT>
+cudaError_t attention_gated_launch(const AttentionGatedArgs<CacheT>& args, cudaStream_t stream);
 
 // attn [T, Hq, hd] contiguous.
-cudaError_t attn_output_gate_launch(const float* attn, const GateOutputs& gate, int num_tokens, int num_heads,
-                                    int head_dim, cudaStream_t stream);
+struct AttnOutputGateArgs {
+  const float* attn = nullptr;
+  GateOutputs gate;
+  int num_tokens = 0, num_heads = 0, head_dim = 0;
+};
+cudaError_t attn_output_gate_launch(const AttnOutputGateArgs& args, cudaStream_t stream);
 
 }  // namespace qwen38

@@ -41,11 +41,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "common.cuh"
+
 namespace qwen38 {
 namespace {
 
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kBlockM = kAttentionPrefillRows;
 constexpr int kWarps = kBlockM / 16;  // one m16 row block per warp
 constexpr int kThreads = kWarps * 32;
@@ -74,32 +74,7 @@ __device__ __forceinline__ int context_length(int pos, int max_seq) {
   return pos < 0 ? 0 : (pos >= max_seq ? max_seq : pos + 1);
 }
 
-// ---- PTX wrappers (PTX ISA: cp.async, ldmatrix, mma.m16n8k16 with .bf16 operands) ----------------------
-
-__device__ __forceinline__ unsigned smem_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src, bool fill) {
-  const int src_bytes = fill ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem_dst)), "l"(global_src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-
-// Four 8x8 bf16 matrices; lane l gives the row address of matrix l / 8, row l % 8, and receives from
-// matrix m the elements (row l / 4, columns 2 (l % 4) and +1) as register m (transposed: (rows 2 (l % 4)
-// and +1, column l / 4)).
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const __nv_bfloat16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const __nv_bfloat16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(p)));
-}
+// ---- PTX wrapper (PTX ISA: mma.m16n8k16 with .bf16 operands; cp.async and ldmatrix are common.cuh's) ----------
 
 // d[16x8] += a[16x16] b[16x8]. With g = lane / 4, c = lane % 4: a = {(g, 2c..2c+1), (g+8, 2c..), (g, 2c+8..),
 // (g+8, 2c+8..)}, b = {(k 2c..2c+1, n g), (k 2c+8.., n g)}, d = {(g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)}.
@@ -169,7 +144,7 @@ __device__ __forceinline__ void load_tile_async(CacheT* dst, const CacheT* __res
     const int row = first + r;
     const bool fill = row < end;
     const CacheT* src = cache + ((int64_t)(fill ? row : 0) * num_kv_heads + kv_head) * kHeadDim + col;
-    cp_async_16(dst + r * kDstStride + col, src, fill);
+    cp_async<16>(dst + r * kDstStride + col, src, fill);
   }
 }
 
@@ -277,7 +252,7 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
 
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     const int kv_first = tile * kBlockN;
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();  // K(tile) landed; every warp is done with V(tile - 1)
     if constexpr (kSplit) {
       split_tile<Tile, kBlockN, kHeadDim>(k_planes, raw);
@@ -342,7 +317,7 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
       }
     }
 
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();  // V(tile) landed; every warp is done with K(tile)
     if constexpr (kSplit) {
       split_tile<Tile, kBlockN, kHeadDim>(v_planes, raw);
@@ -390,7 +365,7 @@ attention_prefill_kernel(const float* __restrict__ q,            // [T, Hq, hd]
       }
     }
   }
-  cp_async_wait_all();
+  cp_async_wait<0>();
 
   // out = O / l, l summed over the quad. l = 0 only for rows that see no cache row (past T * G: not stored).
   // Split-K: O, m and l as they are, for the combine (O only where the row saw a cache row: m > -inf; m is
@@ -452,62 +427,50 @@ attention_prefill_combine_kernel(const float* __restrict__ partial_o,   // [spli
       make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
 }
 
+// No PDL (pdl.cuh): the kernels have no griddepcontrol.wait.
 template <typename CacheT, int kHeadDim>
-cudaError_t launch_prefill(const float* q, const CacheT* k_cache, const CacheT* v_cache, const int32_t* positions,
-                           float scale, float* out, float* workspace, int num_tokens, int num_heads, int num_kv_heads,
-                           int max_seq, cudaStream_t stream) {
+cudaError_t launch_prefill(const AttentionArgs<CacheT>& a, cudaStream_t stream) {
   using Tile = PrefillTile<CacheT, kHeadDim>;
   auto kernel = attention_prefill_kernel<CacheT, kHeadDim>;
   // Not a stream operation, so legal while a graph is being captured; idempotent, so cheap to repeat.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int64_t rows = (int64_t)num_tokens * (num_heads / num_kv_heads);
+  const int64_t rows = (int64_t)a.num_tokens * (a.num_heads / a.num_kv_heads);
   const int64_t row_blocks = (rows + kBlockM - 1) / kBlockM;
   if (row_blocks > 65535) return cudaErrorInvalidValue;
-  const int splits = attention_prefill_num_splits(num_tokens, num_heads, num_kv_heads);
-  const int64_t num_rows = (int64_t)num_tokens * num_heads;  // (token, query head) rows of out
-  float* partial_o = splits > 1 ? workspace : nullptr;
-  float* partial_ml = splits > 1 ? workspace + splits * num_rows * kHeadDim : nullptr;
-  const dim3 grid(num_kv_heads, (unsigned)row_blocks, splits);
-  kernel<<<grid, kThreads, Tile::kSmemBytes, stream>>>(q, k_cache, v_cache, positions, scale * kLog2e, out,
-                                                       partial_o, partial_ml, num_tokens, num_heads, num_kv_heads,
-                                                       max_seq);
+  const int splits = attention_prefill_num_splits(a.num_tokens, a.num_heads, a.num_kv_heads);
+  const int64_t num_rows = (int64_t)a.num_tokens * a.num_heads;  // (token, query head) rows of out
+  float* partial_o = splits > 1 ? a.workspace : nullptr;
+  float* partial_ml = splits > 1 ? a.workspace + splits * num_rows * kHeadDim : nullptr;
+  const dim3 grid(a.num_kv_heads, (unsigned)row_blocks, splits);
+  kernel<<<grid, kThreads, Tile::kSmemBytes, stream>>>(a.q, a.k_cache, a.v_cache, a.positions, a.scale * kLog2e,
+                                                       a.out, partial_o, partial_ml, a.num_tokens, a.num_heads,
+                                                       a.num_kv_heads, a.max_seq);
   err = cudaGetLastError();
   if (err != cudaSuccess || splits == 1) return err;
   constexpr int kRowsPerBlock = kCombineThreads / (kHeadDim / 4);
   const int64_t combine_blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   attention_prefill_combine_kernel<kHeadDim><<<(unsigned)combine_blocks, kCombineThreads, 0, stream>>>(
-      partial_o, partial_ml, out, (int)num_rows, splits);
+      partial_o, partial_ml, a.out, (int)num_rows, splits);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 template <typename CacheT>
-cudaError_t attention_prefill_launch(const float* q, const CacheT* k_cache, const CacheT* v_cache,
-                                     const int32_t* positions, float scale, float* out, float* workspace,
-                                     int num_tokens, int num_heads, int num_kv_heads, int head_dim, int max_seq,
-                                     cudaStream_t stream) {
-  if (num_tokens <= 0) return cudaSuccess;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return cudaErrorInvalidValue;
-#define QWEN38_PREFILL_HEAD_DIM(D)                                                                         \
-  case D:                                                                                                   \
-    return launch_prefill<CacheT, D>(q, k_cache, v_cache, positions, scale, out, workspace, num_tokens,    \
-                                     num_heads, num_kv_heads, max_seq, stream);
-  switch (head_dim) {
-    QWEN38_PREFILL_HEAD_DIM(32)
-    QWEN38_PREFILL_HEAD_DIM(64)
-    QWEN38_PREFILL_HEAD_DIM(128)
-    QWEN38_PREFILL_HEAD_DIM(256)
-#undef QWEN38_PREFILL_HEAD_DIM
+cudaError_t attention_prefill_launch(const AttentionArgs<CacheT>& args, cudaStream_t stream) {
+  if (args.num_tokens <= 0) return cudaSuccess;
+  if (args.num_kv_heads <= 0 || args.num_heads % args.num_kv_heads != 0) return cudaErrorInvalidValue;
+  switch (args.head_dim) {
+    case 32: return launch_prefill<CacheT, 32>(args, stream);
+    case 64: return launch_prefill<CacheT, 64>(args, stream);
+    case 128: return launch_prefill<CacheT, 128>(args, stream);
+    case 256: return launch_prefill<CacheT, 256>(args, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
-template cudaError_t attention_prefill_launch<float>(const float*, const float*, const float*, const int32_t*, float,
-                                                     float*, float*, int, int, int, int, int, cudaStream_t);
-template cudaError_t attention_prefill_launch<__nv_bfloat16>(const float*, const __nv_bfloat16*,
-                                                             const __nv_bfloat16*, const int32_t*, float, float*,
-                                                             float*, int, int, int, int, int, cudaStream_t);
+template cudaError_t attention_prefill_launch<float>(const AttentionArgs<float>&, cudaStream_t);
+template cudaError_t attention_prefill_launch<__nv_bfloat16>(const AttentionArgs<__nv_bfloat16>&, cudaStream_t);
 
 }  // namespace qwen38

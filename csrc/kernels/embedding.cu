@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads) embedding_kernel(const DenseEmbeddin
 
 }  // namespace
 
-cudaError_t q8_0_embedding(const EmbeddingArgs& a, cudaStream_t stream) {
+cudaError_t q8_0_embedding_launch(const EmbeddingArgs& a, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
   if (a.D <= 0 || a.D % 32 != 0 || a.T > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((a.D / 16 + kThreads - 1) / kThreads), static_cast<unsigned>(a.T));
@@ -75,7 +75,7 @@ cudaError_t q8_0_embedding(const EmbeddingArgs& a, cudaStream_t stream) {
 }
 
 template <typename W>
-cudaError_t embedding(const DenseEmbeddingArgs<W>& a, cudaStream_t stream) {
+cudaError_t embedding_launch(const DenseEmbeddingArgs<W>& a, cudaStream_t stream) {
   if (a.T == 0) return cudaSuccess;
   if (a.D <= 0 || a.T > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((a.D + kThreads - 1) / kThreads), static_cast<unsigned>(a.T));
@@ -83,8 +83,8 @@ cudaError_t embedding(const DenseEmbeddingArgs<W>& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template cudaError_t embedding<float>(const DenseEmbeddingArgs<float>&, cudaStream_t);
-template cudaError_t embedding<__nv_bfloat16>(const DenseEmbeddingArgs<__nv_bfloat16>&, cudaStream_t);
-template cudaError_t embedding<__half>(const DenseEmbeddingArgs<__half>&, cudaStream_t);
+template cudaError_t embedding_launch<float>(const DenseEmbeddingArgs<float>&, cudaStream_t);
+template cudaError_t embedding_launch<__nv_bfloat16>(const DenseEmbeddingArgs<__nv_bfloat16>&, cudaStream_t);
+template cudaError_t embedding_launch<__half>(const DenseEmbeddingArgs<__half>&, cudaStream_t);
 
 }  // namespace qwen38

@@ -15,9 +15,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-namespace qwen38 {
+#include "op_limits.h"  // kBadTokenFlag
 
-constexpr int32_t kBadTokenFlag = 2;
+namespace qwen38 {
 
 struct EmbeddingArgs {
   const int32_t* token = nullptr;    // [T]
@@ -29,7 +29,8 @@ struct EmbeddingArgs {
   int T = 0, V = 0, D = 0;
 };
 
-cudaError_t q8_0_embedding(const EmbeddingArgs& args, cudaStream_t stream);
+// Both launchers run on `stream` without PDL (the kernels have no griddepcontrol.wait: pdl.cuh).
+cudaError_t q8_0_embedding_launch(const EmbeddingArgs& args, cudaStream_t stream);
 
 // W is float, __nv_bfloat16 or __half; weight [V, D] contiguous, out [T, out_stride] (any alignment).
 template <typename W>
@@ -43,6 +44,6 @@ struct DenseEmbeddingArgs {
 };
 
 template <typename W>
-cudaError_t embedding(const DenseEmbeddingArgs<W>& args, cudaStream_t stream);
+cudaError_t embedding_launch(const DenseEmbeddingArgs<W>& args, cudaStream_t stream);
 
 }  // namespace qwen38

@@ -16,8 +16,7 @@
 
 #include <cuda_runtime.h>
 
-#include <utility>
-
+#include "common.cuh"
 #include "gdn_math.cuh"
 #include "pdl.cuh"
 
@@ -31,16 +30,12 @@ namespace {
 // following it. Measured on the H200 in a graph rotating over 48 layers: the recurrent step 3.70 -> 2.72 us
 // a layer (38% -> 52% of the read probe), conv + gates + recurrent 7.78 -> 5.87 us.
 //
-// PDL wait of every GDN kernel: the call below, before which NOTHING is loaded into registers (not even the
-// recurrent state: the kernel just before may be the one writing it, e.g. a state reset or the previous
-// token's recurrent step on the same state). The only thing done before it is the recurrent step's
-// prefetch of its state rows into L2 (L2 is the GPU's point of coherence, so a prefetched line is simply
-// updated by a write the predecessor still makes, and the real load after the wait sees that write). Each
-// kernel releases its own dependents right after its wait.
-template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
-  return launch_maybe_pdl(kernel, grid, block, 0, stream, pdl_enabled(), std::forward<Args>(args)...);
-}
+// PDL wait of every GDN kernel: gdn_wait_then_release (gdn_math.cuh), before which NOTHING is loaded into
+// registers (not even the recurrent state: the kernel just before may be the one writing it, e.g. a state reset or
+// the previous token's recurrent step on the same state). The only thing done before it is the recurrent step's
+// prefetch of its state rows into L2 (L2 is the GPU's point of coherence, so a prefetched line is simply updated
+// by a write the predecessor still makes, and the real load after the wait sees that write). Each kernel releases
+// its own dependents right after its wait. Every launch goes through launch_pdl (no dynamic shared memory).
 
 // ---------------------------------------------------------------------------------------------------
 // gdn_conv. Depthwise: a channel never mixes with another, so one thread owns one channel for a run of
@@ -98,7 +93,7 @@ __global__ void gdn_conv_kernel(const float* __restrict__ qkv, int64_t qkv_row_s
 
     float y = gdn_silu(acc);
     if (normalize) {
-      const float sum = gdn_warp_sum(__fmul_rn(y, y));
+      const float sum = warp_sum(__fmul_rn(y, y));
       if (lane == 0) warp_sums[t & 1][warp] = sum;
       __syncthreads();
       float total = 0.0f;
@@ -246,35 +241,31 @@ gdn_recurrent_kernel(const float* __restrict__ qkv, int64_t qkv_row_stride, cons
 }
 
 template <int kVec, int kChunks>
-cudaError_t launch_recurrent(const float* qkv, int64_t qkv_row_stride, const float* beta, const float* decay,
-                             float* state, float* out, float* token_states, int num_tokens, int num_k_heads,
-                             int num_v_heads, int dk, int dv, cudaStream_t stream) {
-  const dim3 grid((dv + kRecurrentRowsPerBlock - 1) / kRecurrentRowsPerBlock, num_v_heads);
+cudaError_t launch_recurrent(const GdnRecurrentArgs& a, cudaStream_t stream) {
+  const int dk = a.head_k_dim, dv = a.head_v_dim;
+  const dim3 grid((dv + kRecurrentRowsPerBlock - 1) / kRecurrentRowsPerBlock, a.num_v_heads);
   const float q_scale = 1.0f / sqrtf((float)dk);
-  return launch_kernel(gdn_recurrent_kernel<kVec, kChunks>, grid, dim3(kRecurrentRowsPerBlock * 32), stream, qkv,
-                       qkv_row_stride, beta, decay, state, out, token_states, num_tokens, num_k_heads, num_v_heads,
-                       dk, dv, q_scale);
+  return launch_pdl(gdn_recurrent_kernel<kVec, kChunks>, grid, dim3(kRecurrentRowsPerBlock * 32), 0, stream, a.qkv,
+                    a.qkv_row_stride, a.beta, a.decay, a.state, a.out, a.token_states, a.num_tokens, a.num_k_heads,
+                    a.num_v_heads, dk, dv, q_scale);
 }
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace
 
-cudaError_t gdn_conv_launch(const float* qkv, int64_t qkv_row_stride, float* conv_state, const float* conv_weight,
-                            float* out, int64_t out_row_stride, float* token_conv_states, int num_tokens,
-                            int channels, int taps, int num_k_heads, int head_k_dim, cudaStream_t stream) {
-  if (num_tokens <= 0 || channels <= 0) return cudaSuccess;
-  if (head_k_dim <= 0 || head_k_dim > 1024 || 2 * num_k_heads * head_k_dim > channels) return cudaErrorInvalidValue;
-  const int threads = (head_k_dim + 31) / 32 * 32;
-  const int num_qk_heads = 2 * num_k_heads;
-  const int rest = channels - num_qk_heads * head_k_dim;
-  const dim3 grid(num_qk_heads + (rest + threads - 1) / threads, (num_tokens + kConvTokens - 1) / kConvTokens);
-#define QWEN38_GDN_CONV(K)                                                                                  \
-  case K:                                                                                                   \
-    return launch_kernel(gdn_conv_kernel<K>, grid, dim3(threads), stream, qkv, qkv_row_stride, conv_state, \
-                         conv_weight, out, out_row_stride, token_conv_states, num_tokens, channels,        \
-                         num_qk_heads, head_k_dim);
-  switch (taps) {
+cudaError_t gdn_conv_launch(const GdnConvArgs& a, cudaStream_t stream) {
+  if (a.num_tokens <= 0 || a.channels <= 0) return cudaSuccess;
+  if (a.head_k_dim <= 0 || a.head_k_dim > 1024 || 2 * a.num_k_heads * a.head_k_dim > a.channels)
+    return cudaErrorInvalidValue;
+  const int threads = (a.head_k_dim + 31) / 32 * 32;
+  const int num_qk_heads = 2 * a.num_k_heads;
+  const int rest = a.channels - num_qk_heads * a.head_k_dim;
+  const dim3 grid(num_qk_heads + (rest + threads - 1) / threads, (a.num_tokens + kConvTokens - 1) / kConvTokens);
+#define QWEN38_GDN_CONV(K)                                                                                       \
+  case K:                                                                                                        \
+    return launch_pdl(gdn_conv_kernel<K>, grid, dim3(threads), 0, stream, a.qkv, a.qkv_row_stride, a.conv_state, \
+                      a.conv_weight, a.out, a.out_row_stride, a.token_conv_states, a.num_tokens, a.channels,     \
+                      num_qk_heads, a.head_k_dim);
+  switch (a.taps) {
     QWEN38_GDN_CONV(2)
     QWEN38_GDN_CONV(3)
     QWEN38_GDN_CONV(4)
@@ -288,37 +279,30 @@ cudaError_t gdn_conv_launch(const float* qkv, int64_t qkv_row_stride, float* con
 #undef QWEN38_GDN_CONV
 }
 
-cudaError_t gdn_gates_launch(const float* ba, int64_t ba_row_stride, const float* a_neg, const float* dt_bias,
-                             float* beta, float* decay, int num_tokens, int num_v_heads, cudaStream_t stream) {
-  const int64_t n = (int64_t)num_tokens * num_v_heads;
+cudaError_t gdn_gates_launch(const GdnGatesArgs& a, cudaStream_t stream) {
+  const int64_t n = (int64_t)a.num_tokens * a.num_v_heads;
   if (n <= 0) return cudaSuccess;
   const int threads = 128;
-  return launch_kernel(gdn_gates_kernel, dim3((unsigned)((n + threads - 1) / threads)), dim3(threads), stream, ba,
-                       ba_row_stride, a_neg, dt_bias, beta, decay, num_tokens, num_v_heads);
+  return launch_pdl(gdn_gates_kernel, dim3((unsigned)((n + threads - 1) / threads)), dim3(threads), 0, stream, a.ba,
+                    a.ba_row_stride, a.a_neg, a.dt_bias, a.beta, a.decay, a.num_tokens, a.num_v_heads);
 }
 
-cudaError_t gdn_recurrent_launch(const float* qkv, int64_t qkv_row_stride, const float* beta, const float* decay,
-                                 float* state, float* out, float* token_states, int num_tokens, int num_k_heads,
-                                 int num_v_heads, int head_k_dim, int head_v_dim, cudaStream_t stream) {
-  if (num_tokens <= 0 || num_v_heads <= 0 || head_v_dim <= 0) return cudaSuccess;
-  const int dk = head_k_dim;
-  if (dk <= 0 || dk > kGdnMaxHeadKDim || num_k_heads <= 0) return cudaErrorInvalidValue;
+cudaError_t gdn_recurrent_launch(const GdnRecurrentArgs& a, cudaStream_t stream) {
+  if (a.num_tokens <= 0 || a.num_v_heads <= 0 || a.head_v_dim <= 0) return cudaSuccess;
+  const int dk = a.head_k_dim;
+  if (dk <= 0 || dk > kGdnMaxHeadKDim || a.num_k_heads <= 0) return cudaErrorInvalidValue;
   // token_states' alignment is a requirement, not a dispatch input: the kernel (so the sums' order) must be
   // the one a T = 1 call on the same qkv and state picks.
-  if (token_states != nullptr && !aligned16(token_states)) return cudaErrorInvalidValue;
-  const bool vec4 = dk % 4 == 0 && qkv_row_stride % 4 == 0 && aligned16(qkv) && aligned16(state);
-#define QWEN38_GDN_RECURRENT(VEC, CHUNKS)                                                                       \
-  return launch_recurrent<VEC, CHUNKS>(qkv, qkv_row_stride, beta, decay, state, out, token_states, num_tokens, \
-                                       num_k_heads, num_v_heads, dk, head_v_dim, stream)
+  if (a.token_states != nullptr && !aligned16(a.token_states)) return cudaErrorInvalidValue;
+  const bool vec4 = dk % 4 == 0 && a.qkv_row_stride % 4 == 0 && aligned16(a.qkv) && aligned16(a.state);
   if (vec4) {
-    if (dk <= 128) QWEN38_GDN_RECURRENT(4, 1);
-    QWEN38_GDN_RECURRENT(4, 2);
+    if (dk <= 128) return launch_recurrent<4, 1>(a, stream);
+    return launch_recurrent<4, 2>(a, stream);
   }
-  if (dk <= 32) QWEN38_GDN_RECURRENT(1, 1);
-  if (dk <= 64) QWEN38_GDN_RECURRENT(1, 2);
-  if (dk <= 128) QWEN38_GDN_RECURRENT(1, 4);
-  QWEN38_GDN_RECURRENT(1, 8);
-#undef QWEN38_GDN_RECURRENT
+  if (dk <= 32) return launch_recurrent<1, 1>(a, stream);
+  if (dk <= 64) return launch_recurrent<1, 2>(a, stream);
+  if (dk <= 128) return launch_recurrent<1, 4>(a, stream);
+  return launch_recurrent<1, 8>(a, stream);
 }
 
 }  // namespace qwen38

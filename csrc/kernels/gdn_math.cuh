@@ -9,17 +9,12 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "common.cuh"  // warp_sum: an xor butterfly, every lane ends with the same total, summed in one order
 #include "pdl.cuh"
 
 namespace qwen38 {
 
 constexpr float kGdnL2NormEps = 1e-6f;  // inside the sqrt of the sum of squares (HF / FLA l2norm)
-
-__device__ __forceinline__ float gdn_warp_sum(float v) {
-  // xor butterfly: every lane ends with the same total, summed in the same order on every run.
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 
 __device__ __forceinline__ float gdn_silu(float x) { return x / __fadd_rn(1.0f, expf(-x)); }
 
@@ -117,9 +112,9 @@ __device__ __forceinline__ void gdn_row_dots(const float (&s)[kChunks][kVec], co
       kq = fmaf(k[i][e], q[i][e], kq);
     }
   }
-  sk = gdn_warp_sum(sk);
-  sq = gdn_warp_sum(sq);
-  kq = gdn_warp_sum(kq);
+  sk = warp_sum(sk);
+  sq = warp_sum(sq);
+  kq = warp_sum(kq);
 }
 
 __device__ __forceinline__ float gdn_delta(float beta, float decay, float sk, float v) {

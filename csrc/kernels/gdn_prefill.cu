@@ -40,12 +40,12 @@
 
 #include <cuda_runtime.h>
 
+#include "common.cuh"
 #include "pdl.cuh"
 
 namespace qwen38 {
 namespace {
 
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kChunk = kGdnPrefillChunk;
 constexpr int kLanesPerRow = 8;
 constexpr int kRowsPerWarp = 32 / kLanesPerRow;
@@ -104,24 +104,6 @@ __device__ __forceinline__ Derived derived_at(float* smem, int index, int padded
   return d;
 }
 
-__device__ __forceinline__ unsigned smem_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-// cp.async of 16 or 4 bytes; fill = false writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool fill) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-               "r"(fill ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool fill) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-               "r"(fill ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
 // n floats of shared memory (16-byte aligned) into registers, as float4 loads.
@@ -155,7 +137,7 @@ __device__ void stage_chunk(const Stage& st, const Problem& p, int first, int ke
     const bool fill = i < valid && 4 * quad < p.dk;
     const float* src = p.qkv + (int64_t)(first + (fill ? i : 0)) * p.qkv_row_stride +
                        (is_k * p.num_k_heads + key_head) * p.dk + (fill ? 4 * quad : 0);
-    cp_async_16((is_k ? st.k : st.q) + i * kPaddedDk + 4 * quad, src, fill);
+    cp_async<16>((is_k ? st.k : st.q) + i * kPaddedDk + 4 * quad, src, fill);
   }
   // v: slot m, token i, row r; r fastest, so a warp reads runs of 16 consecutive floats
   const int64_t v_offset = 2 * (int64_t)p.num_k_heads * p.dk;
@@ -165,7 +147,7 @@ __device__ void stage_chunk(const Stage& st, const Problem& p, int first, int ke
     const bool fill = i < valid && head < p.num_v_heads && row < p.dv;
     const float* src = fill ? p.qkv + (int64_t)(first + i) * p.qkv_row_stride + v_offset + (int64_t)head * p.dv + row
                             : p.qkv;
-    cp_async_4(st.v + (m * kBlockRows + r) * kVStride + i, src, fill);
+    cp_async<4>(st.v + (m * kBlockRows + r) * kVStride + i, src, fill);
   }
   // beta and decay: past T (and past Hv) beta = 0 and decay = 1, so those tokens leave the state as it is
   for (int idx = threadIdx.x; idx < 2 * group * kChunk; idx += blockDim.x) {
@@ -173,7 +155,7 @@ __device__ void stage_chunk(const Stage& st, const Problem& p, int first, int ke
     const int head = key_head + m * p.num_k_heads;
     float* dst = (is_decay ? st.decay : st.beta) + m * kChunk + i;
     if (i < valid && head < p.num_v_heads)
-      cp_async_4(dst, (is_decay ? p.decay : p.beta) + (int64_t)(first + i) * p.num_v_heads + head, true);
+      cp_async<4>(dst, (is_decay ? p.decay : p.beta) + (int64_t)(first + i) * p.num_v_heads + head, true);
     else
       *dst = is_decay ? 1.0f : 0.0f;
   }
@@ -442,33 +424,29 @@ cudaError_t launch(const Problem& p, float* state, float* out, cudaStream_t stre
   if (err != cudaSuccess) return err;
   const dim3 grid(p.num_k_heads, (p.dv + kBlockRows - 1) / kBlockRows);
   const float q_scale = 1.0f / sqrtf((float)p.dk);
-  return launch_maybe_pdl(gdn_prefill_kernel<kKeyChunks>, grid, dim3(group * kWarpsPerSlot * 32), smem_bytes,
-                          stream, pdl_enabled(), p, state, out, q_scale);
+  return launch_pdl(gdn_prefill_kernel<kKeyChunks>, grid, dim3(group * kWarpsPerSlot * 32), smem_bytes, stream, p,
+                    state, out, q_scale);
 }
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
 }  // namespace
 
-bool gdn_prefill_supported(const float* qkv, int64_t qkv_row_stride, const float* state, int num_k_heads,
-                           int num_v_heads, int head_k_dim) {
-  return num_k_heads > 0 && head_k_dim > 0 && head_k_dim <= kGdnPrefillMaxHeadKDim && head_k_dim % 4 == 0 &&
-         (num_v_heads + num_k_heads - 1) / num_k_heads <= kGdnPrefillMaxGroup && qkv_row_stride % 4 == 0 &&
-         aligned16(qkv) && aligned16(state);
+bool gdn_prefill_supported(const GdnRecurrentArgs& a) {
+  return a.token_states == nullptr && a.num_k_heads > 0 && a.head_k_dim > 0 &&
+         a.head_k_dim <= kGdnPrefillMaxHeadKDim && a.head_k_dim % 4 == 0 &&
+         (a.num_v_heads + a.num_k_heads - 1) / a.num_k_heads <= kGdnPrefillMaxGroup && a.qkv_row_stride % 4 == 0 &&
+         aligned16(a.qkv) && aligned16(a.state);
 }
 
-cudaError_t gdn_prefill_launch(const float* qkv, int64_t qkv_row_stride, const float* beta, const float* decay,
-                               float* state, float* out, int num_tokens, int num_k_heads, int num_v_heads,
-                               int head_k_dim, int head_v_dim, cudaStream_t stream) {
-  if (num_tokens <= 0 || num_v_heads <= 0 || head_v_dim <= 0) return cudaSuccess;
-  if (!gdn_prefill_supported(qkv, qkv_row_stride, state, num_k_heads, num_v_heads, head_k_dim))
-    return cudaErrorInvalidValue;
-  const Problem p{qkv, qkv_row_stride, beta, decay, num_tokens, num_k_heads, num_v_heads, head_k_dim, head_v_dim};
+cudaError_t gdn_prefill_launch(const GdnRecurrentArgs& a, cudaStream_t stream) {
+  if (a.num_tokens <= 0 || a.num_v_heads <= 0 || a.head_v_dim <= 0) return cudaSuccess;
+  if (!gdn_prefill_supported(a)) return cudaErrorInvalidValue;
+  const Problem p{a.qkv, a.qkv_row_stride, a.beta, a.decay, a.num_tokens, a.num_k_heads, a.num_v_heads, a.head_k_dim,
+                  a.head_v_dim};
   // A lane holds dk / 8 keys of its row, as float4s: one instance per power-of-two share.
-  if (head_k_dim <= 32) return launch<1>(p, state, out, stream);
-  if (head_k_dim <= 64) return launch<2>(p, state, out, stream);
-  if (head_k_dim <= 128) return launch<4>(p, state, out, stream);
-  return launch<8>(p, state, out, stream);
+  if (a.head_k_dim <= 32) return launch<1>(p, a.state, a.out, stream);
+  if (a.head_k_dim <= 64) return launch<2>(p, a.state, a.out, stream);
+  if (a.head_k_dim <= 128) return launch<4>(p, a.state, a.out, stream);
+  return launch<8>(p, a.state, a.out, stream);
 }
 
 }  // namespace qwen38

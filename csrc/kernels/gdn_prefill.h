@@ -1,11 +1,13 @@
 // Gated DeltaNet prefill: the delta-rule recurrence of gdn_recurrent over T tokens in chunks of
 // kGdnPrefillChunk, the float32 state continued from and written back in place. Same inputs, outputs and
 // layouts as gdn_recurrent_launch (gdn.h), less the per-token states; exact in float32 (no reduced-precision
-// products). The host launcher takes raw device pointers, sizes and a stream; it launches asynchronously and
-// returns the launch's cudaError_t.
+// products). The host launcher takes gdn_recurrent's Args and a stream; it launches asynchronously (with PDL when
+// pdl_enabled(): pdl.cuh) and returns the launch's cudaError_t.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
+
+#include "gdn.h"  // GdnRecurrentArgs
 
 namespace qwen38 {
 
@@ -17,15 +19,13 @@ constexpr int kGdnPrefillMaxHeadKDim = 256;
 constexpr int kGdnPrefillMaxGroup = 4;
 
 // Whether gdn_prefill_launch takes these arguments; otherwise gdn_recurrent_launch (token by token) does.
-// Needs dk % 4 == 0 and dk <= kGdnPrefillMaxHeadKDim, ceil(Hv / Hk) <= kGdnPrefillMaxGroup, and 16-byte
-// aligned q/k rows and state rows (qkv and state 16-byte aligned, qkv's row stride a multiple of 4).
-bool gdn_prefill_supported(const float* qkv, int64_t qkv_row_stride, const float* state, int num_k_heads,
-                           int num_v_heads, int head_k_dim);
+// Needs no token_states, dk % 4 == 0 and dk <= kGdnPrefillMaxHeadKDim, ceil(Hv / Hk) <= kGdnPrefillMaxGroup, and
+// 16-byte aligned q/k rows and state rows (qkv and state 16-byte aligned, qkv's row stride a multiple of 4).
+bool gdn_prefill_supported(const GdnRecurrentArgs& args);
 
-// qkv [T, 2*Hk*dk + Hv*dv] (row stride qkv_row_stride), beta, decay [T, Hv] contiguous, state [Hv, dv, dk]
-// in place, out [T, Hv, dv] contiguous. Value head h reads key head h % Hk. gdn_prefill_supported() must hold.
-cudaError_t gdn_prefill_launch(const float* qkv, int64_t qkv_row_stride, const float* beta, const float* decay,
-                               float* state, float* out, int num_tokens, int num_k_heads, int num_v_heads,
-                               int head_k_dim, int head_v_dim, cudaStream_t stream);
+// gdn_recurrent's arguments: qkv [T, 2*Hk*dk + Hv*dv] (row stride qkv_row_stride), beta, decay [T, Hv]
+// contiguous, state [Hv, dv, dk] in place, out [T, Hv, dv] contiguous. Value head h reads key head h % Hk.
+// gdn_prefill_supported() must hold.
+cudaError_t gdn_prefill_launch(const GdnRecurrentArgs& args, cudaStream_t stream);
 
 }  // namespace qwen38

@@ -32,6 +32,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include "common.cuh"
 #include "gdn_math.cuh"
 #include "pdl.cuh"
 #include "quantize.cuh"
@@ -56,7 +57,7 @@ constexpr int gdn_step_split(int group) { return 2 * group <= 8 ? 2 : 1; }
 // The float4 at p's shared-memory address in block `rank` of the cluster (distributed shared memory). Not
 // cooperative_groups' map_shared_rank: its generic pointer put 32 bytes of the kernel on the stack.
 __device__ __forceinline__ float4 load_cluster_shared(const float* p, int rank) {
-  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  const uint32_t local = shared_address(p);
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
   float4 v;
@@ -172,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
           if (tap < taps - 1) a.token_conv_states[((int64_t)t * (taps - 1) + tap) * C + channel] = window[tap];
       }
       if (is_qk) {
-        const float sum = gdn_warp_sum(__fmul_rn(y, y));
+        const float sum = warp_sum(__fmul_rn(y, y));
         if (lane == 0) s_sumsq[t][slot / 32] = sum;
       }
       if (active) conv_out[t * kMaxDim] = y;
@@ -275,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
         ss = __fadd_rn(ss, fmaf(v[i].w, v[i].w, fmaf(v[i].z, v[i].z, fmaf(v[i].x, v[i].x, __fmul_rn(v[i].y, v[i].y)))));
       }
     }
-    ss = gdn_warp_sum(ss);
+    ss = warp_sum(ss);
     const float scale = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)dv), a.eps)));
     float* const out_row = a.out + t * a.out_stride + head * dv;
 #pragma unroll
@@ -336,7 +337,7 @@ cudaError_t gdn_step_launch(const GdnStepArgs& args, cudaStream_t stream) {
   if (a.T > kGdnStepMaxTokens || a.taps < 2 || a.taps > kGdnMaxConvTaps || a.Hk <= 0 || a.Hv % a.Hk != 0 ||
       a.Hv / a.Hk > kGdnStepMaxGroup || a.dk <= 0 || a.dk > kGdnStepMaxHeadDim || a.dv <= 0 ||
       a.dv > kGdnStepMaxHeadDim || a.dv % 4 != 0 || (a.out_q != nullptr && a.dv % kQuantBlock != 0) ||
-      (reinterpret_cast<uintptr_t>(a.state) & 15u) != 0)
+      !aligned16(a.state))
     return cudaErrorInvalidValue;
   GdnStepArgs b = args;
   b.q_scale = 1.0f / sqrtf((float)a.dk);

@@ -7,11 +7,11 @@
 
 #include <cuda_runtime.h>
 
-#include "gdn.h"  // kGdnMaxConvTaps
+#include "gdn.h"        // kGdnMaxConvTaps
+#include "op_limits.h"  // kGdnStepMaxTokens: a decode step, or a speculative verify of k + 1 <= 8 tokens
 
 namespace qwen38 {
 
-constexpr int kGdnStepMaxTokens = 8;    // a decode step, or a speculative verify of k + 1 <= 8 tokens
 constexpr int kGdnStepMaxHeadDim = 256;  // dk and dv (q, k, v, z and the outputs of a head sit in shared memory)
 constexpr int kGdnStepMaxGroup = 8;      // Hv / Hk: value heads sharing a key head form one thread-block cluster
 
@@ -41,7 +41,7 @@ struct GdnStepArgs {
 
 // cudaErrorInvalidValue for sizes beyond the limits above (taps in [2, kGdnMaxConvTaps], dv % 4 == 0, Hv a
 // multiple of Hk, dv % 32 == 0 with out_q) or a misaligned state; the binding checks them first with clear
-// messages.
+// messages. Launched with PDL when pdl_enabled() (pdl.cuh), as a cluster of a key head's value heads.
 cudaError_t gdn_step_launch(const GdnStepArgs& args, cudaStream_t stream);
 
 }  // namespace qwen38

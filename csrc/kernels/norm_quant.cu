@@ -20,6 +20,7 @@
 
 #include <cuda_fp16.h>
 
+#include "common.cuh"
 #include "pdl.cuh"
 #include "quantize.cuh"  // the int8 / two-word block quantizers every producer shares
 
@@ -113,8 +114,7 @@ __global__ void __launch_bounds__(kRowScope<OP> ? 1024 : 32 * kWarpScopeWarps)
 #pragma unroll
     for (int i = 0; i < kHeld; ++i)
       ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
     if constexpr (kRowScope<OP>) {
       __shared__ float warp_sums[32];
       if (lane == 0) warp_sums[threadIdx.x >> 5] = ss;
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kRowScope<OP> ? 1024 : 32 * kWarpScopeWarps)
 }
 
 template <Producer OP>
-cudaError_t launch(const ProducerArgs& a, bool pdl, cudaStream_t stream) {
+cudaError_t launch(const ProducerArgs& a, cudaStream_t stream) {
   const int vecs = a.D / 4;
   if constexpr (kRowScope<OP>) {
     if (a.D > kProducerMaxRow) return cudaErrorInvalidValue;
@@ -170,21 +170,21 @@ cudaError_t launch(const ProducerArgs& a, bool pdl, cudaStream_t stream) {
     int threads = ((vecs + 1) / 2 + 31) / 32 * 32;
     threads = threads < 32 ? 32 : threads > 1024 ? 1024 : threads;
     if (vecs > threads * kItems<kRowScope<OP>>) return cudaErrorInvalidValue;
-    return launch_maybe_pdl(produce_kernel<OP>, dim3(static_cast<unsigned>(a.T)), dim3(threads), 0, stream, pdl, a);
+    return launch_pdl(produce_kernel<OP>, dim3(static_cast<unsigned>(a.T)), dim3(threads), 0, stream, a);
   } else {
     const int seg_size = OP == Producer::GatedRmsNorm ? a.head_dim : kElementwiseSegment;
     if (seg_size <= 0 || seg_size > 32 * 4 * kItems<kRowScope<OP>>) return cudaErrorInvalidValue;
     const long long warps = static_cast<long long>(a.T) * ((a.D + seg_size - 1) / seg_size);
     const long long blocks = (warps + kWarpScopeWarps - 1) / kWarpScopeWarps;
     if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
-    return launch_maybe_pdl(produce_kernel<OP>, dim3(static_cast<unsigned>(blocks)), dim3(32 * kWarpScopeWarps), 0,
-                            stream, pdl, a);
+    return launch_pdl(produce_kernel<OP>, dim3(static_cast<unsigned>(blocks)), dim3(32 * kWarpScopeWarps), 0, stream,
+                      a);
   }
 }
 
 }  // namespace
 
-cudaError_t produce_activation(Producer op, const ProducerArgs& args, bool pdl, cudaStream_t stream) {
+cudaError_t produce_activation_launch(Producer op, const ProducerArgs& args, cudaStream_t stream) {
   if (args.T == 0 || args.D == 0) return cudaSuccess;
   if (args.D % 4 != 0) return cudaErrorInvalidValue;
   if (args.out_q != nullptr && args.D % 32 != 0) return cudaErrorInvalidValue;
@@ -193,11 +193,11 @@ cudaError_t produce_activation(Producer op, const ProducerArgs& args, bool pdl, 
        args.head_dim > kProducerMaxHead || (args.out_q != nullptr && args.head_dim % 32 != 0)))
     return cudaErrorInvalidValue;
   switch (op) {
-    case Producer::Quantize: return launch<Producer::Quantize>(args, pdl, stream);
-    case Producer::RmsNorm: return launch<Producer::RmsNorm>(args, pdl, stream);
-    case Producer::AddRmsNorm: return launch<Producer::AddRmsNorm>(args, pdl, stream);
-    case Producer::SiluMul: return launch<Producer::SiluMul>(args, pdl, stream);
-    case Producer::GatedRmsNorm: return launch<Producer::GatedRmsNorm>(args, pdl, stream);
+    case Producer::Quantize: return launch<Producer::Quantize>(args, stream);
+    case Producer::RmsNorm: return launch<Producer::RmsNorm>(args, stream);
+    case Producer::AddRmsNorm: return launch<Producer::AddRmsNorm>(args, stream);
+    case Producer::SiluMul: return launch<Producer::SiluMul>(args, stream);
+    case Producer::GatedRmsNorm: return launch<Producer::GatedRmsNorm>(args, stream);
   }
   return cudaErrorInvalidValue;
 }

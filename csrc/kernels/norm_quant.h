@@ -38,6 +38,8 @@ struct ProducerArgs {
 constexpr int kProducerMaxRow = 24576;
 constexpr int kProducerMaxHead = 1024;
 
-cudaError_t produce_activation(Producer op, const ProducerArgs& args, bool pdl, cudaStream_t stream);
+// Producer `op` on `stream`, with PDL when pdl_enabled() (pdl.cuh). The op is an argument of its own, not a field
+// of args: args is the kernel's parameter as it is.
+cudaError_t produce_activation_launch(Producer op, const ProducerArgs& args, cudaStream_t stream);
 
 }  // namespace qwen38

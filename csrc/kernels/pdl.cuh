@@ -17,6 +17,14 @@
 // before it.
 // Without the launch attribute both instructions are no-ops.
 //
+// Who launches with the attribute: every launcher decides it itself (`<op>_launch(const Args&, cudaStream_t)`; the
+// GEMV, the GEMM and the norm_quant producers take their lane or producer as a leading argument, their Args being
+// the kernel's parameter as it is), never a flag from the binding. A kernel that runs pdl_wait_for_predecessor()
+// launches through launch_pdl() below (or, with more launch attributes, adds the attribute itself when
+// pdl_enabled(), as gdn_step.cu does); a kernel without the wait (embedding, sampling, the prefill GEMM and
+// attention) launches plainly: with the attribute it could start reading before its predecessor's writes are
+// visible.
+//
 // QWEN38_PDL=0 in the environment launches without the attribute. It is read once per process, at the first
 // launch: a captured CUDA graph keeps the launches it recorded, so a value that could change later would
 // silently not apply to them; a test or benchmark that compares both runs each in its own process.
@@ -49,11 +57,11 @@ __device__ __forceinline__ void pdl_allow_successor() {
 #endif
 }
 
-// cudaLaunchKernelEx with the programmatic-serialization attribute when pdl is true; returns the launch's
+// cudaLaunchKernelEx with the programmatic-serialization attribute when pdl_enabled(); returns the launch's
 // error, else any earlier asynchronous one.
 template <typename... KernelParams, typename... Args>
-cudaError_t launch_maybe_pdl(void (*kernel)(KernelParams...), dim3 grid, dim3 block, size_t smem,
-                             cudaStream_t stream, bool pdl, Args&&... args) {
+cudaError_t launch_pdl(void (*kernel)(KernelParams...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -63,7 +71,7 @@ cudaError_t launch_maybe_pdl(void (*kernel)(KernelParams...), dim3 grid, dim3 bl
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   return err != cudaSuccess ? err : cudaGetLastError();
 }

@@ -24,6 +24,9 @@
 #include "q8_gemm.h"
 
 #include <cstdint>
+#include <cstdlib>
+
+#include "common.cuh"  // cp.async, ldmatrix
 
 namespace qwen38 {
 namespace {
@@ -31,36 +34,6 @@ namespace {
 constexpr int kWarpsM = 2, kWarpsN = 4;
 constexpr int kThreads = 32 * kWarpsM * kWarpsN;
 constexpr int kTileRows = 32 * kWarpsN;  // weight rows per block
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// kBytes from global to shared; with fill == false the destination is zero-filled and src is not read.
-template <int kBytes>
-__device__ __forceinline__ void cp_async(void* dst, const void* src, bool fill) {
-  const int src_bytes = fill ? kBytes : 0;
-  if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(shared_address(dst)), "l"(src),
-                 "n"(kBytes), "r"(src_bytes)
-                 : "memory");
-  }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const unsigned char* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p)));
-}
 
 // The int -> float conversion rides in the MMA: the accumulator starts at the bit pattern of
 // kMagic = 1.5 * 2^23, and for |dot| < 2^22 the integer sum kMagicBits + dot is the bit pattern of the float
@@ -277,6 +250,7 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
       }
 }
 
+// No PDL (pdl.cuh): the kernel has no griddepcontrol.wait.
 template <bool kTwoWord, int kMTiles, int kBlocks>
 cudaError_t launch(const Q8GemvArgs& a, cudaStream_t stream) {
   using T = Tile<kTwoWord, kMTiles, kBlocks>;
@@ -355,9 +329,18 @@ int q8_0_gemm_default_tile(Q8Act act, const Q8GemvArgs& a) {
   return c64 <= c128 ? 64 : 128;  // ties: 64 (two blocks per SM, twice the warps to hide latency)
 }
 
-cudaError_t q8_0_gemm(Q8Act act, const Q8GemvArgs& args, int tile_tokens, cudaStream_t stream) {
+bool q8_0_gemm_tile_from_env(int* tile) {
+  const char* env = std::getenv("QWEN38_Q8_GEMM_TILE");
+  if (env == nullptr || env[0] == '\0') return false;
+  *tile = std::atoi(env);
+  return true;
+}
+
+cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream) {
   if (args.N == 0 || args.T == 0) return cudaSuccess;
   if (args.K <= 0 || args.K % 64 != 0 || act == Q8Act::F32) return cudaErrorInvalidValue;
+  int tile_tokens = 0;
+  if (!q8_0_gemm_tile_from_env(&tile_tokens)) tile_tokens = q8_0_gemm_default_tile(act, args);
   const bool two_word = act == Q8Act::Int8x2;
   if (four_blocks_per_stage(args))
     return two_word ? dispatch<true, 4>(args, tile_tokens, stream) : dispatch<false, 4>(args, tile_tokens, stream);

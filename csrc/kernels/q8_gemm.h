@@ -13,8 +13,12 @@ namespace qwen38 {
 
 // Token rows per block tile, chosen from T, N, K and occupancy (q8_gemm.cu). 32, 64 and 128 are compiled.
 int q8_0_gemm_default_tile(Q8Act act, const Q8GemvArgs& args);
+// Benchmarking knob: QWEN38_Q8_GEMM_TILE=32|64|128 replaces the default tile, read at every call. Returns false
+// when unset or empty; another value is not compiled, so the launch fails.
+bool q8_0_gemm_tile_from_env(int* tile);
 
-// act is Int8 or Int8x2. Launches on `stream`; no allocation, no host sync.
-cudaError_t q8_0_gemm(Q8Act act, const Q8GemvArgs& args, int tile_tokens, cudaStream_t stream);
+// act is Int8 or Int8x2; the tile is q8_0_gemm_default_tile's (or the QWEN38_Q8_GEMM_TILE override). Launches on
+// `stream` without PDL (the kernel has no griddepcontrol.wait: pdl.cuh); no allocation, no host sync.
+cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream);
 
 }  // namespace qwen38

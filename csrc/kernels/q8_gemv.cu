@@ -1,56 +1,35 @@
-// Q8_0 GEMV: one kernel template for the three activation lanes (see q8_gemv.h for the math).
+// Q8_0 GEMV: one kernel template for the three activation lanes (see q8_gemv.h for the math). How the mapping
+// got here, with the measurements behind each choice: benchmarks/NOTES.md, "q8_gemv: how the kernel got here".
 //
-// Why it is shaped like this. At batch 1 the GEMV streams each weight byte exactly once and does almost no
-// arithmetic per byte, so its speed is the HBM rate times the fraction of the kernel during which enough
-// loads are in flight (Little's law on the H200: ~4.5 TB/s x ~1-2 us loaded latency = 5-9 MB, 40-70 KB per
-// SM). The mapping is the one measured fastest on the H200 (shared/reference/decode-gap.md: 75 / 86 / 83 /
-// 85 / 93 / 98% of the read probe on the six 27B shapes, against 53 / 66 / 73 / 68 / 88 / 98% for this
-// file's previous 4-warp blocks with an in-block split-K):
+// Mapping. At batch 1 the GEMV streams each weight byte once, so its speed is the HBM rate times the share of
+// the kernel during which enough loads are in flight.
 // - One warp = one weight row, the whole K range; 256-thread blocks (8 rows); at most 48 registers
-//   (__launch_bounds__ with 5 blocks per SM: 40 warps per SM). The 5120-row projections are 640 blocks,
-//   one wave of the 660 slots of 132 SMs, with no split-K and no shared-memory combine.
-// - A warp walks its row in trips of TRIP 512-byte pieces (lane l loads the 16 bytes of chunk 32p + l, one
-//   half of a 32-weight block; the f32 lane loads four 4-byte words instead, WCursor). ALL loads of a trip -- weights, weight scales, activation chunks, activation
-//   scales -- are issued back to back before any math: the loop of the previous form issued one activation
-//   load per piece inside the math (one serialized L1/L2 round trip each, visible in its SASS).
-// - Weights are read with L1::no_allocate (read once; they must not evict the activation, which every warp
-//   of an SM reads through L1).
+//   (__launch_bounds__ with 5 blocks per SM: 40 warps per SM). The 5120-row projections are 640 blocks, one
+//   wave of the 660 slots of 132 SMs, with no split-K and no shared-memory combine.
+// - A warp walks its row in trips of TRIP 512-byte pieces (lane l loads the 16 bytes of chunk 32p + l, one half
+//   of a 32-weight block; the f32 lane loads four 4-byte words instead, WCursor). All loads of a trip --
+//   weights, weight scales, activation chunks, activation scales -- are issued back to back before any math.
+// - Weights are read with L1::no_allocate (read once; they must not evict the activation, which every warp of
+//   an SM reads through L1).
 // - No per-lane branch before a shuffle: pieces past the row end exist only in the tail, rows past N are
 //   recomputed from row N - 1 and not stored.
 // - The first trip's weights are loaded before griddepcontrol.wait (PDL: they are constants, pdl.cuh).
-//
-// T rows of x (the speculative verify: T = k + 1 <= 7; short prompts) share each weight load: one pass for
-// T <= 8 in the int lanes (4 in f32; more T in equal passes over blockIdx.y), an instance per row count, so
-// no dummy row is computed. Per piece and row the int lanes do 4 dp4a, a shuffle, two 64-bit conversions and
-// a DFMA, on both lanes of a pair; the first T-row form ran into the conversion pipe and the registers: at
-// T = 4, 3 blocks per SM, and by the CUDA throughput table (16 64-bit conversions per cycle per SM) ~16 of
-// the ~30 SM cycles a piece may take at the HBM rate went to conversions; T = 5..7 read the weights twice.
-// So in the T-row forms (details at kRowsByParity and below):
-// - the two lanes of a pair split the rows of x (not both doing every row): half the conversions, DFMAs and
-//   shuffles per row, and half the sums per lane; the int32 -> double conversion is a DADD (int_to_double);
-// - the PARTS partial sums of the 5120-row shapes go to PARTS warps of the row, added in order through
-//   shared memory at the end (kWarpsPerRow): each warp holds one part's sums, and the narrow shapes make
-//   enough blocks to fill the SMs at the T-row forms' occupancy;
-// - weights are prefetched a trip ahead (the next trip's loads go out before this trip's math), so the
-//   1-piece trips that leave room for T rows of x still keep two pieces per warp in flight.
-// Expected GEMV cost (a prediction, unmeasured when written): T = 4 ~1.2x T = 1, T = 8 ~1.4-1.5x (the
-// activations then read 8x the weight bytes through L1); the whole verify pass with the first form measured
-// 1.46x at T = 4 and 2.9x at T = 8 (benchmarks/NOTES.md).
+// - T rows of x (the speculative verify, short prompts) share each weight load: one pass for T <= 8 in the int
+//   lanes (4 in f32; more T in equal passes over blockIdx.y), an instance per row count. In the T-row forms
+//   (details at kRowsByParity and below) the two lanes of a pair split the rows of x, the PARTS partial sums of
+//   a row go to PARTS warps added in order through shared memory (kWarpsPerRow), and the weights are loaded a
+//   trip ahead, so the 1-piece trips that leave room for T rows of x still keep two pieces per warp in flight.
 //
 // Numerics. The int8 lane needs the EXACT int32 sum of a block (ggml: sumi * (d_w * d_x)): the two lanes of a
 // block add their dp4a halves with one shuffle, and one lane of the pair adds sumi * (d_w * d_x) to a double
-// with one DFMA. d_w * d_x is formed in fp32 and is exact there: both are fp16 values (the int8 producers
-// store d rounded to fp16, as ggml's q8_0 does), so the product has at most 22 significant bits; and
+// with one DFMA. d_w * d_x is formed in fp32 and is exact there: both are fp16 values (the int8 producers store
+// d rounded to fp16, as ggml's q8_0 does), so the product has at most 22 significant bits; and
 // sumi * (d_w * d_x) is exact in double. So the only roundings are the double additions and the final
-// conversion to float: the bits of the previous form of this kernel (which formed the scale product in
-// double), in its order. With float accumulation (this kernel's first form) the int8 model drifted from
-// llama.cpp's logits at position 5 of the oracle (a rounding flip in the next activation; median
-// per-position rel L2 1.8e-2) where the double sum stays within 7e-8 up to position 17.
-// The two-word lane's s = amax/127 is a full fp32 value, so its scale product stays in double (35 bits,
-// exact); 127 hi + lo is exact in int32 and the 1/127 is applied once at the end (a double division per
-// block measured 67% -> 52% of the read probe at 16384 x 5120). The f32 lane dequantizes in float32 (4
-// FMAs per 4-byte word, four words of four blocks in four chains, each chain times its block scale) and sums
-// in float. Its lanes hold words 32 apart, not 16 consecutive bytes, so that its float32 x loads coalesce
+// conversion to float (float accumulation drifts from llama.cpp's logits: NOTES).
+// The two-word lane's s = amax/127 is a full fp32 value, so its scale product stays in double (35 bits, exact);
+// 127 hi + lo is exact in int32 and the 1/127 is applied once at the end. The f32 lane dequantizes in float32
+// (4 FMAs per 4-byte word, four words of four blocks in four chains, each chain times its block scale) and sums
+// in float; its lanes hold words 32 apart, not 16 consecutive bytes, so that its float32 x loads coalesce
 // (WCursor).
 // The summation order is fixed per config (q8_gemv.h: PARTS), never by T: every row of a T-row call gets the
 // bits of a T = 1 call on that row, only the weight loads and the lanes doing the work are shared out
@@ -61,6 +40,7 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "common.cuh"
 #include "pdl.cuh"
 
 namespace qwen38 {
@@ -388,14 +368,14 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
     const int part = u % kWarpParts;
     if constexpr (!kByParity) {
       int s = half_dot<ACT>(w, x, 0);
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(kFullMask, s, 1);
       acc[part % kPart][0] = add_block<ACT>(acc[part % kPart][0], s, wd, part / kPart == parity ? x.d[0] : 0.f);
     } else {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int even = half_dot<ACT>(w, x, 2 * r);
         const int odd = 2 * r + 1 < TOKENS ? half_dot<ACT>(w, x, 2 * r + 1) : even;
-        const int s = (parity ? odd : even) + __shfl_xor_sync(0xffffffffu, parity ? even : odd, 1);
+        const int s = (parity ? odd : even) + __shfl_xor_sync(kFullMask, parity ? even : odd, 1);
         acc[part][r] = add_block<ACT>(acc[part][r], s, wd, x.d[r]);
       }
     }
@@ -500,9 +480,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
     for (int i = 0; i < kPart; ++i) {
       Acc<ACT> v = acc[i][r];
 #pragma unroll
-      for (int o = 16; o >= (ACT == Q8Act::F32 ? 1 : 2); o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      for (int o = 16; o >= (ACT == Q8Act::F32 ? 1 : 2); o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
       part[i] = v;
-      if (kPart < kWarpParts) part[kPart + i] = __shfl_xor_sync(0xffffffffu, v, 1);
+      if (kPart < kWarpParts) part[kPart + i] = __shfl_xor_sync(kFullMask, v, 1);
     }
     Acc<ACT> v = part[0];
 #pragma unroll
@@ -544,19 +524,19 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<ACT, TOKENS>)) q8_0_gemv
 }
 
 template <Q8Act ACT, int TOKENS, int TRIP, int PARTS>
-cudaError_t launch(const Q8GemvArgs& a, bool pdl, cudaStream_t stream) {
+cudaError_t launch(const Q8GemvArgs& a, cudaStream_t stream) {
   const unsigned grid_y = static_cast<unsigned>((a.T + TOKENS - 1) / TOKENS);
   if (grid_y > 65535u) return cudaErrorInvalidValue;
   constexpr int kRowsPerBlock = kWarps / kWarpsPerRow<ACT, TOKENS, PARTS>;
   const dim3 grid(static_cast<unsigned>((a.N + kRowsPerBlock - 1) / kRowsPerBlock), grid_y);
-  return launch_maybe_pdl(q8_0_gemv_kernel<ACT, TOKENS, TRIP, PARTS>, grid, dim3(kThreads), 0, stream, pdl, a);
+  return launch_pdl(q8_0_gemv_kernel<ACT, TOKENS, TRIP, PARTS>, grid, dim3(kThreads), 0, stream, a);
 }
 
 template <Q8Act ACT, int TOKENS>
-cudaError_t launch_config(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
-#define QWEN38_Q8_GEMV_DISPATCH(TRIP, PARTS) \
-  if (cfg.trip == TRIP && cfg.parts == PARTS) {                                  \
-    return launch<ACT, TOKENS, kTrip<ACT, TOKENS, TRIP>, PARTS>(a, pdl, stream); \
+cudaError_t launch_config(const Q8GemvArgs& a, Q8GemvConfig cfg, cudaStream_t stream) {
+#define QWEN38_Q8_GEMV_DISPATCH(TRIP, PARTS)                                \
+  if (cfg.trip == TRIP && cfg.parts == PARTS) {                             \
+    return launch<ACT, TOKENS, kTrip<ACT, TOKENS, TRIP>, PARTS>(a, stream); \
   }
   QWEN38_Q8_GEMV_CONFIGS(QWEN38_Q8_GEMV_DISPATCH)
 #undef QWEN38_Q8_GEMV_DISPATCH
@@ -570,17 +550,17 @@ constexpr int kMaxTokens = ACT == Q8Act::F32 ? 4 : 8;
 
 // The instance for `tokens` rows of x a pass, with the config's PARTS (so every row gets the T = 1 bits).
 template <Q8Act ACT, int TOKENS = 1>
-cudaError_t launch_tokens(int tokens, const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
+cudaError_t launch_tokens(int tokens, const Q8GemvArgs& a, Q8GemvConfig cfg, cudaStream_t stream) {
   if constexpr (TOKENS < kMaxTokens<ACT>) {
-    if (tokens > TOKENS) return launch_tokens<ACT, TOKENS + 1>(tokens, a, cfg, pdl, stream);
+    if (tokens > TOKENS) return launch_tokens<ACT, TOKENS + 1>(tokens, a, cfg, stream);
   }
-  return launch_config<ACT, TOKENS>(a, cfg, pdl, stream);
+  return launch_config<ACT, TOKENS>(a, cfg, stream);
 }
 
 template <Q8Act ACT>
-cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
+cudaError_t dispatch(const Q8GemvArgs& a, Q8GemvConfig cfg, cudaStream_t stream) {
   const int passes = (a.T + kMaxTokens<ACT> - 1) / kMaxTokens<ACT>;
-  return launch_tokens<ACT>((a.T + passes - 1) / passes, a, cfg, pdl, stream);
+  return launch_tokens<ACT>((a.T + passes - 1) / passes, a, cfg, stream);
 }
 
 }  // namespace
@@ -614,13 +594,15 @@ bool q8_0_gemv_config_from_env(Q8GemvConfig* cfg) {
   return env.set;
 }
 
-cudaError_t q8_0_gemv(Q8Act act, const Q8GemvArgs& args, Q8GemvConfig cfg, bool pdl, cudaStream_t stream) {
+cudaError_t q8_0_gemv_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream) {
   if (args.N == 0 || args.T == 0) return cudaSuccess;
   if (args.K <= 0 || args.K % 32 != 0) return cudaErrorInvalidValue;
+  Q8GemvConfig cfg = q8_0_gemv_default_config(act, args.N);
+  q8_0_gemv_config_from_env(&cfg);
   switch (act) {
-    case Q8Act::F32: return dispatch<Q8Act::F32>(args, cfg, pdl, stream);
-    case Q8Act::Int8: return dispatch<Q8Act::Int8>(args, cfg, pdl, stream);
-    case Q8Act::Int8x2: return dispatch<Q8Act::Int8x2>(args, cfg, pdl, stream);
+    case Q8Act::F32: return dispatch<Q8Act::F32>(args, cfg, stream);
+    case Q8Act::Int8: return dispatch<Q8Act::Int8>(args, cfg, stream);
+    case Q8Act::Int8x2: return dispatch<Q8Act::Int8x2>(args, cfg, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -12,6 +12,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "op_limits.h"  // QWEN38_Q8_GEMV_CONFIGS
+
 namespace qwen38 {
 
 enum class Q8Act : int { F32 = 0, Int8 = 1, Int8x2 = 2 };
@@ -41,20 +43,21 @@ struct Q8GemvConfig {
   int trip = 2, parts = 1;
 };
 
-// The configs that are compiled; any other is refused with cudaErrorInvalidValue. T > 1 runs the same config
-// with all T rows of x in one pass, each weight load shared by them (up to 8 rows in the int lanes, 4 in f32;
-// more T in equal passes).
-#define QWEN38_Q8_GEMV_CONFIGS(X) X(2, 1) X(2, 4) X(1, 1) X(1, 4)
+// The configs that are compiled: QWEN38_Q8_GEMV_CONFIGS (op_limits.h, exported to Python); any other is refused
+// with cudaErrorInvalidValue. T > 1 runs the same config with all T rows of x in one pass, each weight load shared
+// by them (up to 8 rows in the int lanes, 4 in f32; more T in equal passes).
 
-// The config the bindings use for a shape unless QWEN38_Q8_GEMV_CONFIG overrides it.
+// The config a launch uses for a shape unless QWEN38_Q8_GEMV_CONFIG overrides it.
 Q8GemvConfig q8_0_gemv_default_config(Q8Act act, int N);
 // Benchmarking knob: QWEN38_Q8_GEMV_CONFIG="trip,parts" replaces the default. Read once per process (a
 // captured graph keeps the config it was captured with; a sweep runs one process per config). Returns false
 // when unset; a malformed value gives a config that is not compiled, so the launch fails and says so.
 bool q8_0_gemv_config_from_env(Q8GemvConfig* cfg);
 
-// Launches on `stream`; no allocation, no host sync. With pdl, the launch may start while the previous
-// kernel on the stream is still draining (pdl.cuh).
-cudaError_t q8_0_gemv(Q8Act act, const Q8GemvArgs& args, Q8GemvConfig cfg, bool pdl, cudaStream_t stream);
+// Lane `act` with q8_0_gemv_default_config (or the QWEN38_Q8_GEMV_CONFIG override), on `stream`, with PDL when
+// pdl_enabled() (pdl.cuh: the launch may start while the previous kernel on the stream is still draining); no
+// allocation, no host sync. The lane is an argument of its own, not a field of args: args is the kernel's
+// parameter as it is (a field more changed the generated code of some instances).
+cudaError_t q8_0_gemv_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream);
 
 }  // namespace qwen38

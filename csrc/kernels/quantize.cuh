@@ -11,19 +11,16 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-namespace qwen38 {
+#include "common.cuh"
+#include "op_limits.h"  // kQuantBlock: values per scale, as Q8_0 weight blocks
 
-constexpr int kQuantBlock = 32;  // values per scale, as Q8_0 weight blocks
+namespace qwen38 {
 
 // amax of one 32-value block held by kLanes consecutive lanes (aligned to kLanes) of a warp, each lane
 // holding its part's |x| maximum. Every lane of the group gets the result.
 template <int kLanes>
 __device__ __forceinline__ float quant_block_amax(float lane_amax) {
-  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "kLanes must be a power of 2");
-#pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset >>= 1)
-    lane_amax = fmaxf(lane_amax, __shfl_xor_sync(0xffffffffu, lane_amax, offset));
-  return lane_amax;
+  return warp_max<kLanes>(lane_amax);
 }
 
 // int8 lane: d = amax/127, values rounded with the exact float 1/d (0 for an all-zero block), and the

@@ -11,6 +11,8 @@
 
 #include <cooperative_groups.h>
 
+#include "common.cuh"
+
 namespace qwen38 {
 namespace {
 
@@ -44,8 +46,8 @@ __device__ __forceinline__ void scan(Best& b, bool& nonfinite, float v, int i) {
 __device__ __forceinline__ Best warp_best(Best b) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    const float v = __shfl_xor_sync(0xffffffffu, b.value, o);
-    const int i = __shfl_xor_sync(0xffffffffu, b.index, o);
+    const float v = __shfl_xor_sync(kFullMask, b.value, o);
+    const int i = __shfl_xor_sync(kFullMask, b.index, o);
     offer(b, v, i);
   }
   return b;
@@ -123,10 +125,9 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
 
 }  // namespace
 
-cudaError_t argmax_advance(const float* logits, int V, int32_t* token, int32_t* position, const SamplerBooks& books,
-                           cudaStream_t stream) {
-  if (V <= 0) return cudaErrorInvalidValue;
-  argmax_advance_kernel<<<kClusterBlocks, kThreads, 0, stream>>>(logits, V, token, position, books);
+cudaError_t argmax_advance_launch(const ArgmaxAdvanceArgs& a, cudaStream_t stream) {
+  if (a.V <= 0) return cudaErrorInvalidValue;
+  argmax_advance_kernel<<<kClusterBlocks, kThreads, 0, stream>>>(a.logits, a.V, a.token, a.position, a.books);
   return cudaGetLastError();
 }
 

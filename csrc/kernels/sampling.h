@@ -21,7 +21,14 @@ struct SamplerBooks {
 // NaN ranks above every number (torch.argmax's rule), so a NaN anywhere returns the first NaN's index: a
 // broken step shows up as a fixed token rather than as an arbitrary finite one. +0.0 and -0.0 tie.
 // logits may have any alignment (a row of a [T, V] tensor); V >= 1.
-cudaError_t argmax_advance(const float* logits, int V, int32_t* token, int32_t* position, const SamplerBooks& books,
-                           cudaStream_t stream);
+struct ArgmaxAdvanceArgs {
+  const float* logits = nullptr;  // [V]
+  int V = 0;
+  int32_t* token = nullptr;     // [1]
+  int32_t* position = nullptr;  // [1]
+  SamplerBooks books;
+};
+// On `stream`, without PDL (the kernel has no griddepcontrol.wait: pdl.cuh).
+cudaError_t argmax_advance_launch(const ArgmaxAdvanceArgs& args, cudaStream_t stream);
 
 }  // namespace qwen38

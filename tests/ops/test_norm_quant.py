@@ -214,14 +214,13 @@ def test_cuda_gated_rms_norm(lane, T, H, dv):
 @cuda
 @needs_gpu
 def test_cuda_strided_rows():
-    """Inputs and outputs may be row slices of wider buffers (fused projections)."""
+    """Inputs and the float output may be row slices of wider buffers (fused projections); the quantized lane
+    is contiguous (checks.h: one rule for every op that writes it; check_bad_arguments: a strided one raises)."""
     T, D = 3, 5120
     x_buf, w = randn(T, D + 64, seed=1).cuda(), randn(D, seed=2).cuda()
     x = x_buf[:, 64:]
     out = torch.empty(T, D + 32, device="cuda")[:, :D]
-    q = (torch.empty(T, D + 64, dtype=torch.int8, device="cuda")[:, 32 : 32 + D],
-         torch.empty(T, D + 64, dtype=torch.int8, device="cuda")[:, :D],
-         torch.empty(T, D // 32 + 3, device="cuda")[:, 1:1 + D // 32])
+    q = quant_outputs("int8x2", T, D, "cuda")
     ops.rms_norm(x, w, EPS, out, *q)
     expected = torch.empty(T, D, dtype=torch.float64)
     ref.rms_norm(x.cpu().double(), w.cpu().double(), EPS, expected)
@@ -316,6 +315,13 @@ def check_bad_arguments():
         ops.gated_rms_norm(x, x, w96, EPS, out, None, None, None)
     with pytest.raises(RuntimeError, match="residual must be"):
         ops.add_rms_norm(x_f64, x, w, EPS, out, None, None, None)
+    # The quantized lane is contiguous int8 / float32 (one rule with gdn_step and attention's gate): row slices of
+    # wider buffers raise.
+    for i, strided in enumerate((torch.empty(T, D + 64, dtype=torch.int8, device="cuda")[:, 32 : 32 + D],
+                                 torch.empty(T, D + 64, dtype=torch.int8, device="cuda")[:, :D],
+                                 torch.empty(T, D // 32 + 3, device="cuda")[:, 1 : 1 + D // 32])):
+        with pytest.raises(RuntimeError, match="rms_norm: out_(q|q_lo|d) must be contiguous"):
+            ops.rms_norm(x, w, EPS, out, *(strided if j == i else t for j, t in enumerate((q, lo, d))))
 
 
 @cuda

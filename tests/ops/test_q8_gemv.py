@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+from qwen38_ops.limits import Q8_0_GEMV_CONFIGS
 from qwen38_ops.reference import q8_gemv as ref
 
 from cuda_helpers import assert_same_bits_pdl_on_and_off, capture_graph, child_env, cuda, needs_gpu, run_in_child
@@ -30,8 +31,8 @@ ops = torch.ops.qwen38
 
 SHAPES_27B = [(16384, 5120), (34816, 5120), (14336, 5120), (5120, 6144), (5120, 17408), (248320, 5120)]
 ODD_SHAPES = [(1, 32), (7, 96), (33, 160), (130, 544), (257, 1056), (64, 5120), (5, 17408), (100, 6176)]
-# The configs compiled in csrc/kernels/q8_gemv.h (QWEN38_Q8_GEMV_CONFIGS): trip, parts.
-CONFIGS = ["2,1", "2,4", "1,1", "1,4"]
+# The configs compiled in csrc/kernels/op_limits.h (QWEN38_Q8_GEMV_CONFIGS), read from the extension: "trip,parts".
+CONFIGS = [f"{trip},{parts}" for trip, parts in Q8_0_GEMV_CONFIGS]
 LANES = ["f32", "int8", "int8x2"]
 REL_BOUND = 1e-5
 
