@@ -26,7 +26,7 @@ from qwen38_model.checkpoint import Checkpoint, Q8Tensor
 from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape
 from qwen38_model.config import ATTENTION, GDN
 from qwen38_model.generation import DecodeEngine
-from qwen38_model.layers import Linear
+from qwen38_model.layers import Q8Linear
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.state import KVCache
 
@@ -181,9 +181,9 @@ def kernel_split(replay, steps: int = 8) -> dict:
     return result
 
 
-def q8_linears(model: Qwen38ForCausalLM) -> list[Linear]:
+def q8_linears(model: Qwen38ForCausalLM) -> list[Q8Linear]:
     """The token's Q8_0 matrices, in the model's module order."""
-    return [m for m in model.modules() if isinstance(m, Linear) and m.lane]
+    return [m for m in model.modules() if isinstance(m, Q8Linear)]
 
 
 def torch_bf16_peer(model: Qwen38ForCausalLM) -> dict:
@@ -232,11 +232,6 @@ def gemv_chain(model: Qwen38ForCausalLM, lane: str, probe_gbps: float) -> dict:
                 probe_ratio=nbytes / t / 1e9 / probe_gbps, tok_s=1 / t)
 
 
-def set_lane(model: Qwen38ForCausalLM, lane: str) -> None:
-    for m in q8_linears(model):
-        m.lane = lane
-
-
 def main(argv=None, prog: str = "python -m benchmarks.decode") -> dict:
     """prog: the command in the usage line (the CLI passes `qwen38 bench`)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
@@ -265,7 +260,10 @@ def main(argv=None, prog: str = "python -m benchmarks.decode") -> dict:
     rows, results = [], dict(env=env, read_probe=probe, load_s=load_s, kv_dtype=args.kv_dtype, lanes={})
     max_seq = max(contexts + [128]) + 256
     for lane in lanes:
-        set_lane(model, lane)
+        if model.lane != lane:  # a model's lane is fixed when it is built: a model per lane, one at a time
+            model = None
+            torch.cuda.empty_cache()
+            model = build_model(args.model, lane)
         engine = DecodeEngine(model, max_seq, kv_dtype, use_graph=True)
         t0 = time.perf_counter()
         graph = engine.graph_for(cfg)

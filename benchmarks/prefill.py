@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from benchmarks.decode import QWEN38_27B, build_model, set_lane, time_steps
+from benchmarks.decode import QWEN38_27B, build_model, time_steps
 from benchmarks.ops.bench_q8_gemm import matrix_table, small_t_table
 from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
 from qwen38_model import layers as model_layers
 from qwen38_model.generation import DecodeEngine
-from qwen38_model.layers import GatedAttention, GatedDeltaNet, Linear
+from qwen38_model.layers import DenseLinear, GatedAttention, GatedDeltaNet, Q8Linear
 from qwen38_model.sampling import SamplingConfig
 
 
@@ -53,7 +53,7 @@ def part_split(model, length: int) -> dict:
     marks = []
     handles = []
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Q8Linear, DenseLinear)):
             kind = "gemm"
         elif isinstance(module, GatedDeltaNet):
             kind = "gdn_mixer"
@@ -160,13 +160,14 @@ def main(argv=None, prog: str = "python -m benchmarks.prefill") -> dict:
         results["chunks"][chunk] = r
         table.append(dict(lane=lanes[0], test=f"pp{longest} chunk {chunk}", tok_s=r["tok_s"], ttft_s=r["ttft_s"],
                           peak_gb=r["peak_gb"]))
+    results["tg128_tok_s"] = decode_tg128(model)
     for lane in lanes[1:]:
-        set_lane(model, lane)
+        model = None  # a model's lane is fixed when it is built: a model per lane, one at a time
+        torch.cuda.empty_cache()
+        model = build_model(args.model, lane)
         r = time_prefill(model, 512, 3)
         results["lanes"][lane] = dict(pp512=r)
         table.append(dict(lane=lane, test="pp512", tok_s=r["tok_s"], ttft_s=r["ttft_s"], peak_gb=r["peak_gb"]))
-    set_lane(model, lanes[0])
-    results["tg128_tok_s"] = decode_tg128(model)
     results["pp512_tok_s"] = results["lengths"].get("pp512", {}).get("tok_s")
     results["pp4096_tok_s"] = results["lengths"].get("pp4096", {}).get("tok_s")
     results["thresholds"] = dict(int_gemm_min_rows=model_layers.INT_GEMM_MIN_ROWS,

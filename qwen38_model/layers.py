@@ -1,5 +1,9 @@
-"""The hybrid stack's modules: Linear (dense or Q8_0), GatedDeltaNet, GatedAttention, MLP, DecoderLayer.
-Every computation is a torch.ops.qwen38 call (a CUDA kernel on the GPU, the reference elsewhere)."""
+"""The hybrid stack's modules: the linears (Q8Linear, DenseLinear), GatedDeltaNet, GatedAttention, MLP,
+DecoderLayer. Every computation is a torch.ops.qwen38 call (a CUDA kernel on the GPU, the reference elsewhere).
+
+Formats are decided at load: make_linear picks a linear's type from its loaded weight, each linear reads one
+activation format (input_format), and the module that produces a linear's input is told that format when it
+is built, so forward() never asks (formats.py)."""
 from __future__ import annotations
 
 import torch
@@ -13,10 +17,10 @@ from qwen38_ops.gdn_step import MAX_TOKENS as GDN_STEP_MAX_TOKENS
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
-from .scratch import QK, Activation, Scratch
+from .formats import QK, ActFormat, Activation, lane_format
+from .scratch import Scratch
 from .state import GDNState, KVCache
 
-LANES = ("f32", "int8", "int8x2")
 ops = torch.ops.qwen38
 
 # From this many rows a Q8_0 projection runs as a GEMM instead of the GEMV (which shares each weight load
@@ -37,47 +41,58 @@ GDN_STEP_ROWS = GDN_STEP_MAX_TOKENS
 DEQUANTIZE_ROWS = 8192
 
 
-class Linear(nn.Module):
-    """y = x W^T. Dense weights (float32/bfloat16/float16) go through F.linear (cuBLAS); Q8_0 weights
-    through our GEMV in the model's activation lane, or our GEMM for prompt-sized row counts.
+class Q8Linear(nn.Module):
+    """y = x W^T over a Q8_0 weight (int8 quants [N, K], fp16 scales [N, K/QK]), its input in one activation
+    lane: our GEMV, or our GEMM for prompt-sized row counts. The lane's product is chosen here, once.
     scratch_role names its output buffer, shared by the same projection of every layer."""
 
-    def __init__(self, weight: torch.Tensor | Q8Tensor, lane: str, scratch_role: str):
+    def __init__(self, weight: Q8Tensor, lane: ActFormat, scratch_role: str):
         super().__init__()
+        if not isinstance(weight, Q8Tensor):
+            raise TypeError(f"{scratch_role}: Q8Linear takes a Q8Tensor, found {type(weight).__name__} "
+                            "(make_linear picks the linear of a weight)")
+        rows, cols = weight.q.shape
+        if weight.q.dtype != torch.int8 or cols % QK or tuple(weight.d.shape) != (rows, cols // QK):
+            raise ValueError(f"{scratch_role}: a Q8_0 weight is int8 quants [N, K] (K a multiple of {QK}) and "
+                             f"scales [N, K/{QK}], found quants {tuple(weight.q.shape)} {weight.q.dtype} and scales "
+                             f"{tuple(weight.d.shape)}")
         self.scratch_role = scratch_role
-        if isinstance(weight, Q8Tensor):
-            self.register_buffer("weight_q", weight.q)
-            self.register_buffer("weight_d", weight.d)
-            self.lane = lane
-        else:
-            self.register_buffer("weight", weight)
-            self.lane = None  # dense: reads the float32 activation
+        self.input_format = lane_format(lane)
+        self.register_buffer("weight_q", weight.q)
+        self.register_buffer("weight_d", weight.d)
+        self._product = {ActFormat.F32: self._f32_lane, ActFormat.INT8: self._int8_lane,
+                         ActFormat.INT8X2: self._int8x2_lane}[self.input_format]
 
     @property
     def out_features(self) -> int:
-        return (self.weight_q if self.lane else self.weight).shape[0]
+        return self.weight_q.shape[0]
 
     @property
     def in_features(self) -> int:
-        return (self.weight_q if self.lane else self.weight).shape[1]
+        return self.weight_q.shape[1]
 
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
-        rows = act.x.shape[0]
-        out = scratch.empty(self, "out", (rows, self.out_features))
-        gemm = rows >= INT_GEMM_MIN_ROWS and self.in_features % 64 == 0  # the GEMM's stage is 64 wide
-        if self.lane is None:
-            self._dense(act.x, out, scratch)
-        elif self.lane == "f32":
-            if rows >= F32_GEMM_MIN_ROWS and out.is_cuda:
-                self._dequantized_matmul(act.x, out, scratch)
-            else:
-                ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
-        elif self.lane == "int8":
-            (ops.q8_0_gemm_int8 if gemm else ops.q8_0_gemv_int8)(act.q, act.d, self.weight_q, self.weight_d, out)
-        else:
-            (ops.q8_0_gemm_int8x2 if gemm else ops.q8_0_gemv_int8x2)(
-                act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out)
+        out = scratch.empty(self, "out", (act.x.shape[0], self.out_features))
+        self._product(act, out, scratch)
         return out
+
+    def _gemm(self, rows: int) -> bool:
+        """Whether the int lanes run the GEMM: from INT_GEMM_MIN_ROWS rows, when its 64-wide stage fits K."""
+        return rows >= INT_GEMM_MIN_ROWS and self.in_features % 64 == 0
+
+    def _f32_lane(self, act: Activation, out: torch.Tensor, scratch: Scratch) -> None:
+        if act.x.shape[0] >= F32_GEMM_MIN_ROWS and out.is_cuda:
+            self._dequantized_matmul(act.x, out, scratch)
+        else:
+            ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
+
+    def _int8_lane(self, act: Activation, out: torch.Tensor, scratch: Scratch) -> None:
+        op = ops.q8_0_gemm_int8 if self._gemm(act.x.shape[0]) else ops.q8_0_gemv_int8
+        op(act.q, act.d, self.weight_q, self.weight_d, out)
+
+    def _int8x2_lane(self, act: Activation, out: torch.Tensor, scratch: Scratch) -> None:
+        op = ops.q8_0_gemm_int8x2 if self._gemm(act.x.shape[0]) else ops.q8_0_gemv_int8x2
+        op(act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out)
 
     def _dequantized_matmul(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
         """The f32 lane's contract, literally: dequantize to float32, float32 cuBLAS GEMM (no TF32 unless
@@ -91,19 +106,61 @@ class Linear(nn.Module):
             torch.mm(x, w.t(), out=y)
             out[:, n0:n1].copy_(y)
 
-    def _dense(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
+    def first_rows(self, rows: int, scratch_role: str) -> Q8Linear:
+        """The linear of this one's first `rows` output rows, over views of its weights (no copy), same lane."""
+        return Q8Linear(Q8Tensor(self.weight_q[:rows], self.weight_d[:rows]), self.input_format, scratch_role)
+
+
+class DenseLinear(nn.Module):
+    """y = x W^T over a dense weight (float32/bfloat16/float16), from the float32 activation: cuBLAS in the
+    weight's dtype on the GPU, float64 on the CPU. scratch_role names its output buffer, as for Q8Linear."""
+
+    input_format = ActFormat.F32
+
+    def __init__(self, weight: torch.Tensor, scratch_role: str):
+        super().__init__()
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{scratch_role}: DenseLinear takes a dense tensor, found {type(weight).__name__} "
+                            "(make_linear picks the linear of a weight)")
+        self.scratch_role = scratch_role
+        self.register_buffer("weight", weight)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
+        x = act.x
+        out = scratch.empty(self, "out", (x.shape[0], self.out_features))
         if self.weight.device.type == "cpu":
             # CPU BLAS picks different kernels for one row and for many, so float32 prefill and decode
             # would disagree by float32 rounding per layer; float64 accumulation makes every row's
             # result independent of T (and the CPU path a reference).
             out.copy_(F.linear(x.double(), self.weight.double()))
-            return
+            return out
         # cuBLAS in the weight's dtype, into fixed buffers (the decode graph replays on them).
         x_w = scratch.empty(self, "x_w", x.shape, self.weight.dtype)
         y_w = scratch.empty(self, "y_w", out.shape, self.weight.dtype)
         x_w.copy_(x)
         torch.mm(x_w, self.weight.t(), out=y_w)
         out.copy_(y_w)
+        return out
+
+    def first_rows(self, rows: int, scratch_role: str) -> DenseLinear:
+        """The linear of this one's first `rows` output rows, over a view of its weight (no copy)."""
+        return DenseLinear(self.weight[:rows], scratch_role)
+
+
+def make_linear(weight: torch.Tensor | Q8Tensor, lane: ActFormat, scratch_role: str) -> Q8Linear | DenseLinear:
+    """The linear of a loaded weight, typed by the weight's format: a Q8_0 matrix reads the model's activation
+    lane, a dense one float32 whatever the lane. A new weight format is a class above and a branch here."""
+    if isinstance(weight, Q8Tensor):
+        return Q8Linear(weight, lane, scratch_role)
+    return DenseLinear(weight, scratch_role)
 
 
 def embed_into(owner: nn.Module, ids: torch.Tensor, out: torch.Tensor,
@@ -120,24 +177,18 @@ def embed_into(owner: nn.Module, ids: torch.Tensor, out: torch.Tensor,
     return out
 
 
-def input_lane(*consumers: Linear) -> str | None:
-    """The lane a producer must emit: the quantized one if any consumer reads Q8_0 weights."""
-    return next((c.lane for c in consumers if c.lane is not None), None)
-
-
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: Qwen38Config, w: dict, lane: str):
+    def __init__(self, config: Qwen38Config, w: dict, lane: ActFormat):
         super().__init__()
         self.config = config
-        self.qkvz = Linear(w["qkvz"], lane, "gdn.qkvz")  # rows [q | k | v | z | b (beta) | a (decay)]
-        self.out_proj = Linear(w["ssm_out"], lane, "gdn.out")
+        self.qkvz = make_linear(w["qkvz"], lane, "gdn.qkvz")  # rows [q | k | v | z | b (beta) | a (decay)]
+        self.out_proj = make_linear(w["ssm_out"], lane, "gdn.out")
+        self.input_format = self.qkvz.input_format  # what it reads: the layer's input norm writes it
+        self.normed_format = self.out_proj.input_format  # what the gated norm writes
         self.register_buffer("conv_weight", w["ssm_conv1d"])
         self.register_buffer("a_neg", w["ssm_a"])
         self.register_buffer("dt_bias", w["ssm_dt"])
         self.register_buffer("norm_weight", w["ssm_norm"])
-
-    def input_lane(self) -> str | None:
-        return input_lane(self.qkvz)
 
     def forward(self, act: Activation, state: GDNState, positions: torch.Tensor, scratch: Scratch,
                 keep_token_states: bool = False) -> torch.Tensor:
@@ -147,7 +198,7 @@ class GatedDeltaNet(nn.Module):
         token_conv = state.token_conv[:rows] if keep_token_states else None
         token_recurrent = state.token_recurrent[:rows] if keep_token_states else None
         x = self.qkvz(act, scratch)
-        out = scratch.activation(self, "normed", rows, c.linear_value_dim, input_lane(self.out_proj))
+        out = scratch.activation(self, "normed", rows, c.linear_value_dim, self.normed_format)
         # gdn_step and the op sequence below give the same bits for up to GDN_STEP_ROWS rows (both recur token
         # by token there); gdn_step is one launch instead of four.
         if rows <= GDN_STEP_ROWS:
@@ -169,16 +220,15 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: Qwen38Config, w: dict, lane: str):
+    def __init__(self, config: Qwen38Config, w: dict, lane: ActFormat):
         super().__init__()
         self.config = config
-        self.qgkv = Linear(w["qgkv"], lane, "attn.qgkv")  # rows [query_0 | gate_0 | ... | k | v]
-        self.o_proj = Linear(w["attn_output"], lane, "attn.out")
+        self.qgkv = make_linear(w["qgkv"], lane, "attn.qgkv")  # rows [query_0 | gate_0 | ... | k | v]
+        self.o_proj = make_linear(w["attn_output"], lane, "attn.out")
+        self.input_format = self.qgkv.input_format  # what it reads: the layer's input norm writes it
+        self.gated_format = self.o_proj.input_format  # what the output gate writes
         self.register_buffer("q_norm", w["attn_q_norm"])
         self.register_buffer("k_norm", w["attn_k_norm"])
-
-    def input_lane(self) -> str | None:
-        return input_lane(self.qgkv)
 
     def forward(self, act: Activation, cache: KVCache, positions: torch.Tensor, scratch: Scratch,
                 keep_token_states: bool = False) -> torch.Tensor:
@@ -190,7 +240,7 @@ class GatedAttention(nn.Module):
         q = scratch.empty(self, "q", (rows, c.num_attention_heads, c.head_dim))
         ops.attn_qk_norm_rope_store(qgkv, self.q_norm, self.k_norm, positions, c.rms_norm_eps, c.rope_theta,
                                     c.rotary_dim, q, cache.k, cache.v, cache.bad_position)
-        out = scratch.activation(self, "gated", rows, c.num_attention_heads * c.head_dim, input_lane(self.o_proj))
+        out = scratch.activation(self, "gated", rows, c.num_attention_heads * c.head_dim, self.gated_format)
         if rows > SAME_SPLIT_TOKENS:  # a prompt chunk: flash attention on tensor cores, then the gate
             attn = scratch.empty(self, "attn", q.shape)
             workspace = scratch.empty(self, "prefill_workspace", (prefill_workspace_numel(
@@ -204,13 +254,15 @@ class GatedAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Qwen38Config, w: dict, lane: str):
+    def __init__(self, config: Qwen38Config, w: dict, lane: ActFormat):
         super().__init__()
-        self.gate_up = Linear(w["gate_up"], lane, "mlp.gate_up")  # rows [gate | up]
-        self.down = Linear(w["ffn_down"], lane, "mlp.down")
+        self.gate_up = make_linear(w["gate_up"], lane, "mlp.gate_up")  # rows [gate | up]
+        self.down = make_linear(w["ffn_down"], lane, "mlp.down")
+        self.input_format = self.gate_up.input_format  # what it reads: the layer's post-mixer norm writes it
+        self.hidden_format = self.down.input_format  # what silu_mul writes
 
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
-        hidden = scratch.activation(self, "hidden", act.x.shape[0], self.down.in_features, input_lane(self.down))
+        hidden = scratch.activation(self, "hidden", act.x.shape[0], self.down.in_features, self.hidden_format)
         ops.silu_mul(self.gate_up(act, scratch), *hidden.outs())
         return self.down(hidden, scratch)
 
@@ -226,23 +278,18 @@ class DecoderLayer(nn.Module):
         self.register_buffer("input_norm", w["attn_norm"])
         self.register_buffer("post_norm", w["post_attention_norm"])
         self.eps = config.rms_norm_eps
+        self.mixer_in_format = mixer.input_format  # what the input norm writes
+        self.mlp_in_format = mlp.input_format  # what the post-mixer norm writes
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, state, positions,
                 scratch: Scratch, keep_token_states: bool = False) -> torch.Tensor:
         rows, width = residual.shape
-        act = scratch.activation(self, "mixer_in", rows, width, self.mixer.input_lane())
+        act = scratch.activation(self, "mixer_in", rows, width, self.mixer_in_format)
         if delta is None:
             ops.rms_norm(residual, self.input_norm, self.eps, *act.outs())
         else:
             ops.add_rms_norm(residual, delta, self.input_norm, self.eps, *act.outs())
         delta = self.mixer(act, state, positions, scratch, keep_token_states)
-        act = scratch.activation(self, "mlp_in", rows, width, input_lane(self.mlp.gate_up))
+        act = scratch.activation(self, "mlp_in", rows, width, self.mlp_in_format)
         ops.add_rms_norm(residual, delta, self.post_norm, self.eps, *act.outs())
         return self.mlp(act, scratch)
-
-
-def check_lane(lane: str) -> str:
-    if lane not in LANES:
-        raise ValueError(f"lane must be one of {LANES}, found {lane!r}")
-    return lane
-

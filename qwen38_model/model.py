@@ -17,11 +17,12 @@ from .checkpoint.layout import MTP_PARTS
 from .config import ATTENTION, Qwen38Config
 from .conversation import Conversation, PrefixCache
 from .errors import NonFiniteLogitsError
+from .formats import Activation, lane_format
 from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
-from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Linear, check_lane, embed_into, input_lane
+from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, embed_into, make_linear
 from .mtp import MTPBlock
 from .sampling import SamplingConfig
-from .scratch import Activation, Scratch
+from .scratch import Scratch
 from .speculative import SpeculativeEngine, run_speculative
 from .state import Qwen38State, StateSnapshot
 
@@ -62,7 +63,7 @@ class Qwen38ForCausalLM(nn.Module):
     def __init__(self, config: Qwen38Config, checkpoint: Checkpoint, device, dtype, quantize, lane):
         super().__init__()
         self.config = config
-        self.lane = check_lane(lane)
+        self.lane = lane_format(lane)
 
         def load(part, layer=None):
             return checkpoint.load(part, layer, device, dtype, quantize)
@@ -76,12 +77,15 @@ class Qwen38ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self._load_layer(checkpoint, i, device, dtype, quantize)
                                     for i in range(config.num_layers))
         self.register_buffer("norm", load("output_norm"))
-        self.lm_head = Linear(load("output"), lane, "lm_head")
+        self.lm_head = make_linear(load("output"), self.lane, "lm_head")
+        # The final norm feeds the head and the MTP block; the block reads only the float32 hidden, which
+        # every format holds, so the head's format is the norm's.
+        self.final_norm_format = self.lm_head.input_format
         # The MTP block (checkpoint layer num_layers) shares the embedding and the head; None without one.
         self.mtp = None
         if config.num_mtp_layers:
             w = self._layer_weights(checkpoint, config.num_layers, True, device, dtype, quantize)
-            self.mtp = MTPBlock(config, w, embed, lane, input_lane(self.lm_head))
+            self.mtp = MTPBlock(config, w, embed, self.lane, self.lm_head.input_format)
 
     def _layer_weights(self, checkpoint: Checkpoint, i: int, attention: bool, device, dtype, quantize) -> dict:
         """Layer i's weights by part (fused groups concatenated); the MTP layer adds its MTP_PARTS."""
@@ -197,7 +201,7 @@ class Qwen38ForCausalLM(nn.Module):
                 act = self.mtp(hidden, pair_ids, pair_positions, state.mtp_cache, scratch)
                 skip = max(first_mtp_kept - first_pair, 0)
                 if return_mtp_logits and skip < hidden.shape[0]:
-                    mtp_logits.append(self.lm_head(_rows(act, skip), scratch).clone())  # the chunk's head reuses it
+                    mtp_logits.append(self.lm_head(act.rows_from(skip), scratch).clone())  # the chunk's head reuses it
             state.mtp_hidden.copy_(h[-1:])
 
         logits = self.prefill(ids, positions, state, logits_to_keep, on_hidden=mtp_pairs)
@@ -228,7 +232,7 @@ class Qwen38ForCausalLM(nn.Module):
                 if on_hidden is None:
                     act = self.final_norm(residual, delta, scratch, kept)
                 else:
-                    act = _rows(normed, end - start - kept)
+                    act = normed.rows_from(end - start - kept)
                 rows = self.lm_head(act, scratch)
                 logits.append(rows if end == total else rows.clone())  # scratch is reused by the next chunk
             if progress is not None:
@@ -255,10 +259,10 @@ class Qwen38ForCausalLM(nn.Module):
 
     def final_norm(self, residual, delta, scratch: Scratch, rows: int = 0) -> Activation:
         """The final norm (residual += delta, then RMSNorm) over the last `rows` rows (0: all): the normed
-        hidden, float32 act.x [rows, D], in the lm_head's input lane (the MTP block's `hidden` input)."""
+        hidden, float32 act.x [rows, D], in the lm_head's input format (the MTP block's `hidden` input)."""
         if 0 < rows < residual.shape[0]:
             residual, delta = residual[-rows:], delta[-rows:]
-        act = scratch.activation(self, "final_norm", *residual.shape, input_lane(self.lm_head))
+        act = scratch.activation(self, "final_norm", *residual.shape, self.final_norm_format)
         ops.add_rms_norm(residual, delta, self.norm, self.config.rms_norm_eps, *act.outs())
         return act
 
@@ -373,8 +377,3 @@ class Qwen38ForCausalLM(nn.Module):
                 engine = DecodeEngine(self, size, kv_dtype, use_graph)
             self._engine = engine
         return engine
-
-
-def _rows(act: Activation, first: int) -> Activation:
-    """Rows first.. of an activation (row slices stay contiguous)."""
-    return Activation(*(None if t is None else t[first:] for t in act.outs()))

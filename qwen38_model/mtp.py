@@ -17,8 +17,9 @@ import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config
-from .layers import MLP, DecoderLayer, GatedAttention, Linear, embed_into, input_lane
-from .scratch import Activation, Scratch
+from .formats import ActFormat, Activation
+from .layers import MLP, DecoderLayer, GatedAttention, embed_into, make_linear
+from .scratch import Scratch
 from .state import KVCache
 
 ops = torch.ops.qwen38
@@ -27,14 +28,14 @@ ops = torch.ops.qwen38
 class MTPBlock(nn.Module):
     scratch_role = "mtp"
 
-    def __init__(self, config: Qwen38Config, w: dict, embed: torch.Tensor | Q8Tensor, lane: str,
-                 head_lane: str | None):
+    def __init__(self, config: Qwen38Config, w: dict, embed: torch.Tensor | Q8Tensor, lane: ActFormat,
+                 head_format: ActFormat):
         """w: the block's weights by internal part name (the layer's fused groups included); embed: the model's
-        embedding table, shared (registered here too, same storage); head_lane: the input lane of the
-        model's lm_head, which reads this block's output."""
+        embedding table, shared (registered here too, same storage); head_format: the input format of the
+        model's lm_head (and of a draft head over its rows), which reads this block's output."""
         super().__init__()
         self.eps = config.rms_norm_eps
-        self.head_lane = head_lane
+        self.out_format = head_format  # what the shared head norm writes
         if isinstance(embed, Q8Tensor):
             self.register_buffer("embed_q", embed.q)
             self.register_buffer("embed_d", embed.d)
@@ -42,7 +43,8 @@ class MTPBlock(nn.Module):
             self.register_buffer("embed", embed)
         self.register_buffer("enorm", w["nextn.enorm"])
         self.register_buffer("hnorm", w["nextn.hnorm"])
-        self.eh_proj = Linear(w["nextn.eh_proj"], lane, "mtp.eh_proj")
+        self.eh_proj = make_linear(w["nextn.eh_proj"], lane, "mtp.eh_proj")
+        self.eh_in_format = self.eh_proj.input_format  # what the concat (and its quantize_act) writes
         self.layer = DecoderLayer(config, GatedAttention(config, w, lane), MLP(config, w, lane), w)
         self.register_buffer("shared_head_norm", w["nextn.shared_head_norm"])
         # Scratch roles of their own: a speculative step runs the trunk over k+1 rows and this block over 1,
@@ -55,7 +57,7 @@ class MTPBlock(nn.Module):
                 scratch: Scratch) -> Activation:
         """hidden float32 [T, D]: the trunk's normed hidden at positions (or this block's previous output x);
         ids int32 [T]: the tokens that follow them; positions int32 [T]; cache: this block's KV cache.
-        Returns the shared-head-normed output in the lm_head's input lane: model.lm_head(act, scratch) gives
+        Returns the shared-head-normed output in the lm_head's input format: model.lm_head(act, scratch) gives
         the logits of the token after ids, act.x is the hidden of the next draft step."""
         rows, width = hidden.shape
         embedded = self._embed(ids, scratch, cache.bad_position)
@@ -65,13 +67,13 @@ class MTPBlock(nn.Module):
         ops.rms_norm(hidden, self.hnorm, self.eps, h, None, None, None)
         # Quantized after the concat: the two halves are whole 32-blocks, so this equals quantizing each norm's
         # output, and the norms need no strided outputs.
-        fused = scratch.activation(self, "eh_in", rows, 2 * width, input_lane(self.eh_proj))
+        fused = scratch.activation(self, "eh_in", rows, 2 * width, self.eh_in_format)
         torch.cat([e, h], dim=1, out=fused.x)
-        if fused.q is not None:
+        if self.eh_in_format is not ActFormat.F32:
             ops.quantize_act(fused.x, fused.q, fused.q_lo, fused.d)
         residual = self.eh_proj(fused, scratch)  # the layer's residual stream, updated in place
         delta = self.layer(residual, None, cache, positions, scratch)
-        out = scratch.activation(self, "normed", rows, width, self.head_lane)
+        out = scratch.activation(self, "normed", rows, width, self.out_format)
         ops.add_rms_norm(residual, delta, self.shared_head_norm, self.eps, *out.outs())
         return out
 

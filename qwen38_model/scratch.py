@@ -11,24 +11,9 @@ lifetime: the warm-up step allocates every buffer once, and a captured CUDA grap
 those addresses, with no allocation inside the step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-QK = 32  # activation quantization block
-
-
-@dataclass
-class Activation:
-    """A GEMV input: float32 x, plus its int8 form when the consumer reads an int8 lane."""
-
-    x: torch.Tensor
-    q: torch.Tensor | None = None
-    q_lo: torch.Tensor | None = None
-    d: torch.Tensor | None = None
-
-    def outs(self):
-        return self.x, self.q, self.q_lo, self.d
+from .formats import QK, ActFormat, Activation
 
 
 class Scratch:
@@ -55,11 +40,11 @@ class Scratch:
             self._buffers[key] = buf
         return buf
 
-    def activation(self, owner, name: str, rows: int, width: int, lane: str | None) -> Activation:
-        """Buffers for a producer whose consumer reads `lane` (None: a dense matrix, float32 only)."""
+    def activation(self, owner, name: str, rows: int, width: int, fmt: ActFormat) -> Activation:
+        """Buffers for a producer that writes `fmt` (its consumer's input_format)."""
         x = self.empty(owner, name, (rows, width))
-        if lane in (None, "f32"):
-            return Activation(x)
+        if fmt is ActFormat.F32:
+            return Activation(fmt, x)
         q = self.empty(owner, name + ".q", (rows, width), torch.int8)
-        q_lo = self.empty(owner, name + ".q_lo", (rows, width), torch.int8) if lane == "int8x2" else None
-        return Activation(x, q, q_lo, self.empty(owner, name + ".d", (rows, width // QK)))
+        q_lo = self.empty(owner, name + ".q_lo", (rows, width), torch.int8) if fmt is ActFormat.INT8X2 else None
+        return Activation(fmt, x, q, q_lo, self.empty(owner, name + ".d", (rows, width // QK)))

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import Q8Tensor
+from .formats import Activation
 from .generation import DecodeEngine, GenerationStats, StopCondition, check_run, keep_only
-from .layers import INT_GEMM_MIN_ROWS, Linear
+from .layers import INT_GEMM_MIN_ROWS, DenseLinear, Q8Linear
 from .sampling import SamplerState, SamplingConfig, select_next_token, select_speculative
-from .scratch import Activation, Scratch
+from .scratch import Scratch
 from .state import StateSnapshot
 
 # The verify's k+1 rows must stay on the GEMV (the int8 GEMM from INT_GEMM_MIN_ROWS rows sums in another
@@ -112,15 +112,12 @@ class SpeculativeStats(GenerationStats):
                 f"tokens/step, {self.accepted}/{self.drafted} drafts accepted ({rate})")
 
 
-def head_rows(lm_head: Linear, rows: int) -> Linear:
-    """The LM head's first `rows` rows as a Linear over views of its weights (no copy): a draft head over a
-    reduced vocabulary. Token ids of byte-level BPE vocabularies are in merge order, so low ids are the
-    frequent tokens; drafts are never outside it, while the verify still scores the whole vocabulary."""
-    if lm_head.lane is None:
-        weight = lm_head.weight[:rows]
-    else:
-        weight = Q8Tensor(lm_head.weight_q[:rows], lm_head.weight_d[:rows])
-    return Linear(weight, lm_head.lane, "mtp.draft_head")
+def head_rows(lm_head: Q8Linear | DenseLinear, rows: int) -> Q8Linear | DenseLinear:
+    """The LM head's first `rows` rows, a linear of its type and input format over views of its weights (no
+    copy): a draft head over a reduced vocabulary, reading the MTP block's output as the head does. Token ids
+    of byte-level BPE vocabularies are in merge order, so low ids are the frequent tokens; drafts are never
+    outside it, while the verify still scores the whole vocabulary."""
+    return lm_head.first_rows(rows, "mtp.draft_head")
 
 
 class SpeculativeEngine:
@@ -206,8 +203,8 @@ class SpeculativeEngine:
     def _draft(self, act: Activation, k: int) -> None:
         """d_1 from the MTP pass's row a (the last accepted token), then d_2..d_k from single-row steps."""
         m, scratch = self.model, self.scratch["draft"]
-        row = Activation(*(None if t is None else scratch.empty("mtp_row", name, (1, *t.shape[1:]), t.dtype)
-                           for name, t in zip(("x", "q", "q_lo", "d"), act.outs())))
+        row = Activation(act.format, *(None if t is None else scratch.empty("mtp_row", name, (1, *t.shape[1:]), t.dtype)
+                                       for name, t in zip(("x", "q", "q_lo", "d"), act.outs())))
         for src, dst in zip(act.outs(), row.outs()):
             if src is not None:
                 torch.index_select(src, 0, self.num_accepted, out=dst)

@@ -20,7 +20,7 @@ import torch
 import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_model.checkpoint import Q8Tensor
 from qwen38_model.config import ATTENTION, GDN
-from qwen38_model.layers import Linear
+from qwen38_model.layers import Q8Linear
 from qwen38_model.scratch import Scratch
 
 from .common import env_info, print_table, write_json
@@ -123,7 +123,7 @@ def small_t_table(config, tokens=(1, 2, 4, 8, 16, 32), copies: int = 3) -> list[
 
 def f32_crossover_table(config, tokens=(16, 32, 64, 128, 256)) -> list[dict]:
     """The f32 lane's two T-row paths over the trunk matrices: the GEMV (4 rows per weight pass) and the
-    model's dequantize-then-cuBLAS float32 GEMM (Linear._dequantized_matmul)."""
+    model's dequantize-then-cuBLAS float32 GEMM (Q8Linear._dequantized_matmul)."""
     rows = []
     mats = [(random_q8(N, K), count) for N, K, count in trunk_shapes(config)]
     for T in tokens:
@@ -132,7 +132,7 @@ def f32_crossover_table(config, tokens=(16, 32, 64, 128, 256)) -> list[dict]:
             N, K = w8.shape
             x = torch.randn(T, K, device="cuda")
             out = torch.empty(T, N, device="cuda")
-            linear, scratch = Linear(Q8Tensor(w8, wd), "f32", "bench"), Scratch("cuda")
+            linear, scratch = Q8Linear(Q8Tensor(w8, wd), "f32", "bench"), Scratch("cuda")
             row["gemv_ms"] += median_time(lambda: ops.q8_0_gemv(x, w8, wd, out)) * count * 1e3
             row["dequant_mm_ms"] += median_time(lambda: linear._dequantized_matmul(x, out, scratch)) * count * 1e3
         rows.append(row)
