@@ -33,7 +33,7 @@ from benchmarks.decode import build_model
 from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
 from qwen38_model import Conversation, PrefixCache, Qwen38ForCausalLM, StateSnapshot
 from qwen38_model.state import GDNState
-from qwen38_model.synthetic import default_model_path
+from qwen38_model.default_model import default_model_path
 
 TINY = dict(history=48, message=8, turns=3, reply=4, repeats=2)
 TARGET_TTFT_RATIO = 1.2  # issue 13: TTFT with a 16k-token history <= 1.2x TTFT with none

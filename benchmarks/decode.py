@@ -232,9 +232,8 @@ def gemv_chain(model: Qwen38ForCausalLM, lane: str, probe_gbps: float) -> dict:
                 probe_ratio=nbytes / t / 1e9 / probe_gbps, tok_s=1 / t)
 
 
-def main(argv=None, prog: str = "python -m benchmarks.decode") -> dict:
-    """prog: the command in the usage line (the CLI passes `qwen38 bench`)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a real checkpoint instead of the synthetic 27B shape")
     parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-decode.json)")
     parser.add_argument("--lanes", default="int8,int8x2,f32", help="Q8_0 activation lanes, comma-separated, each "

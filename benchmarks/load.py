@@ -30,10 +30,10 @@ import torch
 from benchmarks.decode import QWEN38_27B
 from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
 from qwen38_model import Qwen38Config, Qwen38ForCausalLM
-from qwen38_model.__main__ import progress_bar
 from qwen38_model.checkpoint.gguf_file import read_header
 from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape, gguf_tensor_name, layer_parts
 from qwen38_model.checkpoint.tensors import PIECE_BYTES, Q8_BLOCK, Q8_BLOCK_BYTES, READ_THREADS
+from qwen38_model.cli.terminal import progress_bar
 from qwen38_model.config import ATTENTION, GDN
 from qwen38_model.errors import CheckpointError
 from qwen38_model.synthetic import SYNTHETIC_CHAT_TEMPLATE

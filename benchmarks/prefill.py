@@ -108,9 +108,8 @@ def decode_tg128(model) -> float:
     return 1 / t
 
 
-def main(argv=None, prog: str = "python -m benchmarks.prefill") -> dict:
-    """prog: the command in the usage line (the CLI passes `qwen38 bench --prefill`)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a real checkpoint instead of the synthetic 27B shape")
     parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-prefill.json)")
     parser.add_argument("--lengths", default="128,512,2048,4096,8192,32768", help="prompt lengths in tokens, "

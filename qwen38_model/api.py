@@ -39,7 +39,7 @@ def load(path: str | pathlib.Path | None = None, device=None, **kwargs) -> Qwen3
     """path: a .gguf file or an HF folder (default: the built-in synthetic model, random weights).
     device (default CUDA when available) and kwargs (dtype, quantize, lane) go to from_pretrained."""
     if path is None:
-        from .synthetic import default_model_path
+        from .default_model import default_model_path
 
         path = default_model_path()
     return Qwen38(Qwen38ForCausalLM.from_pretrained(path, device=device, **kwargs), load_tokenizer(path))

@@ -3,7 +3,8 @@
 One sequence slot: requests wait FIFO for it in a bounded queue (429 when full); each generation runs in
 a worker thread and streams its tokens back to the event loop. A client that goes away cancels its
 generation at the next token. Prompts share one PrefixCache, so a chat that comes back with its history
-prefills only its new tokens. Every bad request is an OpenAI-style JSON error, never a traceback."""
+prefills only its new tokens. Sampling fields a request leaves out take the checkpoint's settings, as vLLM
+takes a model's generation config. Every bad request is an OpenAI-style JSON error, never a traceback."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,10 @@ from starlette.routing import Route
 
 from .conversation import PrefixCache
 from .errors import Qwen38Error
+
+# A request's sampling fields left out take the checkpoint's settings, else these: OpenAI's temperature and
+# top_p, and no top-k, min-p or repetition penalty (the OpenAI API has none of them).
+REQUEST_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 class RequestError(Exception):
@@ -61,9 +66,11 @@ class Job:
 
 class Server:
     def __init__(self, model, tokenizer, model_name: str, max_context: int, max_queue: int, cache_bytes: int,
-                 **engine_kwargs):
-        """engine_kwargs (kv_dtype, use_graph) go to every generate()."""
+                 sampling: dict | None = None, **engine_kwargs):
+        """sampling: the checkpoint's settings (sampling_defaults.checkpoint_sampling, checked), over
+        REQUEST_DEFAULTS; engine_kwargs (kv_dtype, use_graph) go to every generate()."""
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.sampling = {**REQUEST_DEFAULTS, **(sampling or {})}
         self.engine_kwargs = engine_kwargs
         self.max_context, self.max_queue = max_context, max_queue
         self.cache = PrefixCache(cache_bytes)
@@ -136,16 +143,19 @@ class Server:
         return ids
 
     def generation_kwargs(self, body: dict, prompt_tokens: int) -> dict:
-        """The request's sampling parameters as generate()'s arguments (temperature 0: greedy)."""
+        """The request's sampling parameters as generate()'s arguments (temperature 0: greedy); those it
+        leaves out from self.sampling."""
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 256))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError(400, f"max_tokens must be an integer >= 1, found {max_tokens!r}", "max_tokens")
         if prompt_tokens + max_tokens > self.max_context:
             raise RequestError(400, f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} > the server's context "
                                     f"of {self.max_context} tokens", "messages", "context_length_exceeded")
-        temperature = number(body, "temperature", 1.0, 0.0, 2.0)
+        defaults = self.sampling
+        temperature = number(body, "temperature", defaults["temperature"], 0.0, 2.0)
         kwargs = dict(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
-                      top_p=number(body, "top_p", 1.0, 0.0, 1.0), top_k=0,
+                      top_p=number(body, "top_p", defaults["top_p"], 0.0, 1.0), top_k=defaults["top_k"],
+                      min_p=defaults["min_p"], repetition_penalty=defaults["repetition_penalty"],
                       presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
                       min_new_tokens=integer(body, "min_tokens", 0), max_seq_len=self.max_context,
                       tokenizer=self.tokenizer, **self.engine_kwargs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qwen38_model
-from qwen38_model.synthetic import default_model_path
+from qwen38_model.default_model import default_model_path
 
 
 def new_text(llm, prompt: str, **kwargs) -> str:

@@ -1,7 +1,8 @@
 """The command line as a user runs it: streamed text, the statistics and memory lines, prompts from a file
-or stdin, sampling defaults from the checkpoint, help with defaults, --version, bench --help without a GPU,
-and every user mistake as one line with exit code 2. Most cases call main() in this process (a
-subprocess costs a torch import); the README's command and the console script run as subprocesses."""
+or stdin, sampling defaults from the checkpoint, a GGUF's header read once before the load, help with
+defaults, --version, the benchmarks' --help without a GPU, and every user mistake as one line with exit
+code 2. Most cases call main() in this process (a subprocess costs a torch import); the README's commands
+and the console script run as subprocesses."""
 import io
 import json
 import pathlib
@@ -13,8 +14,13 @@ import sys
 import pytest
 import torch
 
-from qwen38_model import __main__ as cli
-from qwen38_model import __version__
+from qwen38_model import __version__, cli, sampling_defaults
+from qwen38_model.cli import options
+from qwen38_model.cli.generate import PREFILL_BAR_TOKENS
+from qwen38_model.cli.source import CPU_WARN_BYTES
+from qwen38_model.cli.terminal import TERMINAL_ESCAPES
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, stdin=None):
@@ -116,11 +122,36 @@ def test_sampling_defaults_come_from_generation_config(capsys, monkeypatch, tmp_
 
 
 def test_sampling_defaults_readers():
-    assert cli.from_generation_config({"temperature": 0.7, "top_k": 20}) == {"top_k": 20, "temperature": 0.0}
-    assert cli.from_generation_config({"do_sample": True, "top_p": 0.8}) == {"top_p": 0.8, "temperature": 1.0}
+    from_generation_config = sampling_defaults.from_generation_config
+    assert from_generation_config({"temperature": 0.7, "top_k": 20}) == {"top_k": 20, "temperature": 0.0}
+    assert from_generation_config({"do_sample": True, "top_p": 0.8}) == {"top_p": 0.8, "temperature": 1.0}
+    # Nothing about sampling (the built-in model's file): the caller's default temperature, greedy for the
+    # command line, OpenAI's 1.0 for the server.
+    assert from_generation_config({"top_k": 20, "eos_token_id": 2}) == {"top_k": 20}
     gguf_keys = {"general.sampling.temp": 0.6, "general.sampling.top_k": 20, "general.sampling.penalty_repeat": 1.1,
                  "general.name": "x"}
-    assert cli.from_gguf_metadata(gguf_keys) == {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1}
+    assert sampling_defaults.from_gguf_metadata(gguf_keys) == {"temperature": 0.6, "top_k": 20,
+                                                               "repetition_penalty": 1.1}
+
+
+def test_a_gguf_header_is_read_once_before_the_load(capsys, monkeypatch):
+    """The tokenizer, the sampling defaults and the --max-context check share one read of the GGUF header;
+    from_pretrained reads it once more, as the load (four reads before: each of them read it itself)."""
+    from qwen38_model.checkpoint import gguf_file
+
+    read_header, reads = gguf_file.read_header, []
+
+    def counted(path):
+        reads.append(path)
+        return read_header(path)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("qwen38_model")]:
+        if getattr(module, "read_header", None) is read_header:  # every module that holds the function
+            monkeypatch.setattr(module, "read_header", counted)
+    code, _, err = run_main(capsys, monkeypatch, "generate", "--prompt", "Hi", "--max-new-tokens", "2",
+                            "--max-context", "64")
+    assert code == 0 and "(64 tokens)" in err, err
+    assert len(reads) == 2, reads
 
 
 def test_max_context_sizes_the_cache(capsys, monkeypatch):
@@ -142,7 +173,7 @@ def test_long_prompt_shows_a_prefill_bar(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stderr", terminal)
     assert cli.main(["generate", "--max-new-tokens", "2"]) == 0
     bar = re.findall(r"prefill \[#*\s*\] (\d+)/(\d+) tokens", terminal.getvalue())
-    assert bar and bar[-1][0] == bar[-1][1] and int(bar[-1][1]) > cli.PREFILL_BAR_TOKENS, terminal.getvalue()[-500:]
+    assert bar and bar[-1][0] == bar[-1][1] and int(bar[-1][1]) > PREFILL_BAR_TOKENS, terminal.getvalue()[-500:]
 
 
 def test_generated_text_cannot_drive_the_terminal(capsys, monkeypatch):
@@ -150,7 +181,7 @@ def test_generated_text_cannot_drive_the_terminal(capsys, monkeypatch):
     exact; on a terminal each control character but tab, newline and CR shows as its \\xNN escape."""
     args = ("generate", "--prompt", "The quick brown fox")
     code, piped, _ = run_main(capsys, monkeypatch, *args)
-    controls = {c for c in piped if ord(c) in cli.TERMINAL_ESCAPES}
+    controls = {c for c in piped if ord(c) in TERMINAL_ESCAPES}
     assert code == 0 and controls, "the default model's greedy text has no control characters left to test"
 
     class Terminal(io.StringIO):
@@ -161,20 +192,19 @@ def test_generated_text_cannot_drive_the_terminal(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdout", terminal)
     assert cli.main(list(args)) == 0
     shown = terminal.getvalue()
-    assert shown == piped.translate(cli.TERMINAL_ESCAPES)
-    assert not any(ord(c) in cli.TERMINAL_ESCAPES for c in shown), repr(shown)
+    assert shown == piped.translate(TERMINAL_ESCAPES)
+    assert not any(ord(c) in TERMINAL_ESCAPES for c in shown), repr(shown)
 
 
-@pytest.mark.parametrize("args, command, options", [
-    (["--help"], "bench", ["--lanes", "--contexts"]),
-    (["--prefill", "--help"], "bench --prefill", ["--lengths", "--lanes", "--chunks"])])
-def test_bench_help_works_without_a_gpu(capsys, args, command, options):
-    with pytest.raises(SystemExit) as exit_info:  # the benchmark's own argparse prints its help
-        cli.main(["bench", *args])
-    out = capsys.readouterr().out
-    assert exit_info.value.code == 0 and out.startswith(f"usage: {cli.program_name()} {command} [-h]"), out
-    text = " ".join(out.split())
-    for option in options:  # each list option says what it takes, and its default
+@pytest.mark.parametrize("module, list_options", [("decode", ["--lanes", "--contexts"]),
+                                                  ("prefill", ["--lengths", "--lanes", "--chunks"])])
+def test_benchmark_help_works_without_a_gpu(module, list_options):
+    """The README's `python -m benchmarks.decode` / `benchmarks.prefill`, from the source checkout."""
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith("usage: "), result.stdout + result.stderr
+    text = " ".join(result.stdout.split())
+    for option in list_options:  # each list option says what it takes, and its default
         assert re.search(f"{option} [A-Z]+ [^-]*comma-separated[^-]*\\(default: ", text), (option, text)
 
 
@@ -200,7 +230,6 @@ def test_user_mistakes_are_one_line(capsys, monkeypatch, tmp_path):
             f"error: --seed must be in [0, 4294967295] (the sampler's seed is 32 bits), found {seed}"
     if not torch.cuda.is_available():
         assert error("generate", "--prompt", "x", "--device", "cuda").startswith("error: device='cuda' but ")
-        assert error("bench").startswith("error: the decode benchmark needs a CUDA GPU")
     with pytest.raises(SystemExit) as exit_info:  # argparse's own usage errors: exit code 2 as well
         cli.parse_args(["generate", "--device", "nonsense"])
     assert exit_info.value.code == 2
@@ -218,7 +247,7 @@ def test_max_context_beyond_the_model_or_the_memory_is_one_line(capsys, monkeypa
         assert error(*command, "--max-context", "262145") == \
             "error: --max-context 262145 exceeds the model's context of 262144 tokens"
     from qwen38_model.checkpoint import open_checkpoint
-    from qwen38_model.synthetic import default_model_path
+    from qwen38_model.default_model import default_model_path
 
     config = open_checkpoint(default_model_path()).config
     needed = state.state_bytes(config, 262144, torch.float32, mtp=config.num_mtp_layers > 0)
@@ -232,12 +261,12 @@ def test_kv_dtype_default_follows_the_device():
     """Unset, generate() gets None (its default: bfloat16 on CUDA, float32 on the CPU); the size check
     resolves it the same way."""
     args = cli.parse_args(["generate"])
-    assert args.kv_dtype is None and cli.generation_kwargs(args, {"temperature": 0.0}, None)["kv_dtype"] is None
-    assert cli.kv_dtype(args, torch.device("cuda")) == torch.bfloat16
-    assert cli.kv_dtype(args, torch.device("cpu")) == torch.float32
+    assert args.kv_dtype is None and options.generation_kwargs(args, {"temperature": 0.0}, None)["kv_dtype"] is None
+    assert options.kv_dtype(args, torch.device("cuda")) == torch.bfloat16
+    assert options.kv_dtype(args, torch.device("cpu")) == torch.float32
     chosen = cli.parse_args(["chat", "--kv-dtype", "float32"])
-    assert cli.kv_dtype(chosen, torch.device("cuda")) == torch.float32
-    assert cli.generation_kwargs(chosen, {"temperature": 0.0}, None)["kv_dtype"] == torch.float32
+    assert options.kv_dtype(chosen, torch.device("cuda")) == torch.float32
+    assert options.generation_kwargs(chosen, {"temperature": 0.0}, None)["kv_dtype"] == torch.float32
 
 
 def test_stop_strings_are_left_out(capsys, monkeypatch):
@@ -268,7 +297,7 @@ def test_serve_install_hint_keeps_the_installed_torch(capsys, monkeypatch):
 def test_a_large_checkpoint_on_the_cpu_is_warned(capsys, monkeypatch, tmp_path):
     big = tmp_path / "big.gguf"
     with open(big, "wb") as f:  # sparse: no disk used
-        f.truncate(int(cli.CPU_WARN_BYTES) + 1)
+        f.truncate(int(CPU_WARN_BYTES) + 1)
     code, _, err = run_main(capsys, monkeypatch, "generate", "--model", str(big), "--prompt", "x", "--device", "cpu")
     assert code == 2 and err.startswith("warning: a 2.0 GB checkpoint on the CPU: the CPU path runs the plain-PyTorch "
                                         "reference ops"), err

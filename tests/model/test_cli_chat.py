@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from qwen38_model import __main__ as cli
+from qwen38_model import cli
 
 STATS = re.compile(r"\[prefill (\d+) tokens in [\d.]+ s \| reply (\d+) tokens, [\d.]+ tok/s \| context (\d+) tokens\]")
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from qwen38_model import __main__ as cli
+from qwen38_model import cli
 
 
 def cli_process(oracle_dir, *args):

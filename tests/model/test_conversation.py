@@ -9,7 +9,7 @@ from qwen38_model import Conversation, PrefixCache, Qwen38ForCausalLM, StateSnap
 from qwen38_model.generation import DecodeEngine
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.state import KVCache
-from qwen38_model.synthetic import default_model_path
+from qwen38_model.default_model import default_model_path
 
 TURNS = [[5, 17, 99, 3], [42, 7], [8, 150, 23, 61, 2]]
 

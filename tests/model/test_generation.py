@@ -10,7 +10,7 @@ import torch
 from qwen38_model import Qwen38ForCausalLM
 from qwen38_model.generation import TextStreamer
 from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits, uniform_noise
-from qwen38_model.synthetic import default_hf_path, default_model_path
+from qwen38_model.default_model import default_hf_path, default_model_path
 from qwen38_model.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -136,7 +136,7 @@ def test_a_speculative_engine_may_use_the_whole_context(model):
     with pytest.raises(ValueError, match=r"^max_seq_len 65 exceeds the model's context of 64 tokens$"):
         Qwen38State(short, 65 + 28, "cpu", spare_rows=28)
     from qwen38_model.speculative import SpeculativeEngine
-    from qwen38_model.synthetic import default_model_path
+    from qwen38_model.default_model import default_model_path
 
     with_mtp = Qwen38ForCausalLM.from_pretrained(default_model_path(), device="cpu")
     with_mtp.config = dataclasses.replace(with_mtp.config, max_position_embeddings=64)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import benchmarks.load as load_bench
-from qwen38_model import CheckpointError, Qwen38ForCausalLM, synthetic
+from qwen38_model import CheckpointError, Qwen38ForCausalLM, default_model
 from qwen38_model.checkpoint import open_checkpoint, tensors
 from qwen38_model.checkpoint.gguf_file import read_header
 from qwen38_model.checkpoint.tensors import Q8_BLOCK_BYTES, TensorReader, pieces
@@ -158,7 +158,7 @@ def test_tensors_equal_the_gguf_package_reader(oracle_dir, file, tiny_reads):
 
 @pytest.mark.parametrize("source", ["builtin", "hf", *GGUF_FILES])
 def test_loaded_weights_do_not_depend_on_the_split_of_the_reads(oracle_dir, source, request):
-    path = synthetic.default_model_path() if source == "builtin" else oracle_dir / source
+    path = default_model.default_model_path() if source == "builtin" else oracle_dir / source
     whole = buffers(Qwen38ForCausalLM.from_pretrained(path, device="cpu"))
     request.getfixturevalue("tiny_reads")
     assert_same_buffers(whole, buffers(Qwen38ForCausalLM.from_pretrained(path, device="cpu")))
@@ -265,7 +265,7 @@ def test_load_benchmark_file_is_a_loadable_checkpoint(tmp_path):
 @pytest.mark.parametrize("source", ["builtin", *GGUF_FILES])
 def test_gpu_load_equals_cpu_load_bit_for_bit(oracle_dir, source, split, request):
     """Staged reads, asynchronous copies and the device-side Q8_0 split give the CPU load's bytes."""
-    path = synthetic.default_model_path() if source == "builtin" else oracle_dir / source
+    path = default_model.default_model_path() if source == "builtin" else oracle_dir / source
     on_cpu = buffers(Qwen38ForCausalLM.from_pretrained(path, device="cpu", dtype=torch.float32))
     if split == "tiny":
         request.getfixturevalue("tiny_reads")

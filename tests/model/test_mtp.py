@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from qwen38_model import CheckpointError, Qwen38ForCausalLM, StateSnapshot, synthetic
+from qwen38_model import CheckpointError, Qwen38ForCausalLM, StateSnapshot, convert, synthetic
 from qwen38_model.scratch import Scratch
 
 transformers = pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ def files(tmp_path_factory):
     hf = synthetic.write_hf_checkpoint(root / "hf", SMALL, seed=11, form="vlm")
     paths = {"hf": hf}
     for qtype in ("f32", "q8_0", "bf16"):
-        paths[qtype] = synthetic.hf_to_gguf(hf, root / f"{qtype}.gguf", qtype, model_name="mtp", mtp=True)
+        paths[qtype] = convert.hf_to_gguf(hf, root / f"{qtype}.gguf", qtype, model_name="mtp", mtp=True)
         paths[f"{qtype}-dequantized"] = dequantized_copy(paths[qtype], root / f"{qtype}-dequantized.gguf")
     return paths
 
@@ -236,7 +236,7 @@ def test_snapshot_restore_and_file_hold_the_block(f32_model, ids, tmp_path):
 
 
 def test_model_without_the_block(files, ids, tmp_path):
-    plain = synthetic.hf_to_gguf(files["hf"], tmp_path / "no-mtp.gguf", "f32")  # --no-mtp
+    plain = convert.hf_to_gguf(files["hf"], tmp_path / "no-mtp.gguf", "f32")  # --no-mtp
     model = Qwen38ForCausalLM.from_pretrained(plain, device="cpu")
     assert model.mtp is None and model.new_state(4).mtp_cache is None
     with pytest.raises(ValueError, match="return_mtp_logits=True but .*no-mtp\\.gguf has no MTP block"):
@@ -295,7 +295,7 @@ def test_int_lanes_on_the_q8_gguf(files, ids, lane):
 
 def test_converter_writes_the_block_as_llama_cpp(files, tmp_path):
     with_block = gguf.GGUFReader(files["q8_0"])
-    plain = gguf.GGUFReader(synthetic.hf_to_gguf(files["hf"], tmp_path / "plain.gguf", "q8_0", model_name="mtp"))
+    plain = gguf.GGUFReader(convert.hf_to_gguf(files["hf"], tmp_path / "plain.gguf", "q8_0", model_name="mtp"))
     fields = {k: f.contents() for k, f in with_block.fields.items()}
     assert fields["qwen35.block_count"] == 5 and fields["qwen35.nextn_predict_layers"] == 1
     model_keys = [k for k in fields if k.startswith("qwen35.")]

@@ -124,7 +124,7 @@ def test_queue_is_bounded_and_a_dropped_client_cancels(client, server):
 def test_serve_mistakes_are_one_line_before_the_load(capsys):
     """A port out of range (exit 2) or in use (exit 1, an OS error), a --max-context beyond the model: one line
     before the weights load, never "serving on" followed by uvicorn's traceback or 500s to every request."""
-    from qwen38_model import __main__ as cli
+    from qwen38_model import cli
 
     def error(*args) -> tuple[int, str]:
         code = cli.main(["serve", *args])
@@ -145,6 +145,63 @@ def test_serve_mistakes_are_one_line_before_the_load(capsys):
         (2, "error: --max-context 100000000 exceeds the model's context of 262144 tokens"), result.stderr
 
 
+def test_fields_a_request_leaves_out_take_the_checkpoint_settings():
+    """As vLLM with a model's generation config: the checkpoint's sampling settings are the defaults of a
+    request's fields, the request's own values win; without any, OpenAI's defaults (temperature 1, no top-k)."""
+    from qwen38_model.server import Server
+
+    def sampling(server, body):
+        kwargs = server.generation_kwargs({"max_tokens": 4, **body}, prompt_tokens=3)
+        return {k: kwargs[k] for k in ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
+
+    plain = Server(None, None, "m", max_context=64, max_queue=1, cache_bytes=1 << 20)
+    assert sampling(plain, {}) == dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                                       repetition_penalty=1.0)
+    released = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05}
+    server = Server(None, None, "m", max_context=64, max_queue=1, cache_bytes=1 << 20, sampling=released)
+    assert sampling(server, {}) == dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, min_p=0.0,
+                                        repetition_penalty=1.05)
+    assert sampling(server, {"temperature": 0, "top_p": 0.5}) == dict(do_sample=False, temperature=1.0, top_k=20,
+                                                                      top_p=0.5, min_p=0.0, repetition_penalty=1.05)
+
+
+def test_serve_reads_the_checkpoint_sampling_settings(capsys, monkeypatch, tmp_path, oracle_dir):
+    """`serve` hands the server the settings of the checkpoint's generation_config.json (checked before the
+    load, as `generate` checks them), and says so."""
+    import shutil
+
+    import uvicorn
+
+    from qwen38_model import cli, server
+
+    folder = tmp_path / "hf"
+    shutil.copytree(oracle_dir / "hf", folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.6,
+                                                               "top_k": 20, "top_p": 0.95}))
+    servers = []
+
+    class Recorded(server.Server):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            servers.append(self)
+
+    monkeypatch.setattr(server, "Server", Recorded)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: None)  # no serving: the server is built
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert cli.main(["serve", "--model", str(folder), "--port", port, "--device", "cpu"]) == 0
+    (built,) = servers
+    assert built.sampling == dict(temperature=0.6, top_k=20, top_p=0.95, min_p=0.0, repetition_penalty=1.0)
+    assert "sampling fields a request leaves out: the checkpoint's top_k 20, top_p 0.95, temperature 0.6\n" in \
+        capsys.readouterr().err
+    (folder / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "top_p": 0}))
+    assert cli.main(["serve", "--model", str(folder), "--port", port, "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == "error: top_p must be in (0, 1], found 0.0"
+    assert len(servers) == 1  # refused before the load
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_100_streamed_requests_leak_nothing():
@@ -158,7 +215,7 @@ def test_gpu_100_streamed_requests_leak_nothing():
 
     from qwen38_model import Qwen38ForCausalLM
     from qwen38_model.server import Server
-    from qwen38_model.synthetic import default_model_path
+    from qwen38_model.default_model import default_model_path
     from qwen38_model.tokenizer import load_tokenizer
 
     path = default_model_path()

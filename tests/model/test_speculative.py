@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_speculative_sampling import chi_square_p
 
-from qwen38_model import Qwen38ForCausalLM, synthetic
+from qwen38_model import Qwen38ForCausalLM, convert, synthetic
 from qwen38_model.conversation import Conversation
 from qwen38_model.generation import DecodeEngine, StopCondition
 from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits
@@ -27,7 +27,7 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     folder = synthetic.write_hf_checkpoint(tmp_path_factory.mktemp("spec") / "hf", SMALL, seed=5, form="vlm")
-    path = synthetic.hf_to_gguf(folder, folder.parent / "q8.gguf", "q8_0", model_name="spec", mtp=True)
+    path = convert.hf_to_gguf(folder, folder.parent / "q8.gguf", "q8_0", model_name="spec", mtp=True)
     return Qwen38ForCausalLM.from_pretrained(path, device="cpu", lane="int8")
 
 

@@ -1,4 +1,5 @@
-"""Synthetic checkpoints: the GGUF converter against llama.cpp's own output, HF folders against transformers."""
+"""Synthetic checkpoints: the GGUF converter (convert.py) against llama.cpp's own output, the random HF folders
+(synthetic.py) against transformers."""
 import json
 import pathlib
 
@@ -9,7 +10,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
-from qwen38_model import synthetic
+from qwen38_model import convert, synthetic
 
 # Small enough to be quick, with Hv/Hk = 3 (value-head reorder), GQA and 2 attention layers.
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "head_dim": 16,
@@ -47,7 +48,7 @@ def small_checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("qtype", ["f32", "q8_0", "bf16"])
 def test_hf_to_gguf_reproduces_llama_cpp(oracle_dir, tmp_path, qtype):
     # --model-name as the oracle was converted, so even the general.* keys are comparable.
-    ours_path = synthetic.hf_to_gguf(oracle_dir / "hf", tmp_path / "ours.gguf", qtype,
+    ours_path = convert.hf_to_gguf(oracle_dir / "hf", tmp_path / "ours.gguf", qtype,
                                      model_name="qwen35-oracle-mini")
     ours, ours_fields = read_gguf(ours_path)
     theirs, their_fields = read_gguf(oracle_dir / f"mini-{qtype}.gguf")
@@ -74,7 +75,7 @@ def test_hf_to_gguf_reproduces_llama_cpp(oracle_dir, tmp_path, qtype):
 
 def test_gguf_conventions_on_a_synthetic_checkpoint(small_checkpoints, tmp_path):
     hf_dir = small_checkpoints["text"]
-    reader, fields = read_gguf(synthetic.hf_to_gguf(hf_dir, tmp_path / "m.gguf", "f32"))
+    reader, fields = read_gguf(convert.hf_to_gguf(hf_dir, tmp_path / "m.gguf", "f32"))
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
     hf = load_hf(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -121,7 +122,7 @@ def test_gguf_conventions_on_a_synthetic_checkpoint(small_checkpoints, tmp_path)
 
 def test_vlm_form_converts_like_text_form(small_checkpoints, tmp_path):
     """model.language_model.* renamed, model.visual.* and mtp.* dropped (--no-mtp), shards joined."""
-    files = {key: synthetic.hf_to_gguf(path, tmp_path / f"{key}.gguf", "q8_0", model_name="same")
+    files = {key: convert.hf_to_gguf(path, tmp_path / f"{key}.gguf", "q8_0", model_name="same")
              for key, path in small_checkpoints.items()}
     reference = files["text"].read_bytes()
     for key, path in files.items():
@@ -131,7 +132,7 @@ def test_vlm_form_converts_like_text_form(small_checkpoints, tmp_path):
 def test_q8_0_falls_back_to_f16_for_rows_not_a_multiple_of_32(tmp_path):
     odd = {**SMALL, "hidden_size": 48, "num_hidden_layers": 2}
     hf_dir = synthetic.write_hf_checkpoint(tmp_path / "hf", odd, dtype=torch.float16)
-    reader, _ = read_gguf(synthetic.hf_to_gguf(hf_dir, tmp_path / "m.gguf", "q8_0"))
+    reader, _ = read_gguf(convert.hf_to_gguf(hf_dir, tmp_path / "m.gguf", "q8_0"))
     matrices = {t.name: t for t in reader.tensors if len(t.shape) == 2 and "conv1d" not in t.name}
     for name, t in matrices.items():  # ne0 (t.shape[0]) is the row length that Q8_0 blocks split
         expected = gguf.GGMLQuantizationType.Q8_0 if t.shape[0] % 32 == 0 else gguf.GGMLQuantizationType.F16
@@ -188,62 +189,6 @@ def test_same_seed_same_bytes(tmp_path):
     c = synthetic.write_hf_checkpoint(tmp_path / "c", SMALL, seed=4, dtype=torch.bfloat16, num_shards=2)
     assert files(a) == files(b)
     assert files(a)["model-00001-of-00002.safetensors"] != files(c)["model-00001-of-00002.safetensors"]
-    ga = synthetic.hf_to_gguf(a, tmp_path / "a.gguf", "q8_0", model_name="m")
-    gb = synthetic.hf_to_gguf(b, tmp_path / "b.gguf", "q8_0", model_name="m")
+    ga = convert.hf_to_gguf(a, tmp_path / "a.gguf", "q8_0", model_name="m")
+    gb = convert.hf_to_gguf(b, tmp_path / "b.gguf", "q8_0", model_name="m")
     assert ga.read_bytes() == gb.read_bytes()
-
-
-# --------------------------------------------------------------------------------------------------
-# The built-in default model
-# --------------------------------------------------------------------------------------------------
-
-def test_default_model_is_built_once_and_loads(tmp_path, monkeypatch):
-    monkeypatch.setenv("QWEN38_CACHE", str(tmp_path))
-    path = synthetic.default_model_path()
-    assert path.is_file() and path.parent.parent == tmp_path
-    assert [p.name for p in tmp_path.iterdir()] == [path.parent.name]  # no temporary folder left
-    built_at = path.stat().st_mtime_ns
-    assert synthetic.default_model_path() == path and path.stat().st_mtime_ns == built_at
-
-    reader, fields = read_gguf(path)
-    assert fields["general.architecture"] == "qwen35" and fields["general.file_type"] == 7
-    # 8 trunk layers, then the MTP layer as block 8 (the converter's layout)
-    assert fields["qwen35.embedding_length"] == 256 and fields["qwen35.block_count"] == 9
-    assert fields["qwen35.nextn_predict_layers"] == 1
-    assert fields["qwen35.ssm.group_count"] == 2 and fields["qwen35.ssm.time_step_rank"] == 6
-    assert len(fields["tokenizer.ggml.tokens"]) % 32 == 0
-    # Q8_0: per GDN layer qkv, gate, beta, alpha, out; per attention layer q, k, v, output; 3 FFN
-    # matrices each; embeddings and head; the MTP layer's attention and FFN and its eh_proj. The rest (norms,
-    # conv, ssm_a, dt bias) stays F32.
-    types = {t.name: t.tensor_type for t in reader.tensors}
-    assert sum(t == gguf.GGMLQuantizationType.Q8_0 for t in types.values()) == 6 * 8 + 2 * 7 + 2 + 8
-    assert set(types.values()) == {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32}
-
-    # The GGUF is the HF folder beside it, quantized: Q8_0 costs well under 1% per weight matrix.
-    hf = safetensors.torch.load_file(synthetic.default_hf_path() / "model.safetensors")
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    dequantized = torch.from_numpy(gguf.quants.dequantize(np.asarray(embed.data), embed.tensor_type))
-    reference = hf["model.embed_tokens.weight"].float()
-    assert (dequantized - reference).norm() / reference.norm() < 1e-2
-
-
-def test_default_hf_folder_loads_in_transformers(tmp_path, monkeypatch):
-    from transformers import Qwen3_5ForCausalLM
-    monkeypatch.setenv("QWEN38_CACHE", str(tmp_path))
-    _, info = Qwen3_5ForCausalLM.from_pretrained(synthetic.default_hf_path(), output_loading_info=True)
-    assert not any(info.values())
-
-
-def test_default_model_has_an_mtp_block_and_greedy_chat_replies_say_something():
-    """The built-in model is what `make demo` and a first `qwen38 chat` run: --speculative mtp must work on it,
-    and a greedy chat reply must not be empty (its random head used to rank <|im_end|> first after most chat
-    prompts)."""
-    import qwen38_model
-
-    llm = qwen38_model.load(device="cpu")
-    assert llm.model.mtp is not None
-    for message in ("Hello", "The quick brown fox", "What is 2+2?", "Bonjour", "a", "Why is the sky blue?"):
-        assert llm.chat([{"role": "user", "content": message}], max_new_tokens=16).strip(), message
-    ids = torch.tensor([llm.tokenizer.encode("The quick brown fox")])
-    plain = llm.model.generate(ids, max_new_tokens=12, eos_token_id=[])
-    assert torch.equal(llm.model.generate(ids, max_new_tokens=12, eos_token_id=[], speculative="mtp"), plain)

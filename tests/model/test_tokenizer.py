@@ -9,7 +9,7 @@ import gguf
 import pytest
 import tokenizers
 
-from qwen38_model import CheckpointError, synthetic
+from qwen38_model import CheckpointError, convert, synthetic
 from qwen38_model.errors import ChatTemplateError
 from qwen38_model.tokenizer import Tokenizer
 
@@ -37,7 +37,7 @@ def synthetic_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def synthetic_gguf(synthetic_dir, tmp_path_factory):
-    return synthetic.hf_to_gguf(synthetic_dir, tmp_path_factory.mktemp("tok-gguf") / "m.gguf", "f32")
+    return convert.hf_to_gguf(synthetic_dir, tmp_path_factory.mktemp("tok-gguf") / "m.gguf", "f32")
 
 
 @pytest.mark.parametrize("text", TEXTS)

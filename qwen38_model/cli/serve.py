@@ -1,0 +1,83 @@
+"""`serve`: the OpenAI-compatible HTTP server (qwen38_model.server) on one checkpoint, checked before the load."""
+from __future__ import annotations
+
+import argparse
+import errno
+import socket
+import sys
+
+from ..sampling_defaults import check_settings
+from .options import KV_DTYPES, HelpFormatter, add_model_argument, add_runtime_options, check_sampling
+from .source import check_max_context, load_model, open_source
+
+SERVE_HINT = "python3 -m pip install starlette uvicorn"  # the serve extra's packages; keeps the installed torch
+
+
+def add_parser(sub) -> None:
+    v = sub.add_parser("serve", help=f"an OpenAI-compatible HTTP server (needs starlette and uvicorn: {SERVE_HINT})",
+                       formatter_class=HelpFormatter,
+                       description="/v1/chat/completions and /v1/completions (stream: true as server-sent events), "
+                                   "/v1/models, /health. One sequence slot: requests wait FIFO; beyond --max-queue "
+                                   "waiting they are answered 429. A prefix cache spares re-reading shared history. "
+                                   "Sampling fields a request leaves out take the checkpoint's settings "
+                                   "(generation_config.json; a GGUF: its general.sampling.* keys), as vLLM does. "
+                                   f"Needs starlette and uvicorn: {SERVE_HINT}")
+    add_model_argument(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    v.add_argument("--port", type=int, default=8000, help="port to listen on (1 to 65535)")
+    v.add_argument("--max-context", type=int, default=8192, metavar="N", help="KV cache size in tokens: prompt + "
+                   "max_tokens of a request must fit")
+    v.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait for the slot")
+    v.add_argument("--cache-gb", type=float, default=4.0, metavar="GB", help="prefix cache budget")
+    add_runtime_options(v)
+
+
+def run(args: argparse.Namespace) -> None:
+    try:
+        import uvicorn
+
+        from ..server import REQUEST_DEFAULTS, Server
+    except ImportError as e:
+        raise ValueError(f"serve needs starlette and uvicorn: {SERVE_HINT} ({e})") from None
+    for name in ("max_context", "max_queue"):
+        if getattr(args, name) < (0 if name == "max_queue" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}, "
+                             f"found {getattr(args, name)}")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [1, 65535], found {args.port}")
+    if not args.cache_gb > 0:
+        raise ValueError(f"--cache-gb must be > 0, found {args.cache_gb}")
+    source = open_source(args)
+    sampling = check_settings(source.sampling(), lambda k: f"{k} in the checkpoint {source.path}")
+    check_sampling({**REQUEST_DEFAULTS, **sampling})  # in range, before the load
+    check_max_context(args, source, source.device)
+    with listening_socket(args.host, args.port) as sock:  # before the load: a port in use fails at once
+        model = load_model(args, source)
+        check_max_context(args, source, model.device, model)
+        name = source.path.name
+        server = Server(model, source.tokenizer, name, args.max_context, args.max_queue, int(args.cache_gb * 1e9),
+                        sampling=sampling, kv_dtype=KV_DTYPES.get(args.kv_dtype),
+                        use_graph=False if args.eager else None, speculative=args.speculative,
+                        num_draft_tokens=args.num_draft_tokens, draft_vocab_size=args.draft_vocab)
+        if sampling:
+            settings = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
+            sys.stderr.write(f"sampling fields a request leaves out: the checkpoint's {settings}\n")
+        sys.stderr.write(f"serving {name} on http://{args.host}:{args.port}/v1\n")
+        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning")).run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (uvicorn listens on it): an address that cannot be bound, a port in use
+    above all, is an OSError of one line (exit 1, as other OS errors), not uvicorn's log after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn: an IPv6 address has colons
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # As uvicorn sets it: a restarted server can bind while its old connections linger in TIME_WAIT (another
+    # process listening on the port still makes bind fail on Linux).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = f"port {port} is in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise OSError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
