@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import time
 
@@ -23,8 +24,9 @@ from benchmarks.ops.common import (critical_path_us, default_result_path, env_in
                                    read_probe_result, time_graph, write_json)
 from qwen38_model import Qwen38Config, Qwen38ForCausalLM
 from qwen38_model.checkpoint import Checkpoint, Q8Tensor
-from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape
-from qwen38_model.config import ATTENTION, GDN
+from qwen38_model.checkpoint.layout import GLOBAL_PARTS, SMALL_PARTS, expected_shape, gguf_tensor_name, layer_parts
+from qwen38_model.checkpoint.q8_0 import Q8_BLOCK, Q8_BLOCK_BYTES
+from qwen38_model.config import GDN, layer_types_from_interval
 from qwen38_model.generation import DecodeEngine
 from qwen38_model.layers import Q8Linear
 from qwen38_model.sampling import SamplingConfig
@@ -32,30 +34,57 @@ from qwen38_model.state import KVCache
 
 QWEN38_27B = Qwen38Config(
     vocab_size=248320, hidden_size=5120, intermediate_size=17408,
-    layer_types=tuple(ATTENTION if (i + 1) % 4 == 0 else GDN for i in range(64)),
+    layer_types=layer_types_from_interval(64, 4),
     num_attention_heads=24, num_key_value_heads=4, head_dim=256, rotary_dim=64, rope_theta=1e7,
     linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
     conv_kernel=4, rms_norm_eps=1e-6, source="synthetic 27B shape")
 
 
-class SyntheticQ8Checkpoint(Checkpoint):
-    """The 27B shape with random Q8_0 matrices made on the device (no file)."""
+class SyntheticQ8Source:
+    """A tensor source (qwen38_model.checkpoint.TensorSource) of random Q8_0 matrices made on the GPU, no
+    file: every tensor the config describes, GGUF-named in the internal layout, each made as it is read (a
+    Checkpoint reads them one at a time, in the model's order)."""
+
+    gguf_layout = True
 
     def __init__(self, config: Qwen38Config, seed: int = 0):
-        self.config, self.path, self.is_gguf, self.progress, self.bytes_read = config, "synthetic", True, None, 0
+        self.config, self.path = config, "synthetic"
         self.generator = torch.Generator("cuda").manual_seed(seed)
+        tied = config.tie_word_embeddings
+        layers = range(config.num_layers + config.num_mtp_layers)
+        self.parts = {gguf_tensor_name(p, None): p for p in GLOBAL_PARTS if not (tied and p == "output")}
+        self.parts.update({gguf_tensor_name(p, i): p for i in layers for p in layer_parts(config, i)})
 
-    def load(self, part, layer, device, dtype, quantize):
-        """Made on the device in the model's internal layout: nothing to check or convert."""
-        return self._read_internal(part, layer, device)
+    def names(self) -> list[str]:
+        return list(self.parts)
 
-    def _read_internal(self, part, layer, device):
-        shape = expected_shape(self.config, part)
-        g = self.generator
+    def has(self, name: str) -> bool:
+        return name in self.parts
+
+    def full_name(self, name: str) -> str:
+        return name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return expected_shape(self.config, self.parts[name])
+
+    def dtype_name(self, name: str) -> str:
+        return "F32" if self.parts[name] in SMALL_PARTS else "Q8_0"
+
+    def nbytes(self, name: str) -> int:
+        shape = self.shape(name)
+        if self.parts[name] in SMALL_PARTS:
+            return 4 * math.prod(shape)  # float32
+        return shape[0] * shape[1] // Q8_BLOCK * Q8_BLOCK_BYTES
+
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(name) for name in self.parts)
+
+    def read(self, name: str, reader) -> torch.Tensor | Q8Tensor:
+        part, shape, device, g = self.parts[name], self.shape(name), reader.device, self.generator
         if part not in SMALL_PARTS:
             q = torch.randint(-127, 128, shape, dtype=torch.int8, device=device, generator=g)
             # |w| ~ 127 * d ~ 0.05 at d ~ 4e-4: the spread of real projection weights.
-            d = (torch.rand(shape[0], shape[1] // 32, device=device, generator=g) * 4e-4 + 2e-4).half()
+            d = (torch.rand(shape[0], shape[1] // Q8_BLOCK, device=device, generator=g) * 4e-4 + 2e-4).half()
             return Q8Tensor(q, d)
         if part == "ssm_a":
             return -torch.exp(torch.rand(shape, device=device, generator=g) * 4 - 3)
@@ -73,9 +102,9 @@ def build_model(path: str | None, lane: str, mtp: bool = False) -> Qwen38ForCaus
             raise ValueError(f"{path} has no MTP block")
     else:
         config = dataclasses.replace(QWEN38_27B, num_mtp_layers=int(mtp))
-        with torch.no_grad():
-            model = Qwen38ForCausalLM(config, SyntheticQ8Checkpoint(config), "cuda", torch.bfloat16, None,
-                                      lane).eval()
+        checkpoint = Checkpoint(SyntheticQ8Source(config))
+        with torch.no_grad(), checkpoint.loading():
+            model = Qwen38ForCausalLM(config, checkpoint, "cuda", torch.bfloat16, None, lane).eval()
     torch.cuda.synchronize()
     return model
 

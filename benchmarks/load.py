@@ -32,12 +32,14 @@ from benchmarks.ops.common import default_result_path, env_info, print_table, wr
 from qwen38_model import Qwen38Config, Qwen38ForCausalLM
 from qwen38_model.checkpoint.gguf_file import read_header
 from qwen38_model.checkpoint.layout import SMALL_PARTS, expected_shape, gguf_tensor_name, layer_parts
-from qwen38_model.checkpoint.tensors import PIECE_BYTES, Q8_BLOCK, Q8_BLOCK_BYTES, READ_THREADS
+from qwen38_model.checkpoint.q8_0 import Q8_BLOCK, Q8_BLOCK_BYTES
+from qwen38_model.checkpoint.tensors import PIECE_BYTES, READ_THREADS
 from qwen38_model.cli.terminal import progress_bar
-from qwen38_model.config import ATTENTION, GDN
+from qwen38_model.config import GDN, layer_types_from_interval
 from qwen38_model.errors import CheckpointError
 from qwen38_model.synthetic import SYNTHETIC_CHAT_TEMPLATE
-from qwen38_model.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED, load_tokenizer
+from qwen38_model.stop_tokens import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED
+from qwen38_model.tokenizer import load_tokenizer
 
 # Qwen3.5's vocabulary as llama.cpp's converter writes it: 248,320 rows (the embedding's), 247,587 merges.
 REAL_VOCAB_TOKENS, REAL_VOCAB_MERGES = 248320, 247587
@@ -46,7 +48,7 @@ ADDED_TOKENS = (("<|endoftext|>", TOKEN_CONTROL), ("<|im_start|>", TOKEN_CONTROL
 SMALL_VOCAB_TOKENS, SMALL_VOCAB_MERGES = 4096, 3800
 SMALL = Qwen38Config(
     vocab_size=SMALL_VOCAB_TOKENS, hidden_size=256, intermediate_size=512,
-    layer_types=tuple(ATTENTION if (i + 1) % 4 == 0 else GDN for i in range(8)),
+    layer_types=layer_types_from_interval(8, 4),
     num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=16, rope_theta=1e7,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
     conv_kernel=4, rms_norm_eps=1e-6, source="small load-benchmark shape")

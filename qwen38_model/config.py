@@ -9,13 +9,19 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .files import folder_file, read_json
-from .tokenizer import gguf_stop_token_ids, hf_stop_token_ids  # the stop-token policy lives with the tokenizer
+from .stop_tokens import gguf_stop_token_ids, hf_stop_token_ids
 
 ATTENTION, GDN = "attention", "gdn"
 # Bounds checked before anything is built from a count (a file may say block_count = 2^32 - 1):
 MAX_LAYERS = 1024  # 16x the 27B's 64
 MAX_DIM = 2**31 - 1  # sizes, positions and token ids index int32 tensors in the kernels
 MAX_RMS_NORM_EPS = 1e-2  # eps only guards the division; from 1e-2 up it would change the normalisation itself
+
+
+def layer_types_from_interval(num_layers: int, interval: int) -> tuple[str, ...]:
+    """Qwen3.5's layer pattern, what full_attention_interval means in an HF config and in GGUF metadata alike:
+    every interval-th layer is full attention (layers interval-1, 2*interval-1, ...), the others Gated DeltaNet."""
+    return tuple(ATTENTION if (i + 1) % interval == 0 else GDN for i in range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -122,20 +128,11 @@ class Qwen38Config:
                               "(Qwen3.5 / Qwen3.8 hybrid GDN + attention)")
         keys = _Keys(text, source)
         num_layers = keys.integer("num_hidden_layers", high=MAX_LAYERS)
-        layer_types = text.get("layer_types")
-        if layer_types is None:
-            interval = keys.integer("full_attention_interval", 4)
-            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                           for i in range(num_layers)]
-        kinds = {"full_attention": ATTENTION, "linear_attention": GDN}
-        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-            found = f"{len(layer_types)} entries" if isinstance(layer_types, list) else repr(layer_types)[:80]
-            raise ConfigError(f"{source}: layer_types must be a list of num_hidden_layers = {num_layers} entries, "
-                              f"found {found}")
-        unknown = sorted({repr(t) for t in layer_types if not isinstance(t, str) or t not in kinds})
-        if unknown:
-            raise ConfigError(f"{source}: unknown layer_types {unknown}, expected 'full_attention' or "
-                              "'linear_attention'")
+        hf_layer_types = text.get("layer_types")
+        if hf_layer_types is None:
+            layer_types = layer_types_from_interval(num_layers, keys.integer("full_attention_interval", 4))
+        else:
+            layer_types = _hf_layer_types(hf_layer_types, num_layers, source)
         rope = text.get("rope_parameters") or {}
         if not isinstance(rope, dict):
             raise ConfigError(f"{source}: rope_parameters must be an object, found {rope!r}")
@@ -148,7 +145,7 @@ class Qwen38Config:
             raise ConfigError(f"{source}: partial_rotary_factor must be in (0, 1], found {factor}")
         return cls(
             vocab_size=keys.integer("vocab_size"), hidden_size=hidden,
-            intermediate_size=keys.integer("intermediate_size"), layer_types=tuple(kinds[t] for t in layer_types),
+            intermediate_size=keys.integer("intermediate_size"), layer_types=layer_types,
             num_attention_heads=heads, num_key_value_heads=keys.integer("num_key_value_heads"),
             head_dim=head_dim, rotary_dim=int(head_dim * factor), rope_theta=rope_keys.number("rope_theta"),
             linear_num_key_heads=keys.integer("linear_num_key_heads"),
@@ -176,7 +173,7 @@ class Qwen38Config:
         num_mtp = keys.integer("nextn_predict_layers", 0, low=0, high=MAX_LAYERS)
         num_layers = keys.integer("block_count", low=num_mtp + 1, high=MAX_LAYERS + num_mtp) - num_mtp
         interval = keys.integer("full_attention_interval", 4)
-        layer_types = tuple(ATTENTION if (i + 1) % interval == 0 else GDN for i in range(num_layers))
+        layer_types = layer_types_from_interval(num_layers, interval)
         recurrent = meta.get("qwen35.attention.recurrent_layers")
         if recurrent is not None and (not isinstance(recurrent, list) or len(recurrent) < num_layers
                                       or [r is True for r in recurrent[:num_layers]] != [t == GDN for t in layer_types]):
@@ -199,6 +196,20 @@ class Qwen38Config:
             max_position_embeddings=keys.integer("context_length", 262144), num_mtp_layers=num_mtp,
             eos_token_ids=gguf_stop_token_ids(meta, source), source=source,
         )
+
+
+def _hf_layer_types(layer_types, num_layers: int, source: str) -> tuple[str, ...]:
+    """An HF config's layer_types list, checked: num_layers known kinds."""
+    kinds = {"full_attention": ATTENTION, "linear_attention": GDN}
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        found = f"{len(layer_types)} entries" if isinstance(layer_types, list) else repr(layer_types)[:80]
+        raise ConfigError(f"{source}: layer_types must be a list of num_hidden_layers = {num_layers} entries, "
+                          f"found {found}")
+    unknown = sorted({repr(t) for t in layer_types if not isinstance(t, str) or t not in kinds})
+    if unknown:
+        raise ConfigError(f"{source}: unknown layer_types {unknown}, expected 'full_attention' or "
+                          "'linear_attention'")
+    return tuple(kinds[t] for t in layer_types)
 
 
 def _is_int(value) -> bool:

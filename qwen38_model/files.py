@@ -65,6 +65,17 @@ def read_json(path: pathlib.Path, what: str = "JSON file"):
         raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def optional_json_object(folder: pathlib.Path, name: str) -> dict:
+    """The JSON object in the folder's file `name`, or {} when the folder has no such file."""
+    if not (folder / name).exists():
+        return {}
+    path = folder_file(folder, name)
+    value = read_json(path, name)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):

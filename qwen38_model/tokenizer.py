@@ -1,5 +1,5 @@
 """Qwen3.5 byte-level BPE tokenizer, from an HF folder or from GGUF metadata, plus its chat template and
-the stop-token policy.
+its end-of-generation ids (the stop-token policy, stop_tokens.py, which the config reads too).
 
 Both sources build the same `tokenizers.Tokenizer`: NFC normaliser, Qwen3.5's regex split, byte-level
 mapping, BPE over byte-level strings, added tokens matched before the split. A GGUF stores only the
@@ -19,8 +19,12 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from . import chat_template as templates
+from .checkpoint import read_gguf_metadata
 from .errors import CheckpointError
-from .files import folder_file, read_json
+from .files import folder_file, optional_json_object
+from .stop_tokens import (TOKEN_CONTROL, TOKEN_UNUSED, TOKEN_USER_DEFINED, gguf_stop_token_ids, gguf_string_list,
+                          gguf_token_id, gguf_vocabulary, hf_stop_token_ids)
+from .stop_tokens import TOKEN_NORMAL  # noqa: F401  (the HF -> GGUF converter still imports it from here)
 
 # Qwen3.5's split regex (its tokenizer.json, llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35). It differs from
 # Qwen2/Qwen3 by keeping combining marks \p{M} inside letter runs.
@@ -29,12 +33,6 @@ QWEN35_SPLIT_REGEX = (
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# gguf TokenType values written to tokenizer.ggml.token_type.
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
-
-# llama.cpp also ends generation on these control tokens, whatever eos_token_id says.
-END_OF_GENERATION_TEXTS = ("<|im_end|>", "<|endoftext|>")
-GGUF_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 TOKENIZER_JSON_LIMIT_BYTES = 256 << 20  # Qwen3.5's is 11 MB
 
 
@@ -92,7 +90,7 @@ class Tokenizer:
         if not isinstance(tokenizer.decoder, decoders.ByteLevel):
             raise CheckpointError(f"{tokenizer_file}: decoder {tokenizer.decoder!r:.80}, expected ByteLevel "
                                   "(Qwen3.5 tokenizers are byte-level BPE)")
-        config = _optional_json_object(path, "tokenizer_config.json")
+        config = optional_json_object(path, "tokenizer_config.json")
         chat_template = config.get("chat_template")
         if chat_template is None and (path / "chat_template.jinja").exists():
             template_file = folder_file(path, "chat_template.jinja", "chat template")
@@ -118,7 +116,7 @@ class Tokenizer:
             raise CheckpointError(f"{source}: no tokenizer.ggml.tokens")
         tokens, token_types = gguf_vocabulary(fields, source)
         # Spaces inside byte-level tokens are already mapped to 'Ġ', so the one space separates the pair.
-        merges = _string_list(fields, "tokenizer.ggml.merges", source)
+        merges = gguf_string_list(fields, "tokenizer.ggml.merges", source)
         pairs = [tuple(merge.split(" ")) for merge in merges]
         bad = next((m for m, pair in zip(merges, pairs) if len(pair) != 2), None)
         if bad is not None:
@@ -132,7 +130,7 @@ class Tokenizer:
         except Exception as e:  # e.g. a merge naming a token that is not in the vocabulary
             raise CheckpointError(f"{source}: tokenizer.ggml.tokens / merges do not form a BPE tokenizer "
                                   f"({str(e)[:200]})") from None
-        special_tokens = {name: tokens[_token_id(fields, key, len(tokens), source)] for name, key in (
+        special_tokens = {name: tokens[gguf_token_id(fields, key, len(tokens), source)] for name, key in (
             ("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
             ("pad_token", "tokenizer.ggml.padding_token_id")) if key in fields}
         chat_template = fields.get("tokenizer.chat_template")
@@ -203,76 +201,6 @@ class StreamDecoder:
         return text
 
 
-# ---- the stop-token policy -----------------------------------------------------------------------------
-
-def hf_stop_token_ids(folder: pathlib.Path, config: dict | None = None) -> tuple[int, ...]:
-    """What transformers' generate() stops on: generation_config.json's eos_token_id where the file has
-    one, else config.json's (the top level, then text_config)."""
-    generation_config = _optional_json_object(folder, "generation_config.json")
-    if generation_config.get("eos_token_id") is not None:
-        return _id_tuple(generation_config["eos_token_id"], folder / "generation_config.json")
-    if config is None:
-        config = _optional_json_object(folder, "config.json")
-    text = config.get("text_config")
-    value = config.get("eos_token_id")
-    if value is None and isinstance(text, dict):
-        value = text.get("eos_token_id")
-    return _id_tuple(value, folder / "config.json")
-
-
-def gguf_stop_token_ids(fields: dict[str, Any], source: str = "GGUF metadata") -> tuple[int, ...]:
-    """What llama.cpp stops on: the eos, eot and eom ids, then the control tokens <|im_end|> and
-    <|endoftext|> by their text (a GGUF has no generation_config)."""
-    tokens, token_types = gguf_vocabulary(fields, source)
-    ids = [_token_id(fields, key, len(tokens) or None, source) for key in GGUF_STOP_KEYS if key in fields]
-    ids += [i for i, (token, kind) in enumerate(zip(tokens, token_types))
-            if kind == TOKEN_CONTROL and token in END_OF_GENERATION_TEXTS]
-    return tuple(dict.fromkeys(ids))
-
-
-def gguf_vocabulary(fields: dict[str, Any], source: str) -> tuple[list[str], list[int]]:
-    """tokenizer.ggml.tokens and token_type, checked: strings, integers, the same length ([] when absent)."""
-    tokens = _string_list(fields, "tokenizer.ggml.tokens", source)
-    token_types = fields.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))
-    # set(map(type, ...)): one C loop over ~250k entries, where a generator expression takes ~30 ms
-    if not isinstance(token_types, list) or len(token_types) != len(tokens) or not set(map(type, token_types)) <= {int}:
-        found = f"{len(token_types)} entries" if isinstance(token_types, list) else repr(token_types)[:40]
-        raise CheckpointError(f"{source}: tokenizer.ggml.token_type must be {len(tokens)} integers (one per token), "
-                              f"found {found}")
-    return tokens, token_types
-
-
-def _string_list(fields: dict[str, Any], key: str, source: str) -> list[str]:
-    values = fields.get(key, [])
-    if not isinstance(values, list) or not set(map(type, values)) <= {str}:
-        raise CheckpointError(f"{source}: {key} must be an array of strings")
-    return values
-
-
-def _token_id(fields: dict[str, Any], key: str, vocab_size: int | None, source: str) -> int:
-    value = fields[key]
-    if type(value) is not int or value < 0 or (vocab_size is not None and value >= vocab_size):
-        raise CheckpointError(f"{source}: {key} must be a token id in [0, {vocab_size}), found {value!r:.40}")
-    return value
-
-
-def _id_tuple(value, source: pathlib.Path) -> tuple[int, ...]:
-    ids = [] if value is None else value if isinstance(value, list) else [value]
-    if not all(type(i) is int and i >= 0 for i in ids):
-        raise CheckpointError(f"{source}: eos_token_id must be a token id or a list of them, found {value!r:.80}")
-    return tuple(ids)
-
-
-def _optional_json_object(folder: pathlib.Path, name: str) -> dict[str, Any]:
-    if not (folder / name).exists():
-        return {}
-    path = folder_file(folder, name)
-    value = read_json(path, name)
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
-    return value
-
-
 def _token_content(entry, path: pathlib.Path, name: str) -> str:
     # tokenizer_config.json writes a special token either as its text or as an AddedToken dict.
     content = entry.get("content") if isinstance(entry, dict) else entry
@@ -295,6 +223,4 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
     path = pathlib.Path(path)
     if path.is_dir():
         return Tokenizer.from_hf_folder(path)
-    from .checkpoint import read_gguf_metadata
-
     return Tokenizer.from_gguf_metadata(read_gguf_metadata(path), str(path))

@@ -27,35 +27,36 @@ from ..files import regular_file
 from .gguf_file import GGUFCheckpoint, read_header
 from .hf_folder import HFCheckpoint
 from .layout import HF_NAMES, MTP_HF_NAMES, SMALL_PARTS, expected_shape, gguf_tensor_name, hf_to_internal, layer_parts
+from .source import TensorSource
 from .tensors import Q8Tensor, TensorReader
 
 # Elements per isfinite pass over a weight: bounds the pass's temporary to 16 MB (a 27B embedding has 1.3 G).
 CHECK_CHUNK = 1 << 24
 
-__all__ = ["Checkpoint", "CheckpointError", "Q8Tensor", "open_checkpoint", "read_gguf_metadata"]
+__all__ = ["Checkpoint", "CheckpointError", "Q8Tensor", "TensorSource", "open_checkpoint", "read_gguf_metadata"]
 
 Weight = torch.Tensor | Q8Tensor
 
 
 class Checkpoint:
-    """A GGUF or HF source plus the rules that turn its tensors into the model's weights:
-    small tensors float32; large matrices in `dtype`, or Q8_0 when stored so (GGUF) or asked for
-    (quantize="q8_0", the converter's quantization)."""
+    """A tensor source (source.TensorSource: a GGUF file, an HF folder, ...) plus the rules that turn its
+    tensors into the model's weights: small tensors float32; large matrices in `dtype`, or Q8_0 when stored so
+    (GGUF) or asked for (quantize="q8_0", the converter's quantization)."""
 
-    def __init__(self, source: GGUFCheckpoint | HFCheckpoint, progress=None):
+    def __init__(self, source: TensorSource, progress=None):
         self.source = source
         self.config = source.config
-        if (not isinstance(source, GGUFCheckpoint) and self.config.num_mtp_layers
+        if (not source.gguf_layout and self.config.num_mtp_layers
                 and not any(n.startswith("mtp.") for n in source.names())):
             self.config = dataclasses.replace(self.config, num_mtp_layers=0)
         self.path = source.path
-        self.is_gguf = isinstance(source, GGUFCheckpoint)
+        self.gguf_layout = source.gguf_layout
         self.progress = progress  # called with (bytes read so far, bytes in the checkpoint)
         self.bytes_read = 0
         self.reader: TensorReader | None = None  # made for the device of the first load
         self.unchecked: list | None = None  # inside loading(): (finite flag, load arguments) per GPU weight
         self._check_tensor_set()
-        if self.is_gguf:
+        if self.gguf_layout:
             self._check_small_types()
 
     def load(self, part: str, layer: int | None, device, dtype: torch.dtype, quantize: str | None) -> Weight:
@@ -65,7 +66,7 @@ class Checkpoint:
             part_to_read = part
         name = self._name(part_to_read, layer)
         expected = expected_shape(self.config, part)
-        if not self.is_gguf and part == "ssm_conv1d":
+        if not self.gguf_layout and part == "ssm_conv1d":
             expected = (expected[0], 1, expected[1])  # HF keeps nn.Conv1d's [C, 1, K]
         if self.source.shape(name) != expected:  # before reading: the HF conversions reshape by the config
             raise CheckpointError(f"{self.path}: tensor {self.source.full_name(name)!r} has shape "
@@ -128,7 +129,7 @@ class Checkpoint:
         if config.num_mtp_layers > 1:
             raise CheckpointError(f"{self.path}: {config.num_mtp_layers} MTP layers; this implementation runs one "
                                   "(the released Qwen3.5/3.6/3.8 checkpoints have one)")
-        if self.is_gguf and config.num_mtp_layers and f"blk.{config.num_layers}.nextn.eh_proj.weight" not in names:
+        if self.gguf_layout and config.num_mtp_layers and f"blk.{config.num_layers}.nextn.eh_proj.weight" not in names:
             # Said first: a wrong nextn_predict_layers would otherwise read as a missing trunk tensor.
             raise CheckpointError(f"{self.path}: blk.{config.num_layers} is an MTP block by "
                                   f"qwen35.nextn_predict_layers ({self._describe_layers()}), but it has no "
@@ -163,7 +164,7 @@ class Checkpoint:
     def _tolerated(self, names: set[str]) -> list[str]:
         """Stored tensors the model does not use: the head of a tied model, the vision tower, and an HF
         folder's mtp.* when its config counts no MTP block (transformers drops them the same way)."""
-        if self.is_gguf:
+        if self.gguf_layout:
             return []
         unused = ("model.visual.",) + (() if self.config.num_mtp_layers else ("mtp.",))
         return [n for n in names if n.startswith(unused) or n == "lm_head.weight"]
@@ -174,7 +175,7 @@ class Checkpoint:
         return f"{c.num_layers} layers{mtp}, attention at {[i for i, t in enumerate(c.layer_types) if t == ATTENTION]}"
 
     def _name(self, part: str, layer: int | None) -> str:
-        if self.is_gguf:
+        if self.gguf_layout:
             return gguf_tensor_name(part, layer)
         if part == "output":
             return "lm_head.weight"
@@ -197,7 +198,7 @@ class Checkpoint:
         self.bytes_read += self.source.nbytes(name)
         if self.progress is not None:
             self.progress(self.bytes_read, self.source.total_bytes())
-        if self.is_gguf:
+        if self.gguf_layout:
             return t
         return hf_to_internal(part, t, self.config)
 

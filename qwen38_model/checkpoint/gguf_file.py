@@ -256,6 +256,10 @@ def _check_data_layout(path: str, infos: list[TensorInfo], alignment: int, data_
 
 
 class GGUFCheckpoint:
+    """A GGUF file as a tensor source (source.TensorSource)."""
+
+    gguf_layout = True
+
     def __init__(self, path: str):
         self.path = str(path)
         regular_file(path, "GGUF file")

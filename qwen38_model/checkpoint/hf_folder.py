@@ -97,6 +97,10 @@ def _check_layout(path: pathlib.Path, entries: dict, data_bytes: int) -> None:
 
 
 class HFCheckpoint:
+    """An HF safetensors folder as a tensor source (source.TensorSource)."""
+
+    gguf_layout = False
+
     def __init__(self, folder: str):
         self.path = str(folder)
         root = pathlib.Path(folder)

@@ -11,9 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-
-Q8_BLOCK = 32  # values per block
-Q8_BLOCK_BYTES = 34  # fp16 scale + 32 int8 quants, ggml's block_q8_0
+from . import q8_0
 
 # Positioned reads in flight. One core copies from the page cache at 1-20 GB/s depending on the host and on
 # whether the target pages are fresh (the 2-core CI VM: ~18 GB/s into a reused buffer, ~0.5 GB/s into new
@@ -27,7 +25,8 @@ MIN_PIECE_BYTES = 1 << 20  # below this, splitting a read costs more than the th
 @dataclass
 class Q8Tensor:
     """A Q8_0 matrix in the kernels' layout: quants int8 [N, K] and fp16 scales [N, K/32] as two separate
-    arrays (ggml interleaves them per block; split, each row's quants are one contiguous 16-byte-aligned run)."""
+    arrays (ggml interleaves them per block; split, each row's quants are one contiguous 16-byte-aligned run).
+    The codec is q8_0.py's."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -37,26 +36,17 @@ class Q8Tensor:
         return self.q.shape
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        from qwen38_ops.reference.q8_gemv import dequantize_q8_0
-
-        return dequantize_q8_0(self.q, self.d, dtype)
+        return q8_0.dequantize(self.q, self.d, dtype)
 
     @staticmethod
     def from_ggml_bytes(raw: torch.Tensor, shape: tuple[int, int]) -> "Q8Tensor":
-        rows, cols = shape
-        blocks = raw.reshape(rows, cols // Q8_BLOCK, Q8_BLOCK_BYTES)
-        d = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, cols // Q8_BLOCK)
-        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
-        return Q8Tensor(q, d)
+        return Q8Tensor(*q8_0.split_ggml_blocks(raw, shape))
 
     @staticmethod
     def quantize(w: torch.Tensor) -> "Q8Tensor":
-        """gguf.quants' Q8_0 (the converter's): d = amax/127, q = round-half-away(w / d) using 1/d, d
-        stored fp16. Computed in float32 from the stored weight, like the converter."""
-        from qwen38_ops.reference.norm_quant import quantize_int8
-
-        q, d = quantize_int8(w.to(torch.float32))
-        return Q8Tensor(q, d.to(torch.float16))
+        """The converter's Q8_0 of w (gguf.quants'), computed in float32 from the stored weight, like the
+        converter."""
+        return Q8Tensor(*q8_0.quantize(w))
 
 
 def pieces(nbytes: int, threads: int, max_piece: int) -> list[tuple[int, int]]:

@@ -18,7 +18,8 @@ import benchmarks.load as load_bench
 from qwen38_model import CheckpointError, Qwen38ForCausalLM, default_model
 from qwen38_model.checkpoint import open_checkpoint, tensors
 from qwen38_model.checkpoint.gguf_file import read_header
-from qwen38_model.checkpoint.tensors import Q8_BLOCK_BYTES, TensorReader, pieces
+from qwen38_model.checkpoint.q8_0 import Q8_BLOCK_BYTES
+from qwen38_model.checkpoint.tensors import TensorReader, pieces
 
 GGUF_FILES = ["mini-q8_0.gguf", "mini-f32.gguf", "mini-bf16.gguf"]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -427,12 +427,14 @@ def test_mtp_at_the_27b_shape_on_gpu(lane, bar):
     equals the block row by row (decode attention), the block's cache poisoned with NaN first."""
     import dataclasses
 
-    from benchmarks.decode import QWEN38_27B, SyntheticQ8Checkpoint
+    from benchmarks.decode import QWEN38_27B, SyntheticQ8Source
+    from qwen38_model.checkpoint import Checkpoint
     from qwen38_model.config import ATTENTION
 
     config = dataclasses.replace(QWEN38_27B, layer_types=(ATTENTION,), num_mtp_layers=1)
     with torch.no_grad():
-        model = Qwen38ForCausalLM(config, SyntheticQ8Checkpoint(config), "cuda", torch.bfloat16, None, lane).eval()
+        model = Qwen38ForCausalLM(config, Checkpoint(SyntheticQ8Source(config)), "cuda", torch.bfloat16, None,
+                                  lane).eval()
     ids = torch.randint(0, config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
     out = model(ids, state=poisoned_state(model, 6), return_mtp_logits=True)
     assert bool(torch.isfinite(out.mtp_logits).all())

@@ -181,7 +181,7 @@ def test_stop_tokens_are_one_policy(oracle_dir):
 
 
 def test_hf_stop_tokens_without_generation_config(oracle_dir, tmp_path):
-    from qwen38_model.tokenizer import hf_stop_token_ids
+    from qwen38_model.stop_tokens import hf_stop_token_ids
 
     folder = tmp_path / "hf"
     shutil.copytree(oracle_dir / "hf", folder)
