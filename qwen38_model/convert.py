@@ -22,8 +22,9 @@ import numpy as np
 import safetensors
 import torch
 
+from .config import GDN, layer_types_from_interval
 from .errors import CheckpointError
-from .tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED
+from .stop_tokens import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED
 
 GGUF_TYPES = {  # qtype argument -> (type of the big matrices, general.file_type)
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -244,7 +245,7 @@ def recurrent_layers(hp: dict[str, Any]) -> list[bool]:
     if "layer_types" in hp:
         return [t == "linear_attention" for t in hp["layer_types"]]
     interval = hp.get("full_attention_interval", 4)
-    return [(i + 1) % interval != 0 for i in range(hp["num_hidden_layers"])]
+    return [t == GDN for t in layer_types_from_interval(hp["num_hidden_layers"], interval)]
 
 
 def _add_tokenizer_metadata(writer: gguf.GGUFWriter, hf_dir: pathlib.Path, vocab_size: int) -> None:

@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 from tokenizers import pre_tokenizers
 
+from .config import ATTENTION, layer_types_from_interval
 from .tokenizer import byte_level_bpe
 
 # ---------------------------------------------------------------------------------------------------------
@@ -61,9 +62,8 @@ _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torc
 def full_text_config(text_config: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     """text_config over the defaults, with vocab_size and layer_types filled in when absent."""
     config = {**DEFAULT_TEXT_CONFIG, "vocab_size": vocab_size, **text_config}
-    interval = config["full_attention_interval"]
-    config.setdefault("layer_types", ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                      for i in range(config["num_hidden_layers"])])
+    layer_types = layer_types_from_interval(config["num_hidden_layers"], config["full_attention_interval"])
+    config.setdefault("layer_types", ["full_attention" if t == ATTENTION else "linear_attention" for t in layer_types])
     return config
 
 
