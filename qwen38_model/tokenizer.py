@@ -24,7 +24,6 @@ from .errors import CheckpointError
 from .files import folder_file, optional_json_object
 from .stop_tokens import (TOKEN_CONTROL, TOKEN_UNUSED, TOKEN_USER_DEFINED, gguf_stop_token_ids, gguf_string_list,
                           gguf_token_id, gguf_vocabulary, hf_stop_token_ids)
-from .stop_tokens import TOKEN_NORMAL  # noqa: F401  (the HF -> GGUF converter still imports it from here)
 
 # Qwen3.5's split regex (its tokenizer.json, llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35). It differs from
 # Qwen2/Qwen3 by keeping combining marks \p{M} inside letter runs.
