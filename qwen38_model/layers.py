@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention import SAME_SPLIT_TOKENS, workspace_numel
 from qwen38_ops.attention_prefill import workspace_numel as prefill_workspace_numel
 from qwen38_ops.gdn_step import MAX_TOKENS as GDN_STEP_MAX_TOKENS

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 
 from .checkpoint import Q8Tensor
 from .config import Qwen38Config

@@ -4,6 +4,10 @@ Call them as torch.ops.qwen38.<op>(..., outputs) with the outputs passed in (gra
 buffers); each family module here says what its ops compute. Schemas live in csrc/bindings.cpp; CUDA
 kernels register for the CUDA dispatch key when the extension was built with CUDA; the plain-PyTorch
 references in qwen38_ops.reference register under CompositeExplicitAutograd so every op runs anywhere.
+
+Importing the package checks the build and loads nothing native: qwen38_ops.reference, the plain-PyTorch
+specification of each op, imports without the extension. `import qwen38_ops.ops` loads the extension _C and
+registers every op (so does importing one family module, for its own ops).
 """
 import functools
 import warnings
@@ -22,15 +26,14 @@ if _build_info.TORCH_VERSION != torch.__version__:
     raise ImportError(f"qwen38_ops._C was built against torch {_build_info.TORCH_VERSION}, but torch "
                       f"{torch.__version__} is installed: rebuild with {REBUILD}")
 
-from . import _C  # noqa: E402,F401  (loads the schemas and, in a CUDA build, the kernels)
-from . import attention, attention_prefill, embedding, gdn, gdn_step, norm_quant, q8_gemv, sampling  # noqa: E402,F401
-
 BUILD_SUMMARY = _build_info.SUMMARY  # which build this is: CUDA kernels, or CPU-only and why
 
 
 @functools.cache
 def cuda_kernels_available() -> bool:
     """True when this build registered CUDA kernels (not only the references)."""
+    from . import ops  # noqa: F401  (the kernels register as the extension loads)
+
     return torch._C._dispatch_has_kernel_for_dispatch_key("qwen38::q8_0_gemv", "CUDA")
 
 

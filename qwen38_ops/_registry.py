@@ -1,6 +1,8 @@
 """Registers each op's reference and its fake against the schemas of csrc/bindings.cpp."""
 import torch
 
+from . import _C  # noqa: F401  (the schemas: an op is registered against its definition)
+
 _LIB = torch.library.Library("qwen38", "IMPL")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import qwen38_ops  # noqa: F401
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention import workspace_numel
 
 from .common import env_info, parse_args_and_probe, print_table, time_eager, time_graph, write_json

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-import qwen38_ops  # noqa: F401
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention import workspace_numel
 from qwen38_ops.attention_prefill import num_splits
 from qwen38_ops.attention_prefill import workspace_numel as prefill_workspace_numel

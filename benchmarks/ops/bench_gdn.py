@@ -36,7 +36,7 @@ import os
 
 import torch
 
-import qwen38_ops  # noqa: F401
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import gdn as ref
 
 from .common import (capture_graph, env_info, kernel_records, parse_args_and_probe, print_table, time_eager, time_graph,

@@ -14,7 +14,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from benchmarks.ops.bench_q8_gemv import env_vars
 from benchmarks.ops.common import env_info, print_table, time_graph, write_json
 

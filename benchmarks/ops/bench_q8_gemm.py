@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_model.checkpoint import Q8Tensor
 from qwen38_model.config import ATTENTION, GDN
 from qwen38_model.layers import Q8Linear

@@ -30,7 +30,7 @@ import tempfile
 
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from benchmarks.ops.common import env_info, print_table, read_probe_result, time_graph, write_json
 
 ops = torch.ops.qwen38

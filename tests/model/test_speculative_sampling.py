@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*, argmax_advance of the plain path)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits, select_next_token, select_speculative
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "ops"))  # the op tests' CUDA helpers

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention import workspace_numel
 from qwen38_ops.reference import attention as ref
 from qwen38_ops.reference import norm_quant as ref_quant

@@ -17,7 +17,7 @@ Bars, by cache dtype (errors relative to the reference's scale; figures printed 
 import pytest
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention_prefill import num_splits, workspace_numel
 from qwen38_ops.reference import attention_prefill as ref
 

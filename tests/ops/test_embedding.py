@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.embedding import BAD_TOKEN
 from qwen38_ops.reference import embedding as ref
 

@@ -12,7 +12,7 @@ back on one state and graph replay == eager, with PDL on and off; opcheck; bad a
 import pytest
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.gdn_step import MAX_TOKENS
 
 from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, child_env, cuda, needs_gpu, progress,

@@ -4,7 +4,7 @@ family modules take them from qwen38_ops.limits, and the references, which keep 
 never load the extension), hold the same values."""
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops import attention, attention_prefill, embedding, gdn_step, limits
 from qwen38_ops.reference import norm_quant as ref_norm_quant
 from qwen38_ops.reference import q8_gemv as ref_q8_gemv

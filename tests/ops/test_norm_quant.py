@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import norm_quant as ref
 
 from cuda_helpers import capture_graph, child_env, cuda, needs_gpu, run_in_child

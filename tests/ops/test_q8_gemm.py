@@ -12,7 +12,7 @@ product), in block order, so |y - y_ref| <= (2 K/32 + 4) * 2^-24 * sum_k |w_k x_
 import pytest
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from test_q8_gemv import check_against_reference, make_activation, make_weights, sample_rows
 
 from cuda_helpers import assert_cuda_kernel, capture_graph, cuda, needs_gpu, run_in_child

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.limits import Q8_0_GEMV_CONFIGS
 from qwen38_ops.reference import q8_gemv as ref
 

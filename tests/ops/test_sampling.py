@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import qwen38_ops  # noqa: F401  (registers torch.ops.qwen38.*)
+import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import sampling as ref
 
 from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
