@@ -201,6 +201,27 @@ def test_stop_strings_stop_exactly():
     assert new == free[: len(new)]
 
 
+def test_a_stop_string_spanning_several_tokens_stops_at_its_last():
+    """The stop string is the decoded text of three whole tokens of the free run plus the first character of
+    a fourth, so no single token holds it: a stop check that looked at the last token's text alone (the
+    review's mutation M6) never stops."""
+    path = default_model_path()
+    model = Qwen38ForCausalLM.from_pretrained(path, device="cpu")
+    tokenizer = load_tokenizer(path)
+    prompt = torch.tensor([tokenizer.encode("Once upon a time")])
+    free = model.generate(prompt, max_new_tokens=30, eos_token_id=[])[0, prompt.shape[1]:].tolist()
+    pieces = [tokenizer.decode([t]) for t in free]
+    start = next(i for i in range(5, len(free) - 4) if all(p and "\ufffd" not in p for p in pieces[i : i + 4])
+                 and tokenizer.decode(free[: i + 4]) == "".join(pieces[: i + 4]))
+    stop = "".join(pieces[start : start + 3]) + pieces[start + 3][0]
+    first = tokenizer.decode(free).find(stop)
+    assert all(stop not in p for p in pieces) and first >= 0
+    out = model.generate(prompt, max_new_tokens=30, eos_token_id=[], stop_strings=[stop], tokenizer=tokenizer)
+    new = out[0, prompt.shape[1]:].tolist()
+    assert new == free[: len(new)] and stop in tokenizer.decode(new) and stop not in tokenizer.decode(new[:-1])
+    assert len(tokenizer.decode(new[:-1])) < first + len(stop) <= len(tokenizer.decode(new))
+
+
 def test_streamers_see_every_token(oracle_dir, oracle_model, oracle_ref):
     from qwen38_model.tokenizer import Tokenizer
 
