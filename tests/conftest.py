@@ -39,6 +39,28 @@ def single_thread_cpu_suite(config):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The one GPU marker: a test marked `cuda` is skipped where no CUDA GPU is visible (`-m cuda` on a CPU
+    machine), so no test needs a second, skipif decorator."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+def require(module: str):
+    """The module, imported; missing, a skip that names it, and under CI=true a failure: a CI run must not go
+    green by skipping whole files (transformers is in the test extra, so `make test` has it)."""
+    if os.environ.get("CI") == "true":
+        try:
+            return __import__(module)
+        except ImportError as e:
+            pytest.fail(f"{module} is not installed, under CI=true ({e})", pytrace=False)
+    return pytest.importorskip(module)
+
+
 @pytest.fixture(scope="session")
 def oracle_dir() -> pathlib.Path:
     """$QWEN38_ORACLE, else the repository's copy. Missing: a failure under CI, a skip elsewhere."""

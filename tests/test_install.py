@@ -139,3 +139,17 @@ def test_make_demo_in_a_fresh_venv(tmp_path):
     check = subprocess.run([str(venv / "bin" / "python"), "scripts/install_is_current.py"], cwd=checkout, env=env,
                            capture_output=True, text=True, timeout=300)
     assert check.returncode == 1 and "csrc/bindings.cpp changed" in check.stdout, check.stdout + check.stderr
+
+
+def test_a_missing_test_dependency_fails_under_ci(monkeypatch):
+    """conftest.require: a skip on a developer's machine, a failure in CI (three files needed transformers and
+    skipped whole under CI=true when it was missing)."""
+    from conftest import require
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="no_such_module_qwen38 is not installed, under CI=true"):
+        require("no_such_module_qwen38")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception):
+        require("no_such_module_qwen38")
+    assert require("json").dumps([]) == "[]"

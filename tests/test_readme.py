@@ -34,7 +34,6 @@ def test_python_block_runs_as_written(index, capsys, monkeypatch, tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"block{i + 1}" for i in range(len(BLOCKS))])
 def test_python_block_runs_as_written_on_the_gpu(index, capsys, monkeypatch, tmp_path):
     """The same blocks where a GPU is visible: the model lands on it and decodes through the graph."""

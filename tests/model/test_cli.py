@@ -304,7 +304,6 @@ def test_a_large_checkpoint_on_the_cpu_is_warned(capsys, monkeypatch, tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_generate_on_the_gpu(capsys, monkeypatch):
     code, out, err = run_main(capsys, monkeypatch, "generate", "--prompt", "The quick brown fox", "--max-new-tokens", "8")
     assert code == 0, err

@@ -205,7 +205,6 @@ def test_conversation_benchmark_runs_tiny(tmp_path):
 
 # ---- on the GPU (`-m cuda`): the built-in tiny model, the captured decode graph ----------------------------
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU_STEPS = 7
 
 
@@ -268,7 +267,6 @@ SAMPLINGS = [dict(), dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, 
 
 
 @pytest.mark.cuda
-@requires_cuda
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
 def test_gpu_conversation_matches_the_whole_history(gpu_model, sampling):
     """Each turn through the captured graph prefills only its own tokens (+ the previous reply's last) and
@@ -288,7 +286,6 @@ def test_gpu_conversation_matches_the_whole_history(gpu_model, sampling):
 
 
 @pytest.mark.cuda
-@requires_cuda
 def test_gpu_conversation_after_a_stop_with_replays_in_flight(gpu_model):
     """A stop token read while later replays already ran: their tokens must not stay in the state. The state
     is rewound to the end of the prompt and the reply's kept tokens prefilled at once, so the next turn feeds
@@ -309,7 +306,6 @@ def test_gpu_conversation_after_a_stop_with_replays_in_flight(gpu_model):
 
 
 @pytest.mark.cuda
-@requires_cuda
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
 def test_gpu_prefix_cache_matches_the_whole_prompt(gpu_model, sampling):
     """A chat that comes back with its history restores the previous request's end; one whose reply was
@@ -336,7 +332,6 @@ def test_gpu_prefix_cache_matches_the_whole_prompt(gpu_model, sampling):
 
 
 @pytest.mark.cuda
-@requires_cuda
 def test_gpu_restore_into_the_captured_graph_state(gpu_model, tmp_path):
     """A snapshot restored (from the GPU, from pinned host memory, from disk) into the engine whose decode
     graph is captured: the graph's state tensors keep their addresses, everything restore must overwrite is

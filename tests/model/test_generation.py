@@ -13,7 +13,9 @@ from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits, 
 from qwen38_model.default_model import default_hf_path, default_model_path
 from qwen38_model.tokenizer import load_tokenizer
 
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+transformers = require("transformers")
 
 
 def argmax_loop(model, ids: torch.Tensor, steps: int) -> torch.Tensor:

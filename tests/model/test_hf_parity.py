@@ -8,7 +8,10 @@ from safetensors.torch import load_file, save_file
 
 from qwen38_model import Qwen38ForCausalLM
 
-transformers = pytest.importorskip("transformers")
+from conftest import require
+from numerics import rel_l2
+
+transformers = require("transformers")
 
 # Two head layouts: value/key head ratio 3 with GQA group 2, and ratio 2 with group 3; odd vocabularies.
 CONFIGS = {
@@ -19,11 +22,6 @@ CONFIGS = {
                         num_attention_heads=6, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                         linear_num_value_heads=4, linear_key_head_dim=12, linear_value_head_dim=16),
 }
-
-
-def rel_l2(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def randomize_(model: torch.nn.Module, seed: int) -> None:

@@ -22,7 +22,6 @@ from qwen38_model.checkpoint.q8_0 import Q8_BLOCK_BYTES
 from qwen38_model.checkpoint.tensors import TensorReader, pieces
 
 GGUF_FILES = ["mini-q8_0.gguf", "mini-f32.gguf", "mini-bf16.gguf"]
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -261,7 +260,6 @@ def test_load_benchmark_file_is_a_loadable_checkpoint(tmp_path):
 # ---- on the GPU (`-m cuda`) --------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-@cuda
 @pytest.mark.parametrize("split", ["default", "tiny"])
 @pytest.mark.parametrize("source", ["builtin", *GGUF_FILES])
 def test_gpu_load_equals_cpu_load_bit_for_bit(oracle_dir, source, split, request):
@@ -275,7 +273,6 @@ def test_gpu_load_equals_cpu_load_bit_for_bit(oracle_dir, source, split, request
 
 
 @pytest.mark.cuda
-@cuda
 def test_gpu_load_raises_the_first_non_finite_weight(oracle_dir, tmp_path):
     """The deferred check reports what the immediate one does (test_checkpoint_errors runs it on the CPU)."""
     src = oracle_dir / "mini-q8_0.gguf"

@@ -15,7 +15,10 @@ import torch
 from qwen38_model import CheckpointError, Qwen38ForCausalLM, StateSnapshot, convert, synthetic
 from qwen38_model.scratch import Scratch
 
-transformers = pytest.importorskip("transformers")
+from conftest import require
+from numerics import rel_l2
+
+transformers = require("transformers")
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen  # noqa: E402
 
 # Value/key head ratio 3 and GQA 2 as in the 27B; every matrix dimension a multiple of 32 (Q8_0 blocks);
@@ -24,11 +27,6 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen  # noqa: E40
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "head_dim": 32,
          "linear_key_head_dim": 32, "linear_value_head_dim": 32, "full_attention_interval": 2}
 PROMPT_LENGTH = 13
-
-
-def rel_l2(a, b) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.fixture(scope="module")
@@ -398,7 +396,6 @@ def test_gguf_block_with_a_dedicated_head_is_an_error(files, tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("lane", ["f32", "int8x2", "int8"])
 def test_mtp_on_gpu(files, ids, lane):
     """The Q8_0 GGUF on the GPU against the CPU f32 path on its dequantized weights, with the lane bars
@@ -419,7 +416,6 @@ def test_mtp_on_gpu(files, ids, lane):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("lane, bar", [("f32", 1e-5), ("int8x2", 1e-3)])
 def test_mtp_at_the_27b_shape_on_gpu(lane, bar):
     """The block at the real shape (D 5120, 24/4 heads of 256, FFN 17408, the 248320-row shared head;

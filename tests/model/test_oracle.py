@@ -5,15 +5,7 @@ import torch
 
 from qwen38_model import Qwen38ForCausalLM
 
-
-def rel_l2(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
-def row_rel_l2(a, b) -> torch.Tensor:
-    a, b = a.double(), b.double()
-    return (a - b).norm(dim=-1) / b.norm(dim=-1)
+from numerics import rel_l2, row_rel_l2
 
 
 def greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:

@@ -203,7 +203,6 @@ def test_serve_reads_the_checkpoint_sampling_settings(capsys, monkeypatch, tmp_p
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_100_streamed_requests_leak_nothing():
     """The server in this process (so that its GPU memory can be read) on the built-in model: after a warm-up
     request (engine, graph capture), 100 sequential streamed chats, each with another prompt, leave

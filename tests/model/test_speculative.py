@@ -284,7 +284,6 @@ def gpu_model(model):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("k", [1, 3, MAX_DRAFT_TOKENS])
 def test_cuda_graph_steps_equal_plain_greedy(gpu_model, prompt, k):
     """Plain greedy through its graph vs speculative steps through theirs: forced 100%, 0% and partial
@@ -324,7 +323,6 @@ def small_vocab_gpu_model(tmp_path_factory):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_small_vocab_dense_speculative_graphs_equal_plain(small_vocab_gpu_model):
     """Issue 20: speculative greedy generate() on this checkpoint (24-token prompt, 40 new tokens, k = 1, 3,
     6, graphs on) died in its first capture with a device-side assert in the trunk's index_select (the
@@ -345,7 +343,6 @@ def test_cuda_small_vocab_dense_speculative_graphs_equal_plain(small_vocab_gpu_m
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_bad_token_in_a_replayed_step_raises_at_sync(small_vocab_gpu_model):
     """An id outside the vocabulary reaching a replayed step on the device (the pending token poked to V, or
     -1) is a NaN row and the state's flag, a RuntimeError at the next sync naming it: no device-side assert,

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # A run_in_child preamble: a torch-internal C++ error, raised and caught before the checks run. It raised
 # normally on the device image where the bindings' own failed checks crashed (see run_in_child).

@@ -19,7 +19,7 @@ from qwen38_ops.reference import attention as ref
 from qwen38_ops.reference import norm_quant as ref_quant
 
 from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, assert_same_bits_pdl_on_and_off, capture_graph,
-                          cuda, needs_gpu, progress, rows_view, run_in_child)
+                          cuda, progress, rows_view, run_in_child)
 
 ops = torch.ops.qwen38
 
@@ -147,7 +147,6 @@ def run_store_cuda(qgkv, q_norm, k_norm, positions, rd, k_cache, v_cache, hq):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", [ORACLE, M27B, (6, 3, 64, 64), (4, 1, 128, 32), (2, 2, 80, 0)])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("T", [1, 4])
@@ -196,7 +195,6 @@ def hf_float32_angle_rope(x, weight, pos, rd):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_qk_norm_rope_store_cuda_large_positions_float32_angles(cache_dtype):
     """Positions up to 2^17: bound 5e-5 against float32-formed angles (see hf_float32_angle_rope); a
@@ -255,7 +253,6 @@ ATTENTION_CASES = [
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_T{c[3]}_p{c[4][-1]}")
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_cuda_matches_reference(case, cache_dtype):
@@ -276,7 +273,6 @@ def test_attention_cuda_matches_reference(case, cache_dtype):
 
 
 @cuda
-@needs_gpu
 def test_attention_graph_serves_every_position_bitwise():
     """One capture, positions changed on the device between replays: each replay equals an eager call at
     those positions bit for bit; two eager calls are bit-identical (fixed-order combine)."""
@@ -304,7 +300,6 @@ def test_attention_graph_serves_every_position_bitwise():
 
 
 @cuda
-@needs_gpu
 def test_layer_graph_replay_bitwise_pdl_on_and_off(tmp_path):
     """check_layer_graph_replay_bitwise with programmatic dependent launch on and off (each in its own child:
     QWEN38_PDL is read once per process): the same bits both ways."""
@@ -366,7 +361,6 @@ def check_layer_graph_replay_bitwise():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape,T", [(ORACLE, 3), (M27B, 1), (M27B, 2)])
 @pytest.mark.parametrize("lane", ["f32", "int8", "int8x2"])
 def test_output_gate_cuda(shape, T, lane):
@@ -413,7 +407,6 @@ GATED_CASES = [  # (Hq, Hkv, hd, T, last position): the 27B shape (decode, verif
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("case", GATED_CASES, ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_T{c[3]}_p{c[4]}")
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("lane", ["f32", "int8", "int8x2"])
@@ -457,7 +450,6 @@ def test_attention_gated_cuda_equals_attention_then_gate(case, cache_dtype, lane
 
 
 @cuda
-@needs_gpu
 def test_opcheck_cuda():
     hq, hkv, hd, rd = ORACLE
     T, max_seq = 2, 16
@@ -552,7 +544,6 @@ def check_bad_inputs():
 
 
 @cuda
-@needs_gpu
 def test_bad_inputs_raise():
     """check_bad_inputs in a child process (see cuda_helpers.run_in_child for why), after the control
     TORCH_ERROR_CONTROL."""
@@ -568,7 +559,6 @@ def test_workspace_formula_matches_kernel_contract():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("T", [2, 4, 7, 8])
 def test_attention_rows_equal_single_token_calls_bitwise(T):
     """A speculative verify of T <= 8 tokens must compute each row exactly as the decode step does (greedy
@@ -602,7 +592,6 @@ def test_position_outside_the_cache_sets_the_flag_and_stores_nothing():
 
 
 @cuda
-@needs_gpu
 def test_cuda_position_outside_the_cache_sets_the_flag():
     hq, hkv, hd, rd = M27B
     qgkv, q_norm, k_norm = make_qgkv(3, hq, hkv, hd, seed=1)

@@ -21,7 +21,7 @@ import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.attention_prefill import num_splits, workspace_numel
 from qwen38_ops.reference import attention_prefill as ref
 
-from cuda_helpers import TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, cuda, needs_gpu, progress, run_in_child
+from cuda_helpers import TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, cuda, progress, run_in_child
 
 ops = torch.ops.qwen38
 
@@ -136,7 +136,6 @@ CASES = (
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c[0][0]}x{c[0][1]}_hd{c[0][2]}_T{c[1]}_from{c[2]}")
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_prefill_cuda_matches_reference(case, cache_dtype):
@@ -151,7 +150,6 @@ def test_attention_prefill_cuda_matches_reference(case, cache_dtype):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", [ORACLE, M27B])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_prefill_cuda_unordered_positions(shape, cache_dtype):
@@ -167,7 +165,6 @@ def test_attention_prefill_cuda_unordered_positions(shape, cache_dtype):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape,T", [(ORACLE, 65), (M27B, 16)])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_prefill_cuda_long_context(shape, T, cache_dtype):
@@ -183,7 +180,6 @@ def test_attention_prefill_cuda_long_context(shape, T, cache_dtype):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_prefill_cuda_deterministic(cache_dtype):
     """Two runs give the same bits (no atomics, a fixed reduction order)."""
@@ -205,7 +201,6 @@ SPLIT_CASES = (
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"H{c[0][0]}x{c[0][1]}_hd{c[0][2]}_T{c[1]}_after{c[2]}")
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_prefill_cuda_split_matches_reference(case, cache_dtype):
@@ -225,7 +220,6 @@ def test_attention_prefill_cuda_split_matches_reference(case, cache_dtype):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_prefill_cuda_split_deterministic(cache_dtype):
     """The issue-13 turn (T = 101 after 16k rows, 6 splits): the same bits run to run, whatever the workspace
@@ -239,7 +233,6 @@ def test_attention_prefill_cuda_split_deterministic(cache_dtype):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_prefill_cuda_split_graph_replay_bitwise(cache_dtype):
     """One capture of the T = 101 call; the positions changed on the device between replays (a later turn,
@@ -265,7 +258,6 @@ def test_attention_prefill_cuda_split_graph_replay_bitwise(cache_dtype):
 
 
 @cuda
-@needs_gpu
 def test_opcheck_cuda():
     """A split call (T = 3) and an unsplit one (T = 353 at 27B, empty workspace), both cache dtypes."""
     for cache_dtype in CACHE_DTYPES:
@@ -354,7 +346,6 @@ def check_bad_inputs():
 
 
 @cuda
-@needs_gpu
 def test_bad_inputs_raise():
     """check_bad_inputs in a child process (see cuda_helpers.run_in_child for why), after the control
     TORCH_ERROR_CONTROL."""

@@ -16,7 +16,7 @@ import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.embedding import BAD_TOKEN
 from qwen38_ops.reference import embedding as ref
 
-from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
+from cuda_helpers import capture_graph, cuda, run_in_child
 
 ops = torch.ops.qwen38
 
@@ -99,7 +99,6 @@ def expected_rows(token, weight_q, weight_d):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("V,D", [(7, 32), (100, 96), (1000, 160), (300, 5120)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_cuda_matches_reference(V, D, T):
@@ -113,7 +112,6 @@ def test_cuda_matches_reference(V, D, T):
 
 
 @cuda
-@needs_gpu
 def test_cuda_27b_table_strided_out_and_bad_tokens():
     V, D = 248320, 5120
     weight_q, weight_d = make_table(V, D, device="cuda", seed=3)
@@ -133,7 +131,6 @@ def test_cuda_27b_table_strided_out_and_bad_tokens():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)
 @pytest.mark.parametrize("V,D", [(7, 1), (100, 33), (503, 192), (1000, 5120)])
 @pytest.mark.parametrize("T", [1, 5])
@@ -149,7 +146,6 @@ def test_cuda_dense_matches_reference(dtype, V, D, T):
 
 
 @cuda
-@needs_gpu
 def test_cuda_dense_27b_table_strided_out_and_bad_tokens():
     V, D = 248320, 5120
     weight = make_dense_table(V, D, torch.bfloat16, device="cuda", seed=5)
@@ -166,7 +162,6 @@ def test_cuda_dense_27b_table_strided_out_and_bad_tokens():
 
 
 @cuda
-@needs_gpu
 def test_cuda_graph_replay_follows_device_token():
     V, D = 500, 5120
     weight_q, weight_d = make_table(V, D, device="cuda", seed=4)
@@ -185,7 +180,6 @@ def test_cuda_graph_replay_follows_device_token():
 
 
 @cuda
-@needs_gpu
 def test_cuda_dense_graph_replay_follows_device_token_and_flags_a_bad_one():
     V, D = 503, 192
     weight = make_dense_table(V, D, torch.bfloat16, device="cuda", seed=6)
@@ -244,6 +238,5 @@ def check_bad_arguments():
 
 
 @cuda
-@needs_gpu
 def test_cuda_bad_arguments_raise():
     run_in_child(__file__, "check_bad_arguments")

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import gdn as ref
 
-from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, child_env, cuda, needs_gpu,
+from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, child_env, cuda,
                           progress, rows_view, run_in_child)
+from numerics import rel_l2
 
 ops = torch.ops.qwen38
 
@@ -260,10 +261,6 @@ def chunked_delta_rule(qkv, beta, decay, state, chunk=16):
     return torch.cat(outs, dim=2).permute(2, 0, 1)[:T], s
 
 
-def rel_l2(got, want):
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
 @pytest.mark.parametrize("shape", [SHAPE_ORACLE, (3, 7, 32, 20)])
 @pytest.mark.parametrize("gates", ["uniform", "edge", "collinear"])
 @pytest.mark.parametrize("T", [1, 2, 17, 63, 64, 65, 130])
@@ -292,7 +289,6 @@ def run_conv_cuda(qkv, state, weight, hk, dk, out=None):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", SHAPES[:6])
 @pytest.mark.parametrize("T,taps", [(1, 4), (2, 4), (7, 4), (3, 3), (1, 2)])
 def test_conv_cuda_matches_reference(shape, T, taps):
@@ -309,7 +305,6 @@ def test_conv_cuda_matches_reference(shape, T, taps):
 
 
 @cuda
-@needs_gpu
 def test_conv_cuda_strided_rows():
     """qkv and out as slices of wider projections (row stride != C, misaligned)."""
     hk, hv, dk, dv = SHAPE_ORACLE
@@ -323,7 +318,6 @@ def test_conv_cuda_strided_rows():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("T,hv", [(1, 48), (5, 6), (3, 33)])
 def test_gates_cuda_matches_reference(T, hv):
     """Error bound: 2e-6 relative (fast exp/log1p in float32)."""
@@ -339,7 +333,6 @@ def test_gates_cuda_matches_reference(T, hv):
 
 
 @cuda
-@needs_gpu
 def test_gates_cuda_past_2_31_elements():
     """T * Hv > 2^31 (T = 44.7M tokens at Hv = 48; ba 17 GB, beta and decay 8.6 GB each): every element
     written (NaN-poisoned first) and the rows around element 2^31 and the last rows equal the reference's
@@ -378,7 +371,6 @@ def recurrent_expected(qkv, beta, decay, state):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("T", [1, 4])
 def test_recurrent_cuda_matches_reference(shape, T):
@@ -395,7 +387,6 @@ def test_recurrent_cuda_matches_reference(shape, T):
 
 
 @cuda
-@needs_gpu
 def test_recurrent_cuda_long_prefill_and_scalar_path():
     """T = 64 tokens in one launch, and a misaligned qkv (the kernel's 4-byte-load path)."""
     hk, hv, dk, dv = SHAPE_ORACLE
@@ -450,7 +441,6 @@ def assert_float32_error(out, new_state, exp_out, exp_state, bar=1e-5):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("gates", ["uniform", "edge", "collinear"])
 @pytest.mark.parametrize("T", [1, 2, 7, 8, 9, 16, 17, 63, 64, 65, 1000, 4096])
 def test_recurrent_prefill_27b_matches_reference(T, gates):
@@ -464,7 +454,6 @@ def test_recurrent_prefill_27b_matches_reference(T, gates):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", SHAPES + [(3, 7, 32, 20), (4, 2, 32, 16), (1, 5, 32, 32)])
 @pytest.mark.parametrize("T", [17, 65])
 def test_recurrent_prefill_shapes(shape, T):
@@ -487,7 +476,6 @@ def kernels_run_by(fn) -> str:
 
 
 @cuda
-@needs_gpu
 def test_recurrent_dispatch():
     """A 64-token prompt runs the chunked kernel, so does T = 8 (the threshold); one token, T = 7, misaligned
     qkv rows, an unsupported group (Hv / Hk = 5) and any T with token_states run the per-token kernel. (The
@@ -513,7 +501,6 @@ def test_recurrent_dispatch():
 
 
 @cuda
-@needs_gpu
 def test_recurrent_prefill_continues_state():
     """A prompt in pieces, each call starting from the state the last left: 37 tokens, 28, one decode step,
     30 (chunk boundaries fall mid-piece) == the reference over all 96 at rel L2 <= 1e-5."""
@@ -529,7 +516,6 @@ def test_recurrent_prefill_continues_state():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", [SHAPE_27B, (2, 4, 64, 64), (3, 6, 64, 40), (1, 3, 30, 30)])
 def test_small_T_equals_token_by_token_bitwise(shape):
     """A FACT the model relies on: T <= 7 tokens in one call, without per-token states, give bit for bit what
@@ -555,7 +541,6 @@ def padding_untouched(buf, numel, pad=64):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", SHAPES[:6])
 @pytest.mark.parametrize("T,taps", [(1, 4), (3, 4), (8, 4), (20, 4), (5, 2), (6, 3)])
 def test_conv_token_states_cuda(shape, T, taps):
@@ -584,7 +569,6 @@ def test_conv_token_states_cuda(shape, T, taps):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("T", [1, 3, 8, 9])
 def test_recurrent_token_states_cuda(shape, T):
@@ -612,7 +596,6 @@ def test_recurrent_token_states_cuda(shape, T):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("gates", ["uniform", "edge"])
 @pytest.mark.parametrize("T", [2, 5, 8])
 @pytest.mark.parametrize("view", ["aligned", "misaligned"])
@@ -654,7 +637,6 @@ def test_verify_27b_equals_decode_steps(T, gates, view):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
 def test_back_to_back_recurrent_on_one_state(pdl):
     """check_back_to_back_recurrent_on_one_state with programmatic dependent launch on and off (children)."""
@@ -696,7 +678,6 @@ def check_back_to_back_recurrent_on_one_state():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
 def test_deterministic_and_graph_replay_bitwise(pdl):
     """check_deterministic_and_graph_replay_bitwise with programmatic dependent launch on and off (children):
@@ -753,7 +734,6 @@ def deterministic_and_graph_replay_bitwise(T, verify):
 
 
 @cuda
-@needs_gpu
 def test_opcheck_cuda():
     hk, hv, dk, dv = SHAPE_ORACLE
     T = 2
@@ -844,7 +824,6 @@ def check_bad_inputs():
 
 
 @cuda
-@needs_gpu
 def test_bad_inputs_raise():
     """check_bad_inputs in a child process (see cuda_helpers.run_in_child for why), after the control
     TORCH_ERROR_CONTROL."""

@@ -15,7 +15,7 @@ import torch
 import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.gdn_step import MAX_TOKENS
 
-from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, child_env, cuda, needs_gpu, progress,
+from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, child_env, cuda, progress,
                           run_in_child)
 
 ops = torch.ops.qwen38
@@ -164,7 +164,6 @@ def check_against_sequence(shape, T, lane, token_states, seed=0):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("T", range(1, MAX_TOKENS + 1))
 @pytest.mark.parametrize("token_states", [False, True])
 @pytest.mark.parametrize("lane", LANES)
@@ -174,7 +173,6 @@ def test_27b_equals_op_sequence(T, token_states, lane):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", [SHAPE_ORACLE] + SHAPES_ODD)
 @pytest.mark.parametrize("T", [1, 2, 5, 8])
 @pytest.mark.parametrize("token_states", [False, True])
@@ -186,7 +184,6 @@ def test_odd_shapes_equal_op_sequence(shape, T, token_states, lane):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("taps", [2, 3, 8])
 def test_conv_widths(taps):
     """Conv kernels of 2, 3 and 8 taps (the model's is 4): more taps than tokens, and fewer."""
@@ -204,7 +201,6 @@ def padded(t, pad=64):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("T", [1, 8])
 def test_27b_writes_nothing_outside(T):
     """States, outputs and per-token states inside NaN padding: the padding is untouched, the values are the
@@ -226,7 +222,6 @@ def test_27b_writes_nothing_outside(T):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("shape", [SHAPE_27B, (1, 3, 30, 32)])
 def test_tokens_equal_decode_steps(shape):
     """T tokens in one call == T calls of one token on the same states, bit for bit: every output row, every
@@ -244,7 +239,6 @@ def test_tokens_equal_decode_steps(shape):
 
 
 @cuda
-@needs_gpu
 def test_misaligned_and_contiguous_x():
     """x's rows read as scalars: a contiguous x, a row-strided one and one whose rows start 4 bytes past a
     16-byte boundary give the same bits."""
@@ -266,7 +260,6 @@ def kernels_run_by(fn) -> list[str]:
 
 
 @cuda
-@needs_gpu
 def test_one_launch():
     inp = Inputs(3, SHAPE_27B)
     names = kernels_run_by(lambda: run_step(inp, inp.x, "int8", True))
@@ -275,7 +268,6 @@ def test_one_launch():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
 def test_back_to_back_and_graph_replay(pdl):
     """check_back_to_back_and_graph_replay with programmatic dependent launch on and off (children)."""
@@ -347,7 +339,6 @@ def check_back_to_back_and_graph_replay():
 
 
 @cuda
-@needs_gpu
 def test_opcheck_cuda():
     inp = Inputs(2, SHAPE_ORACLE)
     o = inp.outputs(2, "int8x2", True, poison=0)
@@ -408,7 +399,6 @@ def check_bad_inputs():
 
 
 @cuda
-@needs_gpu
 def test_bad_inputs_raise():
     """check_bad_inputs in a child process (see cuda_helpers.run_in_child for why), after the control."""
     run_in_child(__file__, "check_bad_inputs", preamble=TORCH_ERROR_CONTROL)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import norm_quant as ref
 
-from cuda_helpers import capture_graph, child_env, cuda, needs_gpu, run_in_child
+from cuda_helpers import capture_graph, child_env, cuda, run_in_child
 
 ops = torch.ops.qwen38
 EPS = 1e-6
@@ -147,7 +147,6 @@ def assert_out_close(out, expected):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", ["int8", "int8x2"])
 @pytest.mark.parametrize("T,D", [(1, 32), (1, 96), (3, 160), (1, 5120), (2, 17408), (5, 6144)])
 def test_cuda_quantize_act(lane, T, D):
@@ -160,7 +159,6 @@ def test_cuda_quantize_act(lane, T, D):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("T,D", [(1, 96), (3, 160), (1, 5120), (4, 5120), (1, 17408), (2, 100)])
 @pytest.mark.parametrize("add", [False, True], ids=["rms_norm", "add_rms_norm"])
@@ -183,7 +181,6 @@ def test_cuda_rms_norm(lane, T, D, add):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("T,F_", [(1, 96), (3, 160), (1, 17408), (2, 17408), (1, 5120)])
 def test_cuda_silu_mul(lane, T, F_):
@@ -196,7 +193,6 @@ def test_cuda_silu_mul(lane, T, F_):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("T,H,dv", [(1, 48, 128), (3, 48, 128), (1, 6, 32), (2, 3, 96), (1, 2, 256), (1, 5, 36)])
 def test_cuda_gated_rms_norm(lane, T, H, dv):
@@ -212,7 +208,6 @@ def test_cuda_gated_rms_norm(lane, T, H, dv):
 
 
 @cuda
-@needs_gpu
 def test_cuda_strided_rows():
     """Inputs and the float output may be row slices of wider buffers (fused projections); the quantized lane
     is contiguous (checks.h: one rule for every op that writes it; check_bad_arguments: a strided one raises)."""
@@ -277,7 +272,6 @@ def check_deterministic_and_graph_replay_bitwise():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
 def test_cuda_deterministic_and_graph_replay_bitwise(pdl):
     """check_deterministic_and_graph_replay_bitwise with PDL on and off: QWEN38_PDL is read once per process
@@ -325,6 +319,5 @@ def check_bad_arguments():
 
 
 @cuda
-@needs_gpu
 def test_cuda_bad_arguments_raise():
     run_in_child(__file__, "check_bad_arguments")

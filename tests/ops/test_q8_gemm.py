@@ -15,7 +15,7 @@ import torch
 import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from test_q8_gemv import check_against_reference, make_activation, make_weights, sample_rows
 
-from cuda_helpers import assert_cuda_kernel, capture_graph, cuda, needs_gpu, run_in_child
+from cuda_helpers import assert_cuda_kernel, capture_graph, cuda, run_in_child
 
 ops = torch.ops.qwen38
 LANES = ["int8", "int8x2"]
@@ -49,7 +49,6 @@ def test_opcheck_cpu(lane):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("N,K", ODD_SHAPES)
@@ -64,7 +63,6 @@ def test_cuda_odd_shapes_every_tile(lane, N, K, tile, monkeypatch):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
 def test_cuda_27b_shapes(lane, N, K):
@@ -79,7 +77,6 @@ def test_cuda_27b_shapes(lane, N, K):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 def test_cuda_strided_activation_rows(lane):
     """Activations and outputs may be row slices of wider buffers (fused projections)."""
@@ -93,7 +90,6 @@ def test_cuda_strided_activation_rows(lane):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 def test_cuda_graph_replay_bitwise(lane):
     N, K, T = 1000, 1024, 100
@@ -126,6 +122,5 @@ def check_bad_arguments():
 
 
 @cuda
-@needs_gpu
 def test_cuda_bad_arguments_raise():
     run_in_child(__file__, "check_bad_arguments")

@@ -25,7 +25,7 @@ import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.limits import Q8_0_GEMV_CONFIGS
 from qwen38_ops.reference import q8_gemv as ref
 
-from cuda_helpers import assert_same_bits_pdl_on_and_off, capture_graph, child_env, cuda, needs_gpu, run_in_child
+from cuda_helpers import assert_same_bits_pdl_on_and_off, capture_graph, child_env, cuda, run_in_child
 
 ops = torch.ops.qwen38
 
@@ -235,7 +235,6 @@ def sample_rows(N, count=4096, seed=0):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("N,K", ODD_SHAPES)
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 9])  # 9: two passes of 5 rows (f32: three of 3)
@@ -298,7 +297,6 @@ def check_every_lane_with_env_config():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("config", CONFIGS)
 def test_cuda_every_config(config):
     """Every compiled config (the binding's defaults are among them), each in its own process."""
@@ -316,7 +314,6 @@ def check_config_not_compiled_raises():
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("config", ["2,1,4", "4,4", "two"])
 def test_cuda_config_not_compiled_raises(config):
     """The previous kernel's three-number configs, an uncompiled pair and junk are errors, not defaults."""
@@ -324,7 +321,6 @@ def test_cuda_config_not_compiled_raises(config):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
 def test_cuda_27b_shapes(lane, N, K):
@@ -336,7 +332,6 @@ def test_cuda_27b_shapes(lane, N, K):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("N,K", SHAPES_27B + ODD_SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES_27B + ODD_SHAPES])
 def test_cuda_rows_bitwise_as_one_row_calls(lane, N, K):
@@ -354,7 +349,6 @@ def test_cuda_rows_bitwise_as_one_row_calls(lane, N, K):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
 def test_cuda_int8_bits_on_random_data(N, K):
     """The int8 lane on the random data of the other tests (no huge blocks), T = 1, 3 and 8: bit for bit its
@@ -367,7 +361,6 @@ def test_cuda_int8_bits_on_random_data(N, K):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("lane", LANES)
 def test_cuda_strided_activation_rows(lane):
     """Activations may be row slices of a wider buffer (a fused projection's output)."""
@@ -422,7 +415,6 @@ def check_graph_replay_bitwise():
 
 
 @cuda
-@needs_gpu
 def test_cuda_graph_replay_bitwise_pdl_on_and_off(tmp_path):
     """check_graph_replay_bitwise with PDL on and with PDL off (QWEN38_PDL is read once per process, so each
     runs in its own child), and both give the same bits."""
@@ -463,6 +455,5 @@ def check_bad_arguments():
 
 
 @cuda
-@needs_gpu
 def test_cuda_bad_arguments_raise():
     run_in_child(__file__, "check_bad_arguments")

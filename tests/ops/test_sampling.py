@@ -14,7 +14,7 @@ import torch
 import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.reference import sampling as ref
 
-from cuda_helpers import capture_graph, cuda, needs_gpu, run_in_child
+from cuda_helpers import capture_graph, cuda, run_in_child
 
 ops = torch.ops.qwen38
 
@@ -97,7 +97,6 @@ def run(logits, start_position=7):
 
 
 @cuda
-@needs_gpu
 @pytest.mark.parametrize("V", [1, 2, 3, 5, 31, 1000, 4097, 65537, 248320, 248323])
 @pytest.mark.parametrize("case", ["random", "ties", "nan", "neg_inf", "pos_inf", "unaligned"])
 def test_cuda_matches_reference(V, case):
@@ -123,7 +122,6 @@ def test_cuda_matches_reference(V, case):
 
 
 @cuda
-@needs_gpu
 def test_cuda_graph_follows_new_logits():
     V = 248320
     logits = torch.randn(V, device="cuda")
@@ -163,6 +161,5 @@ def check_bad_arguments():
 
 
 @cuda
-@needs_gpu
 def test_cuda_bad_arguments_raise():
     run_in_child(__file__, "check_bad_arguments")
