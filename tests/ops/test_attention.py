@@ -7,14 +7,13 @@ random inputs, outputs and unread cache rows poisoned, at odd sizes and the 27B 
 two runs give the same bits; a captured graph replays bit for bit like eager, also after the device-held
 positions move, and gives the same bits with programmatic dependent launch on and off; bad arguments raise.
 """
-import math
 import os
 
 import pytest
 import torch
 
 import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
-from qwen38_ops.attention import workspace_numel
+from qwen38_ops.attention import ATTENTION_SPLITS, SAME_SPLIT_TOKENS, num_splits, workspace_numel
 from qwen38_ops.reference import attention as ref
 from qwen38_ops.reference import norm_quant as ref_quant
 
@@ -550,12 +549,23 @@ def test_bad_inputs_raise():
     run_in_child(__file__, "check_bad_inputs", preamble=TORCH_ERROR_CONTROL)
 
 
-def test_workspace_formula_matches_kernel_contract():
-    # The kernel needs T * splits * Hq * (hd + 2) floats with splits = max(1, 64 // T).
-    for T in (1, 2, 3, 7, 31, 33, 64, 65, 200):
-        splits = max(1, 64 // T)
-        assert workspace_numel(T, 24, 256) >= T * splits * 24 * 258
-    assert math.isclose(workspace_numel(1, 24, 256), 64 * 24 * 258)
+@cuda
+def test_the_split_rule_is_the_kernels():
+    """qwen38_ops.attention's split rule (hence workspace_numel) is the binding's, token count by token count:
+    a workspace of exactly workspace_numel(T) floats is taken and one float fewer is refused. (A formula
+    restated in the test could not fail when the Python copy of the rule drifted: the review's mutation M2,
+    `num_tokens <= SAME_SPLIT_TOKENS` made `<= 1`, passed every CPU test.)"""
+    hq, hkv, hd = 4, 2, 32
+    k_cache, v_cache = make_cache(300, hkv, hd, torch.float32, device="cuda", seed=0)
+    for T in (1, 2, SAME_SPLIT_TOKENS, SAME_SPLIT_TOKENS + 1, 31, 33, 64, 65, 200):
+        q = torch.randn(T, hq, hd, device="cuda")
+        positions = torch.arange(T, dtype=torch.int32, device="cuda")
+        out = torch.empty(T, hq, hd, device="cuda")
+        ops.attention(q, k_cache, v_cache, positions, hd**-0.5, out, torch.empty(workspace_numel(T, hq, hd), device="cuda"))
+        with pytest.raises(RuntimeError, match="workspace must hold"):
+            ops.attention(q, k_cache, v_cache, positions, hd**-0.5, out,
+                          torch.empty(workspace_numel(T, hq, hd) - 1, device="cuda"))
+    assert num_splits(1) == ATTENTION_SPLITS and num_splits(SAME_SPLIT_TOKENS + 1) < ATTENTION_SPLITS
 
 
 @cuda
