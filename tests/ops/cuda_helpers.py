@@ -48,9 +48,11 @@ def run_in_child(test_file: str, function: str, preamble: str = "") -> None:
     torch-internal error (TORCH_ERROR_CONTROL). The bindings now pre-format every number (see text() in
     csrc/cuda_bindings/checks.h), but in a child a crash still fails only the test that met it, and the
     output (progress() lines, the faulthandler traceback) names the call. The child puts the test file's
-    folder on sys.path first, so the module can import cuda_helpers as it does under pytest."""
+    folder and tests/ on sys.path first, so the module can import cuda_helpers and numerics as it does under
+    pytest."""
+    folder = os.path.dirname(os.path.abspath(test_file))
     code = ("import sys\n"
-            f"sys.path.insert(0, {os.path.dirname(os.path.abspath(test_file))!r})\n"
+            f"sys.path[:0] = [{folder!r}, {os.path.dirname(folder)!r}]\n"
             f"{preamble}"
             "import importlib.util\n"
             f"spec = importlib.util.spec_from_file_location('child_checks', {test_file!r})\n"
