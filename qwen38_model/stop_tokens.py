@@ -14,8 +14,10 @@ from typing import Any
 from .errors import CheckpointError
 from .files import optional_json_object
 
-# gguf TokenType values written to tokenizer.ggml.token_type.
+# gguf TokenType values written to tokenizer.ggml.token_type (llama.cpp's llama_token_type: 1 normal,
+# 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte; 0, undefined, is never written).
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+TOKEN_TYPES = range(1, 7)
 
 # llama.cpp also ends generation on these control tokens, whatever eos_token_id says.
 END_OF_GENERATION_TEXTS = ("<|im_end|>", "<|endoftext|>")
@@ -48,14 +50,24 @@ def gguf_stop_token_ids(fields: dict[str, Any], source: str = "GGUF metadata") -
 
 
 def gguf_vocabulary(fields: dict[str, Any], source: str) -> tuple[list[str], list[int]]:
-    """tokenizer.ggml.tokens and token_type, checked: strings, integers, the same length ([] when absent)."""
+    """tokenizer.ggml.tokens and token_type, checked: strings, integers in TOKEN_TYPES, the same length
+    ([], [] when there are no tokens). A vocabulary without its token_type array is an error: every token
+    would be plain text (<|im_end|> no control token, no stop id, split into pieces when written)."""
     tokens = gguf_string_list(fields, "tokenizer.ggml.tokens", source)
-    token_types = fields.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))
+    if tokens and "tokenizer.ggml.token_type" not in fields:
+        raise CheckpointError(f"{source}: tokenizer.ggml.tokens ({len(tokens)} tokens) without "
+                              "tokenizer.ggml.token_type: the control tokens (<|im_end|>, ...) cannot be told apart")
+    token_types = fields.get("tokenizer.ggml.token_type", [])
     # set(map(type, ...)): one C loop over ~250k entries, where a generator expression takes ~30 ms
     if not isinstance(token_types, list) or len(token_types) != len(tokens) or not set(map(type, token_types)) <= {int}:
         found = f"{len(token_types)} entries" if isinstance(token_types, list) else repr(token_types)[:40]
         raise CheckpointError(f"{source}: tokenizer.ggml.token_type must be {len(tokens)} integers (one per token), "
                               f"found {found}")
+    if token_types and not (min(token_types) >= TOKEN_TYPES.start and max(token_types) < TOKEN_TYPES.stop):
+        bad = next(i for i, kind in enumerate(token_types) if kind not in TOKEN_TYPES)
+        raise CheckpointError(f"{source}: tokenizer.ggml.token_type[{bad}] is {token_types[bad]}, expected a "
+                              f"llama_token_type from {TOKEN_TYPES.start} to {TOKEN_TYPES.stop - 1} (1 normal, 2 "
+                              "unknown, 3 control, 4 user-defined, 5 unused, 6 byte)")
     return tokens, token_types
 
 

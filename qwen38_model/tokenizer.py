@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import operator
 import pathlib
 from typing import Any
 
@@ -19,7 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from . import chat_template as templates
-from .checkpoint import read_gguf_metadata
+from .checkpoint import _check_gguf_path, read_header
 from .errors import CheckpointError
 from .files import folder_file, optional_json_object
 from .stop_tokens import (TOKEN_CONTROL, TOKEN_UNUSED, TOKEN_USER_DEFINED, gguf_stop_token_ids, gguf_string_list,
@@ -105,8 +106,12 @@ class Tokenizer:
         return cls(tokenizer, chat_template, list(hf_stop_token_ids(path)), special_tokens)
 
     @classmethod
-    def from_gguf_metadata(cls, fields: dict[str, Any], source: str = "GGUF metadata") -> Tokenizer:
-        """From GGUF metadata as a plain dict: key -> python value (str, int, list)."""
+    def from_gguf_metadata(cls, fields: dict[str, Any], source: str = "GGUF metadata",
+                           vocab_size: int | None = None) -> Tokenizer:
+        """From GGUF metadata as a plain dict: key -> python value (str, int, list). vocab_size: the model's
+        (token_embd.weight's rows, load_tokenizer reads them): the token list must be exactly that long, as
+        llama.cpp requires (a longer list produces ids the model has no row for; a shorter one leaves ids
+        the model can produce that decode to nothing)."""
         model = fields.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise CheckpointError(f"{source}: tokenizer.ggml.model is {model!r:.80}; only byte-level BPE ('gpt2') "
@@ -114,6 +119,12 @@ class Tokenizer:
         if not fields.get("tokenizer.ggml.tokens"):
             raise CheckpointError(f"{source}: no tokenizer.ggml.tokens")
         tokens, token_types = gguf_vocabulary(fields, source)
+        if vocab_size is not None and len(tokens) != vocab_size:
+            raise CheckpointError(f"{source}: tokenizer.ggml.tokens has {len(tokens)} tokens, the model's embedding "
+                                  f"(token_embd.weight) {vocab_size} rows: they must be equal (llama.cpp's n_vocab)")
+        if not fields.get("tokenizer.ggml.merges"):
+            raise CheckpointError(f"{source}: no tokenizer.ggml.merges: a byte-level BPE ('gpt2') vocabulary needs its "
+                                  "merges (without them every text would be split into single characters)")
         # Spaces inside byte-level tokens are already mapped to 'Ġ', so the one space separates the pair.
         merges = gguf_string_list(fields, "tokenizer.ggml.merges", source)
         pairs = [tuple(merge.split(" ")) for merge in merges]
@@ -142,21 +153,26 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) become their ids.
-        Qwen adds no BOS."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        Qwen adds no BOS. A text that is not a str, or holds a lone surrogate (no UTF-8 for it), is a
+        ValueError."""
+        return self.tokenizer.encode(check_text(text, "text"), add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of `ids` (an iterable of integer ids >= 0, e.g. a list, a 1-d tensor); an id without a
+        token decodes to nothing. Anything else is a ValueError naming `ids`."""
+        return self.tokenizer.decode(check_token_ids(ids, "ids"),
+                                     skip_special_tokens=check_flag(skip_special_tokens, "skip_special_tokens"))
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
         """The bytes one id stands for, such that decode(ids) is the UTF-8 decoding (invalid bytes as U+FFFD)
         of the ids' bytes concatenated. As the ByteLevel decoder: a token whose every character is in the
         byte-level alphabet maps each back to its byte, any other token is its own UTF-8; an id without a
         token is nothing (decode() skips it), and so is a skipped special token."""
+        token_id = check_token_id(token_id, "token_id")
         added = self._added.get(token_id)
         if added is not None and added.special and skip_special_tokens:
             return b""
-        token = self.tokenizer.id_to_token(token_id) if token_id >= 0 else None
+        token = self.tokenizer.id_to_token(token_id)
         if token is None:
             return b""
         byte_of = _byte_level_values()
@@ -167,6 +183,8 @@ class Tokenizer:
         """The prompt text for `messages`, rendered like transformers' apply_chat_template(tokenize=False);
         extra keyword arguments (tools=..., enable_thinking=...) reach the template. Errors of the
         template and its bounds (chat_template.py) are ChatTemplateErrors (a ValueError)."""
+        check_messages(messages)
+        check_flag(add_generation_prompt, "add_generation_prompt")
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         return templates.render(self.chat_template, messages=messages,
@@ -191,13 +209,76 @@ class StreamDecoder:
 
     def feed(self, token_id: int) -> str:
         """Text completed by this id ('' while a character is unfinished)."""
-        return self.utf8.decode(self.tokenizer.token_bytes(int(token_id), self.skip_special_tokens))
+        return self.utf8.decode(self.tokenizer.token_bytes(token_id, self.skip_special_tokens))
 
     def flush(self) -> str:
         """Whatever is still held (end of generation), an unfinished character shown as U+FFFD."""
         text = self.utf8.decode(b"", final=True)
         self.utf8.reset()
         return text
+
+
+MAX_TOKEN_ID = 2**32 - 1  # the tokenizers library's ids are u32; no vocabulary comes near
+
+
+def check_text(text, name: str) -> str:
+    """A str with a UTF-8 form: not bytes (decode them first), not None, no lone surrogate."""
+    if not isinstance(text, str):
+        hint = " (decode bytes to str first)" if isinstance(text, (bytes, bytearray)) else ""
+        raise ValueError(f"{name} must be a str, found {type(text).__name__}{hint}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} holds a lone surrogate {text[e.start]!r} at index {e.start} (not Unicode text: "
+                         "it has no UTF-8 form)") from None
+    return text
+
+
+def check_token_id(value, name: str) -> int:
+    """An integer token id in [0, 2^32) (Python, numpy or 0-d tensor integer; not a bool, a float or a str)."""
+    if isinstance(value, bool) or (getattr(value, "dtype", None) is not None and str(value.dtype).endswith("bool")):
+        raise ValueError(f"{name} must be an integer token id, found {value!r:.40}")
+    try:
+        i = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer token id, found {type(value).__name__} {value!r:.40}") from None
+    if not 0 <= i <= MAX_TOKEN_ID:
+        raise ValueError(f"{name} must be a token id in [0, {MAX_TOKEN_ID}], found {i}")
+    return i
+
+
+def check_token_ids(ids, name: str) -> list[int]:
+    """An iterable of token ids (check_token_id each) as a list of ints; a 1-d tensor or array too."""
+    if isinstance(ids, (str, bytes, bytearray, dict)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{name} must be a sequence of integer token ids, found {type(ids).__name__}")
+    if getattr(ids, "ndim", 1) != 1:
+        raise ValueError(f"{name} must be a 1-d sequence of token ids, found shape {tuple(ids.shape)}")
+    ids = list(ids)
+    # The common case, a list of Python ints, in C loops (a whole reply's ids are decoded at once).
+    if set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) <= MAX_TOKEN_ID)):
+        return ids
+    return [check_token_id(value, f"{name}[{k}]") for k, value in enumerate(ids)]
+
+
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, found {value!r:.40}")
+    return value
+
+
+def check_messages(messages) -> None:
+    """A list (or tuple) of dicts, each with a str 'role': what every chat template iterates over."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of dicts like {{'role': 'user', 'content': '...'}}, found "
+                         f"{type(messages).__name__}")
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{k}] must be a dict with 'role' and 'content', found {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{k}]['role'] must be a str, found {message.get('role')!r:.40}")
+        content = message.get("content")
+        if isinstance(content, str):
+            check_text(content, f"messages[{k}]['content']")
 
 
 def _token_content(entry, path: pathlib.Path, name: str) -> str:
@@ -222,4 +303,9 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
     path = pathlib.Path(path)
     if path.is_dir():
         return Tokenizer.from_hf_folder(path)
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(path), str(path))
+    _check_gguf_path(path)  # read_gguf_metadata's checks (a regular file, the magic), the header walked once
+    header = read_header(str(path))
+    embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    # A vocabulary-only GGUF (no tensors) has nothing to check the token count against.
+    vocab_size = embedding.dims[1] if embedding is not None and len(embedding.dims) >= 2 else None
+    return Tokenizer.from_gguf_metadata(header.metadata, str(path), vocab_size)
