@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SEED_LIMIT = 2**32  # the sampler keeps a seed's low 32 bits: a larger one would repeat a smaller one's run
 
 
 def is_int(value) -> bool:
@@ -66,10 +67,53 @@ def stop_token_ids(eos_token_id, default: tuple[int, ...], vocab_size: int) -> t
 
 
 def stop_string_tuple(stop_strings, tokenizer) -> tuple[str, ...]:
-    stops = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
+    if stop_strings is None:
+        stops = ()
+    elif isinstance(stop_strings, str):
+        stops = (stop_strings,)
+    elif isinstance(stop_strings, (list, tuple)):
+        stops = tuple(stop_strings)
+    else:
+        raise ValueError(f"stop_strings must be a string or a list of strings, found {type(stop_strings).__name__} "
+                         f"{stop_strings!r:.80}")
     if any(not isinstance(s, str) or not s for s in stops):
         raise ValueError(f"stop_strings must be non-empty strings (an empty one would stop at once), found "
                          f"{stop_strings!r:.80}")
     if stops and tokenizer is None:
         raise ValueError("stop_strings need tokenizer= to decode the generated text")
+    if stops and not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(f"tokenizer must have a decode(ids) method (for stop_strings), found "
+                         f"{type(tokenizer).__name__}")
     return stops
+
+
+def check_seed(seed) -> None:
+    """None (a random seed) or an integer in [0, 2^32): the sampler's seed is 32 bits, so seed + 2^32 would
+    silently repeat seed's samples."""
+    if seed is not None and not is_int(seed):
+        raise ValueError(f"seed must be an integer, found {seed!r:.40}")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an integer in [0, {SEED_LIMIT - 1}] (the sampler's seed is 32 bits), "
+                         f"found {seed!r:.40}")
+
+
+def check_new_token_bounds(min_new_tokens, max_new_tokens: int) -> None:
+    if is_int(min_new_tokens) and min_new_tokens > max_new_tokens:
+        raise ValueError(f"min_new_tokens {min_new_tokens} must be <= max_new_tokens {max_new_tokens}")
+
+
+def check_streamer(streamer) -> None:
+    """None, or an object with callable put(tensor) and end() (transformers' streamer protocol)."""
+    if streamer is None:
+        return
+    missing = [name for name in ("put", "end") if not callable(getattr(streamer, name, None))]
+    if missing:
+        raise ValueError(f"streamer must have callable put(ids) and end() methods (transformers' streamer "
+                         f"protocol, e.g. TextStreamer), found {type(streamer).__name__} without "
+                         f"{' and '.join(missing)}")
+
+
+def check_logits_to_keep(logits_to_keep) -> None:
+    if not is_int(logits_to_keep) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be an integer >= 0 (0: every row; k: the last k), found "
+                         f"{logits_to_keep!r:.40}")

@@ -10,8 +10,9 @@ from torch import nn
 
 import qwen38_ops
 
-from .arguments import (check_device, check_dtype, check_ids_dtype_holds, check_input_ids, check_token_count,
-                        stop_string_tuple, stop_token_ids)
+from .arguments import (check_device, check_dtype, check_ids_dtype_holds, check_input_ids, check_logits_to_keep,
+                        check_new_token_bounds, check_seed, check_streamer, check_token_count, stop_string_tuple,
+                        stop_token_ids)
 from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
 from .checkpoint.layout import MTP_PARTS
 from .config import ATTENTION, Qwen38Config
@@ -158,6 +159,9 @@ class Qwen38ForCausalLM(nn.Module):
         position t (teacher-forced). A state of a model with the block keeps the block's cache in step with
         every call (the pair that straddles two calls included)."""
         check_input_ids(input_ids, self.config.vocab_size)
+        check_logits_to_keep(logits_to_keep)
+        if not isinstance(return_mtp_logits, bool):
+            raise ValueError(f"return_mtp_logits must be True or False, found {return_mtp_logits!r:.40}")
         if input_ids.shape[0] != 1 and state is not None:
             raise ValueError(f"a state holds one sequence; input_ids has batch {input_ids.shape[0]}")
         if return_mtp_logits and self.mtp is None:
@@ -305,8 +309,9 @@ class Qwen38ForCausalLM(nn.Module):
         check_token_count("max_new_tokens", max_new_tokens, 1)
         if max_seq_len is not None:
             check_token_count("max_seq_len", max_seq_len, 1)
-        if seed is not None and not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, found {seed!r}")
+        check_new_token_bounds(min_new_tokens, max_new_tokens)
+        check_seed(seed)
+        check_streamer(streamer)
         eos = stop_token_ids(eos_token_id, self.config.eos_token_ids, self.config.vocab_size)
         stops = stop_string_tuple(stop_strings, tokenizer)
         cfg = SamplingConfig(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,

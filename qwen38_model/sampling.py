@@ -42,6 +42,8 @@ class SamplingConfig:
                 raise ValueError(f"{name} must be a finite number, found {value!r}")
         if self.do_sample and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, found {self.temperature}")
+        if not self.temperature >= 0:  # greedy ignores it, but a negative one is a caller's mistake all the same
+            raise ValueError(f"temperature must be >= 0 (> 0 when sampling), found {self.temperature}")
         for name in ("top_k", "min_new_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
