@@ -2,6 +2,7 @@
 import os
 import pathlib
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -59,6 +60,12 @@ def require(module: str):
         except ImportError as e:
             pytest.fail(f"{module} is not installed, under CI=true ({e})", pytrace=False)
     return pytest.importorskip(module)
+
+
+def default_sigint():
+    """preexec_fn for a child the test sends Ctrl-C: run from a background job (a CI runner's, or `cmd &`), the
+    suite inherits SIGINT ignored, and Python installs its KeyboardInterrupt handler only over the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")

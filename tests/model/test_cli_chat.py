@@ -12,12 +12,14 @@ import time
 
 from qwen38_model import cli
 
+from conftest import default_sigint
+
 STATS = re.compile(r"\[prefill (\d+) tokens in [\d.]+ s \| reply (\d+) tokens, [\d.]+ tok/s \| context (\d+) tokens\]")
 
 
 def chat_process(*args):
     return subprocess.Popen([sys.executable, "-m", "qwen38_model", "chat", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
 
 
 def turns(stderr: str) -> list[tuple[int, int, int]]:

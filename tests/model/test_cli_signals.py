@@ -13,11 +13,13 @@ import pytest
 
 from qwen38_model import cli
 
+from conftest import default_sigint
+
 
 def cli_process(oracle_dir, *args):
     return subprocess.Popen([sys.executable, "-m", "qwen38_model", "generate", "--model",
                              str(oracle_dir / "mini-q8_0.gguf"), "--prompt", "hi", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
 
 
 def error_line(capsys, monkeypatch, *args) -> str:
