@@ -143,6 +143,16 @@ class Qwen38Config:
         factor = rope_keys.number("partial_rotary_factor", 0.25)
         if not 0 < factor <= 1:
             raise ConfigError(f"{source}: partial_rotary_factor must be in (0, 1], found {factor}")
+        # Keys HF's modeling reads that this implementation takes as fixed: checked, not ignored.
+        section = rope.get("mrope_section")
+        if section is not None and not (isinstance(section, list) and len(section) in (3, 4)
+                                        and all(_is_int(n) and n >= 0 for n in section)):
+            raise ConfigError(f"{source}: mrope_section must be a list of 3 non-negative integers (t, h, w), found "
+                              f"{section!r:.80}")
+        act = text.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act must be 'silu' (Qwen3.5's MLP and conv activation), found "
+                              f"{act!r:.80}")
         return cls(
             vocab_size=keys.integer("vocab_size"), hidden_size=hidden,
             intermediate_size=keys.integer("intermediate_size"), layer_types=layer_types,
@@ -178,7 +188,8 @@ class Qwen38Config:
         if recurrent is not None and (not isinstance(recurrent, list) or len(recurrent) < num_layers
                                       or [r is True for r in recurrent[:num_layers]] != [t == GDN for t in layer_types]):
             raise ConfigError(f"{source}: qwen35.attention.recurrent_layers disagrees with full_attention_interval "
-                              f"{interval} over the {num_layers} layers")
+                              f"{interval} over the {num_layers} layers: expected "
+                              f"{[t == GDN for t in layer_types]!r:.200}, found {recurrent!r:.200}")
         num_v_heads = keys.integer("ssm.time_step_rank")
         inner = keys.integer("ssm.inner_size")
         if inner % num_v_heads:

@@ -139,6 +139,12 @@ class Checkpoint:
         wanted += [self._name("token_embd", None), self._name("output_norm", None)]
         if not config.tie_word_embeddings:
             wanted.append(self._name("output", None))
+        if not self.gguf_layout and config.tie_word_embeddings and "lm_head.weight" in names:
+            # Loading it would break the tie, ignoring it would run another head than the one stored.
+            raise CheckpointError(f"{self.path}: tensor 'lm_head.weight' is stored, but tie_word_embeddings is true "
+                                  f"in {config.source or 'config.json'}: expected no 'lm_head.weight' (the head is "
+                                  f"{self.source.full_name('embed_tokens.weight')!r}), found one of shape "
+                                  f"{self.source.shape('lm_head.weight')}")
         missing = next((n for n in wanted if not self.source.has(n)), None)
         if missing is not None:
             raise CheckpointError(f"{self.path}: missing tensor {self.source.full_name(missing)!r}")
@@ -162,12 +168,13 @@ class Checkpoint:
                                           "as F32)")
 
     def _tolerated(self, names: set[str]) -> list[str]:
-        """Stored tensors the model does not use: the head of a tied model, the vision tower, and an HF
-        folder's mtp.* when its config counts no MTP block (transformers drops them the same way)."""
+        """Stored tensors the model does not use: the vision tower, and an HF folder's mtp.* when its config
+        counts no MTP block (transformers drops them the same way). A tied model's stored lm_head.weight is
+        an error (_check_tensor_set), not tolerated: the config describes no such tensor."""
         if self.gguf_layout:
             return []
         unused = ("model.visual.",) + (() if self.config.num_mtp_layers else ("mtp.",))
-        return [n for n in names if n.startswith(unused) or n == "lm_head.weight"]
+        return [n for n in names if n.startswith(unused)]
 
     def _describe_layers(self) -> str:
         c = self.config

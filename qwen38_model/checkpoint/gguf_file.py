@@ -126,6 +126,8 @@ class GGUFHeader:
     metadata: dict  # key -> str, int, float, bool or a list of them (the gguf reader's field.contents())
     tensors: list[TensorInfo]  # in directory order
     data_start: int  # file offset of the data section, where tensor offsets count from
+    # key -> (value type, item type of an array or None): what the values' python types cannot tell apart
+    types: dict = dataclasses.field(default_factory=dict)
 
 
 def read_header(path: str) -> GGUFHeader:
@@ -147,17 +149,19 @@ def read_header(path: str) -> GGUFHeader:
                                       f"{', '.join(map(str, gguf.READER_SUPPORTED_VERSIONS))}")
             num_tensors, num_kv = cur.u64("tensor count"), cur.u64("metadata key count")
             cur.bound(num_kv, MIN_KV_BYTES, "the metadata key count")
-            metadata = _read_metadata(cur, num_kv)
+            types = {}
+            metadata = _read_metadata(cur, num_kv, types)
             alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
             cur.bound(num_tensors, MIN_TENSOR_INFO_BYTES, "the tensor count")
             infos = _tensor_infos(cur, num_tensors)
             data_start = -(-cur.pos // alignment) * alignment
     _check_data_layout(path, infos, alignment, data_start, size)
-    return GGUFHeader(metadata, infos, data_start)
+    return GGUFHeader(metadata, infos, data_start, types)
 
 
-def _read_metadata(cur: _Cursor, count: int) -> dict:
-    """The key-value pairs; general.alignment, when there, a uint32 power of two."""
+def _read_metadata(cur: _Cursor, count: int, types: dict) -> dict:
+    """The key-value pairs; general.alignment, when there, a uint32 power of two. types gets each key's
+    (value type, array item type or None)."""
     metadata = {}
     for i in range(count):
         key = cur.string(f"metadata key #{i}")
@@ -171,7 +175,11 @@ def _read_metadata(cur: _Cursor, count: int) -> dict:
                                       f"{value_type} value {alignment}")
             metadata[key] = alignment
         else:
+            item_type = None
+            if value_type == V.ARRAY and cur.left() >= 4:
+                item_type = struct.unpack_from("<I", cur.data, cur.pos)[0]  # _read_value reads and checks it
             metadata[key] = _read_value(cur, value_type, f"metadata key {key!r}")
+        types[key] = (value_type, item_type if value_type == V.ARRAY else None)
     return metadata
 
 
@@ -255,6 +263,104 @@ def _check_data_layout(path: str, infos: list[TensorInfo], alignment: int, data_
                               "directory does not describe the file")
 
 
+# The qwen35.* keys llama.cpp's qwen35 loader reads (and the converter writes), with the value type its
+# loader requires of each: llama_model_loader::get_key throws "key ... has wrong type" for any other (a
+# uint32 count stored as an int32 is not read there), get_arr takes int32 or uint32 items.
+_K, _ARCH = gguf.Keys, "qwen35"
+ARCH_KEY_TYPES = {key.format(arch=_ARCH): value_type for key, value_type in {
+    _K.LLM.BLOCK_COUNT: V.UINT32, _K.LLM.CONTEXT_LENGTH: V.UINT32, _K.LLM.EMBEDDING_LENGTH: V.UINT32,
+    _K.LLM.FEED_FORWARD_LENGTH: V.UINT32, _K.LLM.VOCAB_SIZE: V.UINT32, _K.LLM.FULL_ATTENTION_INTERVAL: V.UINT32,
+    _K.LLM.NEXTN_PREDICT_LAYERS: V.UINT32, _K.Attention.HEAD_COUNT: V.UINT32, _K.Attention.HEAD_COUNT_KV: V.UINT32,
+    _K.Attention.KEY_LENGTH: V.UINT32, _K.Attention.VALUE_LENGTH: V.UINT32,
+    _K.Attention.LAYERNORM_RMS_EPS: V.FLOAT32, _K.Rope.FREQ_BASE: V.FLOAT32, _K.Rope.DIMENSION_COUNT: V.UINT32,
+    _K.Rope.DIMENSION_SECTIONS: (V.ARRAY, (V.INT32, V.UINT32)), _K.SSM.CONV_KERNEL: V.UINT32,
+    _K.SSM.STATE_SIZE: V.UINT32, _K.SSM.GROUP_COUNT: V.UINT32, _K.SSM.TIME_STEP_RANK: V.UINT32,
+    _K.SSM.INNER_SIZE: V.UINT32, f"{{arch}}.attention.recurrent_layers": (V.ARRAY, (V.BOOL,)),
+    _K.General.FILE_TYPE: V.UINT32, _K.General.QUANTIZATION_VERSION: V.UINT32,
+}.items()}
+# general.file_type -> the ggml type it says the matrices have, for the file types this implementation reads.
+MAX_SECTION = 2**31 - 1  # llama.cpp holds the sections and their sum in int32
+FILE_TYPE_MATRICES = {gguf.LlamaFileType.ALL_F32: T.F32, gguf.LlamaFileType.MOSTLY_F16: T.F16,
+                      gguf.LlamaFileType.MOSTLY_BF16: T.BF16, gguf.LlamaFileType.MOSTLY_Q8_0: T.Q8_0}
+
+
+def _type_name(value_type) -> str:
+    """UINT32; ARRAY of BOOL (as found); ARRAY of INT32/UINT32 (as expected)."""
+    if isinstance(value_type, tuple):
+        items = value_type[1] if isinstance(value_type[1], tuple) else (value_type[1],)
+        return f"ARRAY of {'/'.join(_type_name(i) for i in items)}"
+    return V(value_type).name if value_type in V._value2member_map_ else str(value_type)
+
+
+def check_arch_metadata(path: str, header: GGUFHeader, config: Qwen38Config) -> None:
+    """The qwen35 keys the config does not take a value from, and the types of all of them, checked against
+    the config they imply, so that no key llama.cpp reads says something this model ignores:
+    value_length is key_length (head_dim); rope.dimension_sections are four non-negative integers over which
+    every rotated pair turns by a text token's position; vocab_size, when there, is token_embd's rows;
+    general.file_type a uint32 of the four file types read here whose matrix type holds most of the bytes."""
+    meta, types = header.metadata, header.types
+    for key, expected in ARCH_KEY_TYPES.items():
+        if key not in meta:
+            continue
+        value_type, item_type = types[key]
+        found = (value_type, item_type) if value_type == V.ARRAY else value_type
+        ok = (found == expected if not isinstance(expected, tuple) else
+              isinstance(found, tuple) and item_type in expected[1])
+        if not ok:
+            raise CheckpointError(f"{path}: metadata key {key!r} has type {_type_name(found)}, expected "
+                                  f"{_type_name(expected)} (the type llama.cpp's qwen35 loader reads)")
+
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{path}: metadata key {key!r} {what}")
+
+    key = f"{_ARCH}.attention.value_length"
+    if key in meta:
+        need(meta[key] == config.head_dim, key, f"is {meta[key]!r}, expected {config.head_dim} "
+             f"(= {_ARCH}.attention.key_length: keys and values have head_dim values in this architecture)")
+    key = f"{_ARCH}.vocab_size"
+    if key in meta:
+        need(meta[key] == config.vocab_size, key, f"is {meta[key]!r}, expected {config.vocab_size} (the rows of "
+             "'token_embd.weight')")
+    key = f"{_ARCH}.rope.dimension_sections"
+    if key in meta:  # llama.cpp requires it (get_key_or_arr(..., 4, required)); the converter always writes it
+        sections = meta[key]
+        need(isinstance(sections, list) and len(sections) == 4, key,
+             f"has {len(sections) if isinstance(sections, list) else sections!r:.40} values, expected 4 "
+             "(llama.cpp reads exactly 4)")
+        need(all(s >= 0 for s in sections) and 0 < sum(sections) <= MAX_SECTION, key,
+             f"is {sections}, expected 4 non-negative integers with a sum in [1, {MAX_SECTION}] (ggml adds them "
+             "in an int32 and takes each rotated pair's index modulo the sum)")
+        # ggml's interleaved M-RoPE turns pair i by the t/h/w position (all three a text token's position, as
+        # HF and this implementation rotate every pair) iff its sector s = i % sum has s < 3*sections[s % 3];
+        # any other pair turns by the 4th, extra position, a different model.
+        total = sum(sections)
+        pairs = range(min(config.rotary_dim // 2, total))  # the sectors of all pairs
+        uncovered = [i for i in pairs if not i < 3 * sections[i % 3]]
+        need(not uncovered, key, f"is {sections}: over rope.dimension_count {config.rotary_dim} ({config.rotary_dim // 2} "
+             f"pairs) the pairs {uncovered[:8]} would not turn by the token's position in llama.cpp's interleaved "
+             "M-RoPE; expected sections that cover every pair (e.g. [11, 11, 10, 0] for 64 rotated dims)")
+    key = _K.General.FILE_TYPE
+    if key in meta:
+        value = meta[key]
+        need(value in gguf.LlamaFileType._value2member_map_ and value != gguf.LlamaFileType.GUESSED, key,
+             f"is {value!r}, not a llama.cpp file type (gguf.LlamaFileType): expected one of the file types read "
+             f"here: {', '.join(f'{t.value} ({t.name})' for t in FILE_TYPE_MATRICES)}")
+        file_type = gguf.LlamaFileType(value)
+        need(file_type in FILE_TYPE_MATRICES, key,
+             f"is {value} ({file_type.name}), expected one of the file types read here: "
+             f"{', '.join(f'{t.value} ({t.name})' for t in FILE_TYPE_MATRICES)}")
+        by_type = {}
+        for t in header.tensors:
+            by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.nbytes
+        main = max(by_type, key=by_type.get) if by_type else None
+        need(main is None or main == FILE_TYPE_MATRICES[file_type], key,
+             f"is {value} ({file_type.name}), expected "
+             f"{next(f.value for f, m in FILE_TYPE_MATRICES.items() if m == main) if main in FILE_TYPE_MATRICES.values() else 'another'} "
+             f"({main.name}): {file_type.name} has {FILE_TYPE_MATRICES[file_type].name} matrices, but the tensors are "
+             f"mostly {main.name} ({by_type[main]} of {sum(by_type.values())} bytes)")
+
+
 class GGUFCheckpoint:
     """A GGUF file as a tensor source (source.TensorSource)."""
 
@@ -272,6 +378,7 @@ class GGUFCheckpoint:
         if embed is None or len(embed.dims) != 2:
             raise CheckpointError(f"{path}: missing tensor 'token_embd.weight' (a 2-D [hidden, vocab] matrix)")
         self.config = Qwen38Config.from_gguf_metadata(self.metadata, vocab_size=embed.dims[1], source=self.path)
+        check_arch_metadata(self.path, header, self.config)
         if "output.weight" not in self._tensors:
             # A GGUF without output.weight ties the head to the embedding (llama.cpp's fallback).
             self.config = dataclasses.replace(self.config, tie_word_embeddings=True)

@@ -22,9 +22,12 @@ from ..files import folder_file, read_json
 from .tensors import TensorReader
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-# Every dtype the format defines, with its size: a checkpoint may hold tensors we never read (vision tower).
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+# Every dtype the format defines (safetensors 0.8), with its size in bits: a checkpoint may hold tensors we
+# never read (vision tower, an MXFP4 or F8_E8M0-scaled quantization). F4 and F6 pack several values a byte:
+# a tensor of them must fill whole bytes, as the library requires.
+DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+              "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64,
+              "F64": 64, "I64": 64, "U64": 64}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's limit
 # Prefixes of the text model's weights: released VLM form first, then the text-only form.
 TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -52,7 +55,14 @@ def read_safetensors_header(path: pathlib.Path) -> tuple[dict, int]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: not a safetensors file (header is a JSON {type(header).__name__}, not an "
                               "object)")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        # The library's rule: an optional map of string to string (JSON null counts as absent).
+        bad = (f"a JSON {type(metadata).__name__}" if not isinstance(metadata, dict) else
+               next(f"key {k!r} with a {type(v).__name__} value" for k, v in metadata.items() if not isinstance(v, str)))
+        raise CheckpointError(f"{path}: __metadata__ must be an object of string values: expected a JSON object of "
+                              f"string to string, found {bad:.120}")
     entries = {name: _entry(path, name, info) for name, info in header.items()}
     _check_layout(path, entries, size - 8 - length)
     return entries, 8 + length
@@ -65,14 +75,17 @@ def _entry(path: pathlib.Path, name: str, info) -> tuple[str, tuple[int, ...], i
     if not isinstance(info, dict):
         raise bad(f"expected an object with dtype, shape and data_offsets, found {info!r:.80}")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
-        raise bad(f"unknown dtype {dtype!r:.40}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:  # a list or object is no dtype (nor hashable)
+        raise bad(f"unknown dtype {dtype!r:.40}, expected one of {', '.join(DTYPE_BITS)}")
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         raise bad(f"shape must be a list of non-negative integers, found {shape!r:.80}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
             and 0 <= offsets[0] <= offsets[1]):
         raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r:.80}")
-    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8:
+        raise bad(f"dtype {dtype} and shape {shape} make {bits} bits, not a whole number of bytes")
+    nbytes = bits // 8
     if offsets[1] - offsets[0] != nbytes:
         raise bad(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but dtype {dtype} and shape "
                   f"{shape} need {nbytes}")
