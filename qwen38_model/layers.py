@@ -58,18 +58,11 @@ class Q8Linear(nn.Module):
                              f"{tuple(weight.d.shape)}")
         self.scratch_role = scratch_role
         self.input_format = lane_format(lane)
+        self.out_features, self.in_features = rows, cols
         self.register_buffer("weight_q", weight.q)
         self.register_buffer("weight_d", weight.d)
         self._product = {ActFormat.F32: self._f32_lane, ActFormat.INT8: self._int8_lane,
                          ActFormat.INT8X2: self._int8x2_lane}[self.input_format]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight_q.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight_q.shape[1]
 
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
         out = scratch.empty(self, "out", (act.x.shape[0], self.out_features))
@@ -123,15 +116,8 @@ class DenseLinear(nn.Module):
             raise TypeError(f"{scratch_role}: DenseLinear takes a dense tensor, found {type(weight).__name__} "
                             "(make_linear picks the linear of a weight)")
         self.scratch_role = scratch_role
+        self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
 
     def forward(self, act: Activation, scratch: Scratch) -> torch.Tensor:
         x = act.x
