@@ -142,3 +142,106 @@ def test_a_speculative_engine_may_use_the_whole_context(model):
     with_mtp.config = dataclasses.replace(with_mtp.config, max_position_embeddings=64)
     engine = SpeculativeEngine(with_mtp, 64, torch.float32, False, 3)
     assert engine.state.max_seq_len > engine.max_seq_len == 64
+
+
+# ---- issue 24 item 3: seeded fuzzing of generate() / forward() values, in a bounded child -------------
+
+FUZZ_SEED = 20261226
+FUZZ_CASES = 80
+
+
+class _PutOnly:
+    def put(self, value):
+        pass
+
+
+class _EndNotCallable:
+    put = staticmethod(lambda value: None)
+    end = 5
+
+
+def _bad_generate_case(rng):
+    """(description, kwargs for generate, or ('forward', kwargs), regex of the ValueError or None for a valid
+    call)."""
+    name = rng.choice(["max_seq_len", "logits_to_keep", "seed", "temperature", "min_new_tokens", "stop_strings",
+                       "streamer", "valid"])
+    if name == "max_seq_len":
+        value = rng.choice([10**12, 2**40, 2**63, 262145])
+        return dict(max_seq_len=value), rf"max_seq_len {value} exceeds the model's context of 262144 tokens"
+    if name == "logits_to_keep":
+        value = rng.choice([-1, -2, -2**40, 1.5, "1", None, True])
+        return ("forward", dict(logits_to_keep=value)), r"logits_to_keep must be an integer >= 0"
+    if name == "seed":
+        value = rng.choice([-1, -2**31, 2**32, 2**32 + 7, 2**64, 1.5, "1", True])
+        return dict(do_sample=rng.random() < 0.5, seed=value), r"seed must be an integer"
+    if name == "temperature":
+        value = rng.choice([-1.0, -1e-9, -5, float("-inf"), float("nan"), "1"])
+        return dict(do_sample=rng.random() < 0.5, temperature=value), r"temperature must be"
+    if name == "min_new_tokens":
+        top = rng.randint(1, 3)
+        low = top + rng.choice([1, 2, 10**6, 2**62])
+        return dict(max_new_tokens=top, min_new_tokens=low), rf"min_new_tokens {low} must be <= max_new_tokens {top}"
+    if name == "stop_strings":
+        value = rng.choice([5, 1.5, b"x", {"a"}, {"a": 1}, object(), True])
+        return dict(stop_strings=value), r"stop_strings must be a string or a list of strings"
+    if name == "streamer":
+        value = rng.choice([object(), 5, "x", _PutOnly(), _EndNotCallable()])
+        return dict(streamer=value), r"streamer must have callable put\(ids\) and end\(\) methods"
+    valid = rng.choice([dict(seed=rng.choice([0, 1, 2**32 - 1]), do_sample=True), dict(temperature=0.0),
+                        dict(min_new_tokens=2, max_new_tokens=2, eos_token_id=[]), dict(stop_strings=["zz"]),
+                        ("forward", dict(logits_to_keep=rng.choice([0, 1, 2, 100])))])
+    return valid, None
+
+
+def fuzz_generate_arguments() -> None:
+    """The cases (run in the child)."""
+    import pathlib
+    import random
+    import re
+
+    from qwen38_model.tokenizer import load_tokenizer
+    oracle = pathlib.Path(__file__).resolve().parents[1] / "oracle" / "mini"
+    model = Qwen38ForCausalLM.from_pretrained(oracle / "mini-q8_0.gguf", device="cpu")
+    tokenizer = load_tokenizer(oracle / "mini-q8_0.gguf")
+    failures = []
+    for number in range(FUZZ_CASES):
+        rng = random.Random(f"{FUZZ_SEED}/{number}")
+        call, expected = _bad_generate_case(rng)
+        forward = isinstance(call, tuple)
+        kwargs = call[1] if forward else {"max_new_tokens": 2, "tokenizer": tokenizer, **call}
+        where = f"FUZZ_SEED {FUZZ_SEED} case {number}: {'forward' if forward else 'generate'}({call!r:.120})"
+        try:
+            out = model(PROMPT, **kwargs) if forward else model.generate(PROMPT, **kwargs)
+        except ValueError as e:
+            if expected is None or not re.match(expected, str(e)):
+                failures.append(f"{where}: ValueError {str(e)[:200]!r}, expected {expected!r}")
+            continue
+        except Exception as e:  # noqa: BLE001 (the point: nothing but ValueError may escape)
+            failures.append(f"{where}: {type(e).__name__} {str(e)[:200]!r} instead of a ValueError")
+            continue
+        if expected is not None:
+            failures.append(f"{where}: accepted, expected a ValueError matching {expected!r}")
+        elif forward and out.logits.shape[1] != (min(kwargs["logits_to_keep"], 3) or 3):
+            failures.append(f"{where}: {out.logits.shape[1]} logits rows")
+    assert not failures, f"{len(failures)} of {FUZZ_CASES} cases failed:\n" + "\n".join(failures[:30])
+    print(f"{FUZZ_CASES} cases passed", flush=True)
+
+
+def test_fuzzed_generate_and_forward_arguments():
+    """Under an address-space limit (a 10^12-token cache would need 256 TB: refused before any allocation)
+    and a CPU-time limit, each case a ValueError naming the argument or a valid result."""
+    from test_tokenizer_arguments import run_bounded
+    result = run_bounded("fuzz_generate_arguments", __file__)
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+    assert f"{FUZZ_CASES} cases passed" in result.stdout
+
+
+def test_seeds_do_not_alias(model):
+    """The sampler keeps a seed's 32 bits: seed 2^32 gave seed 0's samples; now it is refused, as the CLI's
+    --seed, and the range's ends are taken."""
+    kwargs = dict(max_new_tokens=3, do_sample=True, eos_token_id=[])
+    for seed in (2**32, 2**32 + 5, -1):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 4294967295\]"):
+            model.generate(PROMPT, seed=seed, **kwargs)
+    for seed in (0, 2**32 - 1):
+        assert model.generate(PROMPT, seed=seed, **kwargs).shape == (1, 6)

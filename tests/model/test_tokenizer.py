@@ -208,6 +208,13 @@ def gguf_fields_with(oracle_dir, **changes) -> dict:
     ({"tokenizer.ggml.merges": ["Ġ zzz"]}, r"tokenizer\.ggml\.tokens / merges do not form a BPE tokenizer \(.*zzz"),
     ({"tokenizer.ggml.model": "llama"}, r"tokenizer\.ggml\.model is 'llama'; only byte-level BPE"),
     ({"tokenizer.chat_template": 7}, r"tokenizer\.chat_template must be a string"),
+    # issue 24 item 4: llama.cpp's vocabulary checks
+    ({"tokenizer.ggml.merges": []}, r"no tokenizer\.ggml\.merges: a byte-level BPE \('gpt2'\) vocabulary needs"),
+    ({"tokenizer.ggml.merges": None}, r"no tokenizer\.ggml\.merges"),
+    ({"tokenizer.ggml.token_type": None}, r"tokenizer\.ggml\.tokens \(512 tokens\) without tokenizer\.ggml\.token_type"),
+    ({"tokenizer.ggml.token_type": [1] * 511 + [7]}, r"tokenizer\.ggml\.token_type\[511\] is 7, expected a "
+                                                    r"llama_token_type from 1 to 6"),
+    ({"tokenizer.ggml.token_type": [0] + [1] * 511}, r"tokenizer\.ggml\.token_type\[0\] is 0"),
 ])
 def test_malformed_gguf_tokenizer_metadata(oracle_dir, changes, message):
     with pytest.raises(CheckpointError, match=rf"x\.gguf: {message}"):
@@ -315,3 +322,14 @@ def test_chat_template_bounds_leave_real_templates_alone(synthetic_dir):
     messages = [m for _ in range(200) for m in CONVERSATIONS["multi-turn"]]
     prompt = tokenizer.apply_chat_template([CONVERSATIONS["tools"][0]] + messages, tools=TOOLS)
     assert prompt.count("<|im_start|>user") == 400
+
+
+def test_gguf_token_count_must_equal_the_embedding_rows(oracle_dir):
+    """Issue 24 item 4: from_gguf_metadata(vocab_size=) is llama.cpp's n_vocab == token_embd.weight ne[1];
+    load_tokenizer passes the rows (the oracle's files and the built-in model have exactly as many tokens)."""
+    fields = gguf_fields_with(oracle_dir)
+    assert len(Tokenizer.from_gguf_metadata(fields, "x.gguf", vocab_size=512)) == 503
+    for rows in (400, 511, 513, 600):
+        with pytest.raises(CheckpointError, match=rf"x\.gguf: tokenizer\.ggml\.tokens has 512 tokens, the model's "
+                                                  rf"embedding \(token_embd\.weight\) {rows} rows"):
+            Tokenizer.from_gguf_metadata(fields, "x.gguf", vocab_size=rows)
