@@ -8,7 +8,15 @@ in about 2,000 steps, a few KB):
 - MAX_CHARS characters (or items) for the output, for every value a template reads from a namespace,
   list or dict, passes to or gets from a call or filter, and for the results of `*`, `+`, `%` and the
   amplifying filters and methods (replace, join, indent, ...), checked before they allocate;
-- integer arguments (widths, counts, exponents) of at most MAX_INT_ARG, like the sandbox's range().
+- integer arguments (widths, counts, exponents) of at most MAX_INT_ARG, like the sandbox's range();
+- and for the render as a whole (the bounds above are per value: 10^5 values of 100 KB each, or a macro
+  recursing 1000 levels deep with 30 MB held per level, passed them all), a budget: MAX_BUILT_BYTES plus
+  BUILT_PER_INPUT_BYTE times the bytes of the strings passed in, for the total of every value the template
+  builds (results of operators, `~`, filters, calls, slices, macro and block output, stringified
+  containers, the output itself), each checked before it allocates where its size can be predicted, and
+  MAX_SECONDS of wall time, checked at each template line and at each Python call the render makes.
+The budget counts what is built, not what is still held (a str cannot be watched for its release), so it
+is an upper bound on the memory a render holds, and it also bounds the work of building it.
 Everything that goes wrong while rendering is a ChatTemplateError.
 """
 from __future__ import annotations
@@ -19,11 +27,15 @@ import math
 import re
 import string
 import sys
+import threading
+import time
 from datetime import datetime
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 import jinja2.sandbox
+import jinja2.utils
 
 from .errors import ChatTemplateError
 
@@ -31,6 +43,19 @@ MAX_STEPS = 1_000_000
 MAX_CHARS = 1 << 25
 MAX_INT_ARG = jinja2.sandbox.MAX_RANGE  # 100000
 MAX_SOURCE_CHARS = 1 << 20
+# A real chat render builds KBs to a few MB: the template copies each message a few times (Qwen3.5's: the
+# macro output, |trim, then one '+' chain per turn, about 8x its input in all). 64 MB is far above a
+# render of any chat of ordinary size and still small next to the server's memory when several requests
+# render at once; the per-input term keeps a long chat (a 262K-token context is 1-4 MB of text) from
+# meeting the fixed part: what a template may build grows with what it was given, not with its loops.
+MAX_BUILT_BYTES = 64 << 20
+BUILT_PER_INPUT_BYTE = 16
+# A real render takes milliseconds (Qwen3.5's template on a 10-turn chat with tools: about 2,000 steps);
+# 5 s is a thousand times that on a loaded machine, and short enough that a server is not held up.
+MAX_SECONDS = 5.0
+# Stringifying a container (`{{ list }}`, `~`, join, tojson, |string, %s) walks it first to bound the
+# string it would build; real templates stringify tool schemas and messages of at most thousands of items.
+MAX_RENDERED_ITEMS = 1 << 20
 TEMPLATE_FILE = "<template>"  # the file name jinja gives the code compiled from a string
 # A %-format conversion: its width and precision may be literal digits or '*' (taken from the arguments).
 PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d+|\*)?(?:\.(\d+|\*))?")
@@ -39,6 +64,7 @@ PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d+|\*)?(?:\.(\d+|\*))?")
 def render(source: str, **context) -> str:
     """The template rendered with `context`, within the bounds above."""
     template = _compile(source)
+    budget = _Budget(MAX_BUILT_BYTES + BUILT_PER_INPUT_BYTE * _input_bytes(context), MAX_SECONDS)
     steps = 0
 
     def count_lines(frame, event, arg):
@@ -47,16 +73,26 @@ def render(source: str, **context) -> str:
             steps += 1
             if steps > MAX_STEPS:
                 raise ChatTemplateError(f"the chat template ran more than {MAX_STEPS} steps")
+            budget.tick()
         return count_lines
 
-    previous = sys.gettrace()
-    sys.settrace(lambda frame, event, arg: count_lines if frame.f_code.co_filename == TEMPLATE_FILE else None)
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename == TEMPLATE_FILE:
+            return count_lines
+        budget.tick()  # a call into jinja's runtime, a filter or a method: the time bound holds there too
+        return None
+
+    previous, outer = sys.gettrace(), getattr(_active, "budget", None)
+    _active.budget = budget
+    sys.settrace(trace)
     try:
         pieces, size = [], 0
         for piece in template.generate(**context):
             size += len(piece)
-            _check_size(size, "output")
+            _check_size(size, "output", reserve=False)
+            budget.charge(sys.getsizeof(piece), "output")
             pieces.append(piece)
+        budget.reserve(size, "output")
         return "".join(pieces)
     except ChatTemplateError:
         raise
@@ -66,6 +102,135 @@ def render(source: str, **context) -> str:
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {str(e)[:300]}") from None
     finally:
         sys.settrace(previous)
+        _active.budget = outer
+
+
+_active = threading.local()  # the budget of the render running on this thread (the environment is shared)
+
+
+class _Budget:
+    """One render's bounds on the bytes it builds and on its wall time."""
+
+    def __init__(self, limit: int, seconds: float):
+        self.limit, self.left, self.seconds = limit, limit, seconds
+        self.deadline = time.monotonic() + seconds
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Refuses, before it is built, a value of `nbytes` that would not fit in what is left."""
+        if nbytes > self.left:
+            raise ChatTemplateError(f"the chat template would build a {what} of {nbytes} bytes with "
+                                    f"{max(self.left, 0)} bytes left of its budget of {self.limit}")
+
+    def charge(self, nbytes: int, what: str) -> None:
+        self.left -= nbytes
+        if self.left < 0:
+            raise ChatTemplateError(f"the chat template built more than its budget of {self.limit} bytes "
+                                    f"(the last, a {what} of {nbytes} bytes)")
+        self.tick()
+
+    def tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise ChatTemplateError(f"the chat template ran more than {self.seconds:g} s")
+
+
+def _reserve(nbytes: int, what: str) -> None:
+    budget = getattr(_active, "budget", None)
+    if budget is not None:
+        budget.reserve(nbytes, what)
+
+
+def _charge(value, what: str, *sources):
+    """Charges `value` to the render's budget if it is a new str or container (not one of `sources`)."""
+    budget = getattr(_active, "budget", None)
+    if budget is not None and isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)) \
+            and not any(value is source for source in sources):
+        budget.charge(sys.getsizeof(value), what)
+    return value
+
+
+def _input_bytes(context: dict) -> int:
+    """The bytes of the strings in the render's arguments (messages, tools, ...)."""
+    total, stack, seen = 0, list(context.values()), set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += sys.getsizeof(value)
+        elif isinstance(value, (list, tuple, dict, set, frozenset)) and id(value) not in seen:
+            seen.add(id(value))
+            stack.extend(value.values() if isinstance(value, dict) else value)
+            if isinstance(value, dict):
+                stack.extend(value.keys())
+    return total
+
+
+def _rendered_size(value, what: str) -> int:
+    """An upper bound on the characters of str(value) or of its JSON (repr escapes a character of a
+    non-printable or non-ASCII string into at most 10, json into at most 12), walking at most
+    MAX_RENDERED_ITEMS items and stopping once the bound passes what any value may be (MAX_CHARS, or what
+    is left of the budget): the walk costs at most about that many characters scanned."""
+    if isinstance(value, str):
+        return len(value)
+    budget = _active_budget()
+    limit = min(MAX_CHARS, budget.left) if budget is not None else MAX_CHARS
+    total, stack, items = 0, [value], 0
+    while stack and total <= limit:
+        value = stack.pop()
+        items += 1
+        if items > MAX_RENDERED_ITEMS:
+            raise ChatTemplateError(f"the chat template stringifies a {what} of more than {MAX_RENDERED_ITEMS} "
+                                    f"items")
+        if isinstance(value, str):
+            total += (2 if value.isascii() and value.isprintable() else 12) * len(value) + 4
+        elif isinstance(value, bytes):
+            total += 4 * len(value) + 4
+        elif isinstance(value, dict):
+            total += 2 + 4 * len(value)
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset, type({}.keys()), type({}.values()),
+                                type({}.items()))):
+            total += 16 + 2 * len(value)
+            stack.extend(value)
+        elif isinstance(value, jinja2.utils.Namespace):
+            stack.append(dict(value._Namespace__attrs))
+            total += 16
+        elif isinstance(value, int) and not isinstance(value, bool):
+            total += 8 + value.bit_length() // 3
+        else:
+            total += 64
+    return total
+
+
+def _stringify(value, what: str):
+    """str(value) for a container, its size bounded before it is built; other values as they are."""
+    if isinstance(value, (str, int, float, bool, type(None))) or _active_budget() is None:
+        return value
+    if isinstance(value, (list, tuple, dict, set, frozenset, jinja2.utils.Namespace)) or \
+            type(value).__name__ in ("dict_keys", "dict_values", "dict_items"):
+        size = _rendered_size(value, what)
+        _check_size(size, what)
+        return _charge(str(value), what)
+    return value
+
+
+def _active_budget():
+    return getattr(_active, "budget", None)
+
+
+def _concat_values(values: tuple) -> str:
+    """`a ~ b ~ ...`: every operand stringified, the total bounded before it is built."""
+    size = sum(_rendered_size(v, "'~' operand") for v in values)
+    _check_size(size, "'~' result")
+    return _charge("".join(map(str, values)), "'~' result")
+
+
+class _CodeGenerator(jinja2.compiler.CodeGenerator):
+    def visit_Concat(self, node, frame) -> None:  # `~`: jinja's str_join, with the budget
+        self.write("environment.concat_values((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
 
 
 @functools.lru_cache(maxsize=8)
@@ -83,17 +248,22 @@ def _compile(source: str) -> jinja2.Template:
 class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     # Also keeps the compiler from folding these operators on constants at compile time, unchecked.
     intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _CodeGenerator
+    concat_values = staticmethod(_concat_values)  # what the generated code calls for `~`
 
     def call_binop(self, context, operator, left, right):
         if operator == "**":
             _check_power(left, right)
         elif operator == "*":
             _check_size(_len(left) * _int_or_zero(right) + _len(right) * _int_or_zero(left), "'*' result")
+            _reserve(_nbytes_per_item(left) * _len(left) * _int_or_zero(right)
+                     + _nbytes_per_item(right) * _len(right) * _int_or_zero(left), "'*' result")
         elif operator == "+":
             _check_size(_len(left) + _len(right), "'+' result")
+            _reserve(_nbytes_per_item(left) * _len(left) + _nbytes_per_item(right) * _len(right), "'+' result")
         elif operator == "%" and isinstance(left, str):
             _check_percent_format(left, right if isinstance(right, tuple) else (right,))
-        return super().call_binop(context, operator, left, right)
+        return _charge(super().call_binop(context, operator, left, right), f"{operator!r} result", left, right)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
         _check_arguments(args, kwargs)
@@ -104,7 +274,10 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
                 _check_join(subject, args[0])
             else:
                 _check_amplifier(name, subject, args, kwargs)
-        return _checked(super().call(__context, __obj, *args, **kwargs), f"the result of {name or 'a call'}")
+        value = _checked(super().call(__context, __obj, *args, **kwargs), f"the result of {name or 'a call'}")
+        if isinstance(__obj, jinja2.runtime.Macro):  # its output was charged when its body was joined
+            return value
+        return _charge(value, f"result of {name or 'a call'}", subject, *args, *kwargs.values())
 
     def getattr(self, obj, attribute):
         if isinstance(obj, str) and attribute in ("format", "format_map"):  # the sandbox wraps these: check here
@@ -112,7 +285,8 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return _checked(super().getattr(obj, attribute), f"attribute {attribute!r}")
 
     def getitem(self, obj, argument):
-        return _checked(super().getitem(obj, argument), "an item")
+        value = _checked(super().getitem(obj, argument), "an item")
+        return _charge(value, "slice", obj) if isinstance(argument, slice) else value  # a slice is a copy
 
 
 def _environment() -> jinja2.Environment:
@@ -123,6 +297,7 @@ def _environment() -> jinja2.Environment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.concat = _bounded_concat  # joins the output of macros and {% set %} blocks
+    env.finalize = lambda value: _stringify(value, "value output")  # `{{ list }}` is its str(), bounded first
     return env
 
 
@@ -134,12 +309,18 @@ def _bounded_filter(name: str, f):
         _check_arguments(args[skip:], kwargs)
         value, rest = (args[skip], args[skip + 1:]) if len(args) > skip else (None, ())
         if name == "join":
+            if not isinstance(value, (str, list, tuple, dict)) and hasattr(value, "__iter__"):
+                value = list(value)  # as jinja's join does; each item is charged as it is made
+                args = (*args[:skip], value, *rest)
             _check_join(kwargs.get("d", rest[0] if rest else ""), value)
+        elif name in ("string", "tojson", "pprint") and value is not None:
+            _check_size(_rendered_size(value, f"value for filter {name!r}"), f"value for filter {name!r}")
         elif name == "format" and isinstance(value, str):  # value % arguments
             _check_percent_format(value, rest)
         elif isinstance(value, str):
             _check_amplifier(name, value, rest, kwargs)
-        return _checked(f(*args, **kwargs), f"the result of filter {name!r}")
+        return _charge(_checked(f(*args, **kwargs), f"the result of filter {name!r}"), f"result of filter {name!r}",
+                       *args, *kwargs.values())
 
     return run
 
@@ -167,7 +348,8 @@ def _check_amplifier(name: str, s: str, args: tuple, kwargs: dict) -> None:
 
 def _check_join(separator, items) -> None:
     if isinstance(items, (list, tuple)):
-        _check_size(_len(separator) * len(items) + sum(map(_len, items)), "join() result")
+        _check_size(_len(separator) * len(items) + sum(_rendered_size(item, "join() item") for item in items),
+                    "join() result")
 
 
 def _check_percent_format(fmt: str, args: tuple) -> None:
@@ -201,18 +383,31 @@ def _check_arguments(args: tuple, kwargs: dict) -> None:
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT_ARG:
             raise ChatTemplateError(f"the chat template passes the integer {value:.3g} to a call; at most "
                                     f"{MAX_INT_ARG} is allowed")
-        _check_size(_len(value), "call argument")
+        _check_size(_len(value), "call argument", reserve=False)
+        if isinstance(value, (list, tuple, dict, jinja2.utils.Namespace)):  # '%s' % (l,), '{}'.format(l), ...
+            _check_size(_rendered_size(value, "call argument"), "stringified call argument")
 
 
 def _checked(value, what: str):
-    _check_size(_len(value), what)
+    _check_size(_len(value), what, reserve=False)  # a value that exists: its bytes were charged if built here
     return value
 
 
-def _check_size(size: int, what: str) -> None:
+def _check_size(size: int, what: str, reserve: bool = True) -> None:
+    """A value of `size` characters or items (at least as many bytes): within the per-value bound and, one
+    about to be built, within what is left of the render's budget."""
     if size > MAX_CHARS:
         raise ChatTemplateError(f"the chat template builds a {what} of {size} characters or items, more than "
                                 f"{MAX_CHARS}")
+    if reserve:
+        _reserve(size, what)
+
+
+def _nbytes_per_item(value) -> int:
+    """Bytes per character or item of a str or container, an upper bound (4 for a non-ASCII str)."""
+    if isinstance(value, str):
+        return 1 if value.isascii() else 4
+    return 8 if isinstance(value, (list, tuple)) else 1
 
 
 def _len(value) -> int:
@@ -226,7 +421,7 @@ def _int_or_zero(value) -> int:
 def _bounded_concat(pieces) -> str:
     pieces = list(pieces)
     _check_size(sum(map(len, pieces)), "block")
-    return "".join(pieces)
+    return _charge("".join(pieces), "block")
 
 
 def _raise_exception(message: str):

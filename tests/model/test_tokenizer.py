@@ -298,7 +298,7 @@ def render(template: str, **context) -> str:
     ("{{ ('x' * 5000)|replace('', 'y' * 10000) }}", r"replace\(\) result of \d+ characters"),
     ("{{ 'a\nb'|indent(100000) * 1 }}", None),  # within bounds: renders
     ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
-     r"attribute 's' of \d+ characters"),
+     r"attribute 's' of \d+ characters|'~' result of \d+ characters"),  # '~' is bounded before it builds
     ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", r"RecursionError"),
     ("{{ 2 ** 100000000 }}", r"a power of about 1e\+08 bits"),
     ("{{ messages[0].content.__class__.__mro__ }}", r"access to attribute '__class__' of 'str' object is unsafe"),
