@@ -56,6 +56,12 @@ MAX_SECONDS = 5.0
 # Stringifying a container (`{{ list }}`, `~`, join, tojson, |string, %s) walks it first to bound the
 # string it would build; real templates stringify tool schemas and messages of at most thousands of items.
 MAX_RENDERED_ITEMS = 1 << 20
+# Filters that take containers as containers; every other filter given a container makes its str() (upper,
+# trim, replace, safe, ...), so its container arguments are bounded as the string they would make.
+CONTAINER_FILTERS = frozenset({
+    "abs", "attr", "batch", "count", "d", "default", "dictsort", "first", "float", "groupby", "int", "items",
+    "join", "last", "length", "list", "map", "max", "min", "pprint", "random", "reject", "rejectattr",
+    "reverse", "select", "selectattr", "slice", "sort", "string", "sum", "tojson", "unique"})
 TEMPLATE_FILE = "<template>"  # the file name jinja gives the code compiled from a string
 # A %-format conversion: its width and precision may be literal digits or '*' (taken from the arguments).
 PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d+|\*)?(?:\.(\d+|\*))?")
@@ -153,7 +159,7 @@ def _input_bytes(context: dict) -> int:
     total, stack, seen = 0, list(context.values()), set()
     while stack:
         value = stack.pop()
-        if isinstance(value, str):
+        if isinstance(value, str):  # counted at each reference: a template may render each
             total += sys.getsizeof(value)
         elif isinstance(value, (list, tuple, dict, set, frozenset)) and id(value) not in seen:
             seen.add(id(value))
@@ -266,9 +272,9 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return _charge(super().call_binop(context, operator, left, right), f"{operator!r} result", left, right)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
-        _check_arguments(args, kwargs)
         name = getattr(__obj, "__name__", "")
         subject = getattr(__obj, "__self__", None)
+        _check_arguments(args, kwargs, stringified=isinstance(subject, str) and name in ("format", "format_map"))
         if isinstance(subject, str):  # a str method: bound what it would build before it runs
             if name == "join" and args:
                 _check_join(subject, args[0])
@@ -306,7 +312,7 @@ def _bounded_filter(name: str, f):
 
     @functools.wraps(f)  # keeps jinja's pass_context / pass_environment mark
     def run(*args, **kwargs):
-        _check_arguments(args[skip:], kwargs)
+        _check_arguments(args[skip:], kwargs, stringified=name not in CONTAINER_FILTERS)
         value, rest = (args[skip], args[skip + 1:]) if len(args) > skip else (None, ())
         if name == "join":
             if not isinstance(value, (str, list, tuple, dict)) and hasattr(value, "__iter__"):
@@ -357,7 +363,7 @@ def _check_percent_format(fmt: str, args: tuple) -> None:
         for field in (width, precision):
             if field.isdigit() and int(field) > MAX_INT_ARG:
                 raise ChatTemplateError(f"the chat template formats with width {field}, more than {MAX_INT_ARG}")
-    _check_arguments(args, {})  # '*' widths come from the arguments
+    _check_arguments(args, {}, stringified=True)  # '*' widths come from the arguments; '%s' stringifies
 
 
 def _check_brace_format(fmt: str) -> None:
@@ -378,13 +384,16 @@ def _check_power(base, exponent) -> None:
             raise ChatTemplateError(f"the chat template computes a power of about {bits:.3g} bits")
 
 
-def _check_arguments(args: tuple, kwargs: dict) -> None:
+def _check_arguments(args: tuple, kwargs: dict, stringified: bool = False) -> None:
+    """Integer arguments within MAX_INT_ARG, values within MAX_CHARS, and containers that the call turns
+    into strings within the bounds of the string they would make (the others are not walked: a filter such
+    as `messages|length` must not cost a walk of the chat)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT_ARG:
             raise ChatTemplateError(f"the chat template passes the integer {value:.3g} to a call; at most "
                                     f"{MAX_INT_ARG} is allowed")
         _check_size(_len(value), "call argument", reserve=False)
-        if isinstance(value, (list, tuple, dict, jinja2.utils.Namespace)):  # '%s' % (l,), '{}'.format(l), ...
+        if stringified and isinstance(value, (list, tuple, dict, jinja2.utils.Namespace)):
             _check_size(_rendered_size(value, "call argument"), "stringified call argument")
 
 

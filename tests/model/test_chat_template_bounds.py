@@ -10,6 +10,7 @@ the limit (MemoryError) or ran past the timeout.
 Every case is a pure function of (SEED, case number): a failure names both and the template."""
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -93,7 +94,40 @@ def test_adversarial_template_ends_in_a_bound(variant, number, name, template):
     outcome = json.loads(child.stdout.strip().splitlines()[-1])
     assert outcome["result"].startswith("ChatTemplateError: "), f"{description}: {outcome['result']}"
     assert "MemoryError" not in outcome["result"], f"{description}: {outcome['result']}"
-    assert __import__("re").search(BOUND_MESSAGE, outcome["result"]), f"{description}: {outcome['result']}"
+    assert re.search(BOUND_MESSAGE, outcome["result"]), f"{description}: {outcome['result']}"
     assert outcome["seconds"] < chat_template.MAX_SECONDS + 3, f"{description}: {outcome['seconds']:.1f} s"
     print(f"{name}: {outcome['seconds']:.2f} s, {time.perf_counter() - start:.2f} s with the child: "
           f"{outcome['result'][:160]}")
+
+
+def test_large_real_chats_render_as_transformers_renders_them():
+    """The budget grows with the input: the built-in (Qwen-style) template renders a seeded chat of about
+    4M characters (distinct non-ASCII contents, tools, reasoning) exactly as transformers renders it. Qwen3.5's own
+    template built 4-5 bytes per input byte on such chats, this one about 2; the budget allows 16."""
+    from conftest import require
+    from qwen38_model.synthetic import SYNTHETIC_CHAT_TEMPLATE
+
+    require("transformers")
+    from transformers.utils.chat_template_utils import render_jinja_template
+    rng = random.Random(SEED)
+    alphabet = "abc xyz\n\té🙂你好\x00<>&\"'\\"
+
+    def text(n):
+        return "".join(rng.choice(alphabet) for _ in range(n))
+
+    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": text(200),
+                                               "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+             for i in range(20)]
+    messages = [{"role": "system", "content": text(1000)}]
+    for _ in range(40):
+        messages += [{"role": "user", "content": text(rng.randrange(1, 100_000))},
+                     {"role": "assistant", "content": text(rng.randrange(1, 100_000)),
+                      "reasoning_content": text(1000),
+                      "tool_calls": [{"type": "function", "function": {"name": "tool1", "arguments": {"x": text(50)}}}]},
+                     {"role": "tool", "content": text(1000)}]
+    for options in ({"add_generation_prompt": True}, {"add_generation_prompt": True, "enable_thinking": False}):
+        expected = render_jinja_template(conversations=[messages], tools=tools, chat_template=SYNTHETIC_CHAT_TEMPLATE,
+                                         **options)[0][0]
+        start = time.perf_counter()
+        assert chat_template.render(SYNTHETIC_CHAT_TEMPLATE, messages=messages, tools=tools, **options) == expected
+        assert time.perf_counter() - start < chat_template.MAX_SECONDS
