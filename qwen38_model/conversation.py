@@ -43,13 +43,39 @@ class Conversation:
 
     @classmethod
     def load(cls, path: str | pathlib.Path, model) -> "Conversation":
-        """A conversation saved by save(), onto model's device; another model config is a ValueError."""
+        """A conversation saved by save(), onto model's device. The state is checked as StateSnapshot.load
+        checks it; the history must be save()'s "tokens" alone: int64, 1-D, at least the state's tokens,
+        within the model's context, every id in the vocabulary. Any fault is a ValueError naming the file
+        and the field (another model config: the fields that differ)."""
         snapshot, extra = StateSnapshot.load(path, model.config, model.device)
-        if "tokens" not in extra or extra["tokens"].shape[0] < snapshot.position:
-            raise ValueError(f"{path} holds a state snapshot but not a conversation's token history")
+        if "tokens" not in extra:
+            raise ValueError(f"{path} holds a state snapshot but not a conversation's token history (no tensor "
+                             "'tokens')")
+        if extra.keys() != {"tokens"}:
+            raise ValueError(f"{path}: unexpected tensor {sorted(extra.keys() - {'tokens'})[0]!r} (a conversation "
+                             "file holds the state and 'tokens')")
+        check_history(path, extra["tokens"], snapshot.position, model.config)
         conversation = cls()
         conversation.tokens, conversation.snapshot = extra["tokens"].tolist(), snapshot
         return conversation
+
+
+def check_history(path, tokens: torch.Tensor, position: int, config) -> None:
+    """A saved history as save() writes it, and one the model can continue: int64 [n] with
+    position <= n <= the model's context, ids in [0, vocab) (an id outside it would embed a NaN row, or
+    overflow the kernels' int32 ids)."""
+    if tokens.dtype != torch.int64 or tokens.dim() != 1:
+        raise ValueError(f"{path}: tensor 'tokens': expected int64 of shape [n], found {tokens.dtype} of shape "
+                         f"{list(tokens.shape)}")
+    n = tokens.shape[0]
+    if not position <= n <= config.max_position_embeddings:
+        raise ValueError(f"{path}: tensor 'tokens': expected between the state's {position} tokens and the model's "
+                         f"context of {config.max_position_embeddings}, found {n}")
+    bad = ((tokens < 0) | (tokens >= config.vocab_size)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"{path}: tensor 'tokens': id {int(tokens[i])} at index {i} is outside the vocabulary "
+                         f"[0, {config.vocab_size})")
 
 
 class PrefixCache:

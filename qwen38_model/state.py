@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from dataclasses import dataclass
 
 import safetensors.torch
@@ -13,12 +15,23 @@ import torch
 from qwen38_ops.embedding import BAD_TOKEN
 
 from .config import ATTENTION, Qwen38Config
+from .errors import CheckpointError
+from .files import regular_file
 
 # The config fields that decide a state's shapes and meaning: a snapshot restores only into a model with
 # the same values (eos ids, the source path and the context limit do not change what a state holds).
 SNAPSHOT_CONFIG_EXCLUDED = ("source", "eos_token_ids", "max_position_embeddings", "num_mtp_layers")
 MTP_KEYS = ("mtp.k", "mtp.v", "mtp.hidden")  # the MTP part of a saved snapshot (never a digit first: see load)
 BAD_POSITION = 1  # what attn_qk_norm_rope_store stores into bad_position (BAD_TOKEN: the embeddings' bit)
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what a state's KV caches hold (Qwen38State's kv_dtype)
+# The largest magnitude a saved state value may have: far above what a real state holds (activations stay
+# within ~1e5; a GDN recurrent state is a decayed sum of products of L2-normed keys and values), far below
+# where a step's products of two such values, summed over a head, would overflow float32 (3.4e38).
+STATE_VALUE_LIMIT = 1e15
+# safetensors' dtype names, for the header check (a name not here is refused as it is written).
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
 
 
 @dataclass
@@ -78,24 +91,139 @@ class StateSnapshot:
 
     @staticmethod
     def load(path, config: Qwen38Config, device="cpu") -> tuple["StateSnapshot", dict[str, torch.Tensor]]:
-        """A snapshot saved by save(), and the extra tensors saved with it; a file of another model's
-        config is a ValueError naming the fields that differ."""
-        try:
-            f = safetensors.safe_open(str(path), "pt", device=str(device))
-        except safetensors.SafetensorError as e:
-            raise ValueError(f"{path} is not a safetensors file ({e})") from None
+        """A snapshot saved by save(), and the extra tensors saved with it. Everything is checked against
+        config before a tensor is returned: the header (the config fields, the position), every state
+        tensor's name, shape and dtype, then its values (finite, within STATE_VALUE_LIMIT). Any fault is a
+        ValueError naming the file and the field (a file of another model's config: the fields that
+        differ); a missing file a FileNotFoundError."""
+        f = open_snapshot_file(path, device)
         with f:
-            meta = f.metadata() or {}
-            if "qwen38.config" not in meta or "qwen38.position" not in meta:
-                raise ValueError(f"{path} is not a qwen38 state snapshot (no qwen38.config in its header)")
-            saved, ours = json.loads(meta["qwen38.config"]), json.loads(config_key(config))
-            differ = [f"{k}: file {saved.get(k)!r}, model {v!r}" for k, v in ours.items() if saved.get(k) != v]
-            if differ:
-                raise ValueError(f"{path} holds the state of another model config ({'; '.join(differ)})")
-            layers = [(f.get_tensor(f"{i}.a"), f.get_tensor(f"{i}.b")) for i in range(len(config.layer_types))]
-            mtp = tuple(f.get_tensor(k) for k in MTP_KEYS) if MTP_KEYS[0] in f.keys() else None
-            extra = {k: f.get_tensor(k) for k in f.keys() if not k[0].isdigit() and k not in MTP_KEYS}
-        return StateSnapshot(int(meta["qwen38.position"]), layers, config, mtp), extra
+            position = check_snapshot_header(path, f.metadata() or {}, config)
+            names = set(f.keys())
+            state_names = {name for name in names if is_state_name(name)}
+            # A state holds the MTP part exactly when the model has the block (new_state): restore() would
+            # refuse the other case.
+            layout = snapshot_layout(config, position, mtp=config.num_mtp_layers > 0)
+            found = {}
+            for name in names:
+                view = f.get_slice(name)
+                found[name] = (tuple(view.get_shape()), SAFETENSORS_DTYPES.get(view.get_dtype(), view.get_dtype()))
+            check_layout(path, layout, {name: found[name] for name in state_names})
+            # Shapes and dtypes are right: read the data (bounded by the file's size) and check the values.
+            state = {name: read_tensor(path, f, name) for name in layout}
+            for name, t in state.items():
+                check_values(path, name, t)
+            extra = {name: read_tensor(path, f, name) for name in sorted(names - state_names)}
+        layers = [(state[f"{i}.a"], state[f"{i}.b"]) for i in range(len(config.layer_types))]
+        mtp = tuple(state[k] for k in MTP_KEYS) if MTP_KEYS[0] in state else None
+        return StateSnapshot(position, layers, config, mtp), extra
+
+
+def is_state_name(name: str) -> bool:
+    """A tensor of the state itself (a layer's "<i>.a"/"<i>.b" or the MTP part), not an extra of save()."""
+    return name[:1].isdigit() or name in MTP_KEYS
+
+
+def read_tensor(path, f, name: str) -> torch.Tensor:
+    """f's tensor name; a dtype torch cannot hold (an extra's header may name any) is a ValueError."""
+    try:
+        return f.get_tensor(name)
+    except (safetensors.SafetensorError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: tensor {name!r} cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def open_snapshot_file(path, device):
+    """safetensors' reader on path, a regular file (a FIFO would block open() forever, a folder fails deep
+    inside safetensors); a missing file is a FileNotFoundError naming it, any other fault a ValueError."""
+    try:
+        regular_file(path, "state snapshot file")
+    except CheckpointError as e:
+        if not os.path.lexists(path):
+            raise FileNotFoundError(f"No such file or directory: {path}") from None
+        raise ValueError(str(e)) from None
+    try:
+        return safetensors.safe_open(str(path), "pt", device=str(device))
+    except (safetensors.SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a safetensors file ({e})") from None
+
+
+def check_snapshot_header(path, meta: dict, config: Qwen38Config) -> int:
+    """The position a snapshot file's header holds, after checking that its qwen38.config is this model's
+    (the fields config_key names) and that the position fits the model's context."""
+    if "qwen38.config" not in meta or "qwen38.position" not in meta:
+        raise ValueError(f"{path} is not a qwen38 state snapshot (no qwen38.config and qwen38.position in its "
+                         "header)")
+    try:
+        saved = json.loads(meta["qwen38.config"])
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, absurd nesting
+        raise ValueError(f"{path}: qwen38.config in the header is not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: qwen38.config in the header: expected a JSON object, found "
+                         f"{type(saved).__name__}")
+    ours = json.loads(config_key(config))
+    differ = [f"{k}: file {saved.get(k)!r:.100}, model {v!r:.100}" for k, v in ours.items() if saved.get(k) != v]
+    if differ:
+        raise ValueError(f"{path} holds the state of another model config ({'; '.join(differ)})")
+    text = meta["qwen38.position"]
+    # ASCII digits only (int() would also take " 7", "+7", "7_0" and other scripts' digits), few enough
+    # that int() cannot refuse them.
+    if not re.fullmatch(r"[0-9]{1,20}", text):
+        raise ValueError(f"{path}: qwen38.position in the header: expected a decimal token count, found {text!r:.100}")
+    position = int(text)
+    if position > config.max_position_embeddings:
+        raise ValueError(f"{path}: qwen38.position in the header: {position} tokens, more than the model's context "
+                         f"of {config.max_position_embeddings}")
+    return position
+
+
+def snapshot_layout(config: Qwen38Config, position: int, mtp: bool) -> dict[str, tuple[tuple, tuple]]:
+    """name -> (shape, allowed dtypes) of every tensor of a snapshot after position tokens, as save() names
+    them: per layer "<i>.a", "<i>.b" (KV rows, or the GDN conv and recurrent states), with an MTP block its
+    KV rows and hidden carry. The shapes are exactly those of a Qwen38State's tensors: restore()'s copy_
+    would broadcast a 1-row or 0-d tensor silently, and convert any dtype."""
+    c = config
+    kv = ((position, c.num_key_value_heads, c.head_dim), KV_DTYPES)
+    layout = {}
+    for i, kind in enumerate(c.layer_types):
+        if kind == ATTENTION:
+            layout[f"{i}.a"] = layout[f"{i}.b"] = kv
+        else:
+            layout[f"{i}.a"] = ((c.conv_kernel - 1, c.conv_dim), (torch.float32,))
+            layout[f"{i}.b"] = ((c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim),
+                                (torch.float32,))
+    if mtp:
+        layout["mtp.k"] = layout["mtp.v"] = kv
+        layout["mtp.hidden"] = ((1, c.hidden_size), (torch.float32,))
+    return layout
+
+
+def check_layout(where, layout: dict, found: dict) -> None:
+    """found (name -> (shape, dtype)) holds exactly the tensors of layout, each of its shape and dtype."""
+    unexpected = sorted(found.keys() - layout.keys())
+    if unexpected:
+        raise ValueError(f"{where}: unexpected state tensor {unexpected[0]!r} (a snapshot of this config holds "
+                         f"{len(layout)}: {', '.join(list(layout)[:4])}, ...)")
+    for name, (shape, dtypes) in layout.items():
+        if name not in found:
+            raise ValueError(f"{where}: no tensor {name!r} (expected shape {list(shape)})")
+        got_shape, got_dtype = found[name]
+        if tuple(got_shape) != shape:
+            raise ValueError(f"{where}: tensor {name!r}: expected shape {list(shape)}, found {list(got_shape)}")
+        if got_dtype not in dtypes:
+            raise ValueError(f"{where}: tensor {name!r}: expected dtype {' or '.join(map(str, dtypes))}, found "
+                             f"{got_dtype}")
+
+
+def check_values(where, name: str, t: torch.Tensor) -> None:
+    """Every value of a state tensor finite and within STATE_VALUE_LIMIT (one host sync per tensor)."""
+    if t.numel() == 0:
+        return
+    largest = t.abs().amax()  # NaN when any value is NaN
+    if not bool(largest <= STATE_VALUE_LIMIT):
+        flat = t.flatten()
+        index = int((~(flat.abs() <= STATE_VALUE_LIMIT)).nonzero()[0])
+        raise ValueError(f"{where}: tensor {name!r}: value {flat[index].item()} at flat index {index} (expected "
+                         f"finite values of magnitude at most {STATE_VALUE_LIMIT:g})")
 
 
 def config_key(config: Qwen38Config) -> str:
@@ -279,8 +407,18 @@ class Qwen38State:
         same addresses). KV rows past snap.position are stale; attention never reads past the position."""
         if config_key(snap.config) != config_key(self.config):
             raise ValueError("the snapshot belongs to another model config")
+        if not isinstance(snap.position, int) or isinstance(snap.position, bool) or snap.position < 0:
+            raise ValueError(f"the snapshot's position must be an int >= 0, found {snap.position!r}")
         if snap.position > self.max_seq_len:
             raise ValueError(f"the snapshot holds {snap.position} tokens > this state's max_seq_len {self.max_seq_len}")
+        # Shapes and dtypes, checked before anything is copied (copy_ broadcasts and converts silently);
+        # the values are load()'s to check (a snapshot taken in memory is the state's own).
+        found = {f"{i}.{name}": (tuple(t.shape), t.dtype) for i, pair in enumerate(snap.layers)
+                 for name, t in zip("ab", pair)}
+        found.update({key: (tuple(t.shape), t.dtype) for key, t in zip(MTP_KEYS, snap.mtp or ())})
+        if snap.mtp is not None and len(snap.mtp) != len(MTP_KEYS):
+            raise ValueError(f"the snapshot's MTP part must hold {len(MTP_KEYS)} tensors, found {len(snap.mtp)}")
+        check_layout("the snapshot", snapshot_layout(self.config, snap.position, snap.mtp is not None), found)
         if (snap.mtp is None) != (self.mtp_cache is None):
             has = "holds no MTP cache" if snap.mtp is None else "holds an MTP cache"
             raise ValueError(f"the snapshot {has}, this state {'has' if self.mtp_cache is not None else 'has none'} "

@@ -96,3 +96,52 @@ def test_ctrl_c_stops_the_reply_not_the_chat():
     assert process.returncode == 0, err
     kept = re.search(r"\[stopped: (\d+) tokens kept\]", err)
     assert kept and 0 < int(kept.group(1)) < 3000, err
+
+
+def test_a_bad_file_at_load_is_one_line_and_the_chat_goes_on(capsys, monkeypatch, tmp_path):
+    """Each bad conversation file at /load (a FIFO once hung the chat; a bad header, a missing or misshapen
+    tensor, a NaN, an id outside the vocabulary once ended it with a traceback or loaded a wrong state) is
+    one error line naming the file, and the next turn runs."""
+    import json
+
+    import safetensors
+    import safetensors.torch
+    import torch
+
+    saved = tmp_path / "chat.safetensors"
+    code, err = chat_here(capsys, monkeypatch, f"Hello there\n/save {saved}\n/quit\n", "--max-new-tokens", "4")
+    assert code == 0 and f"to {saved}]" in err, err
+    with safetensors.safe_open(str(saved), "pt") as f:
+        meta = f.metadata()
+    tensors = safetensors.torch.load_file(saved)
+    attention = next(name for name, t in tensors.items() if name.endswith(".a") and t.dim() == 3 and
+                     t.shape[0] == int(meta["qwen38.position"]))
+
+    def write(name, changes=None, **meta_changes):
+        path = tmp_path / name
+        safetensors.torch.save_file(dict(tensors, **(changes or {})), str(path), metadata=dict(meta, **meta_changes))
+        return path
+
+    config = json.loads(meta["qwen38.config"])
+    bad = [write("config-list", **{"qwen38.config": "[]"}), write("config-null", **{"qwen38.config": "null"}),
+           write("config-5", **{"qwen38.config": "5"}),
+           write("config-other", **{"qwen38.config": json.dumps(dict(config, hidden_size=1))}),
+           write("position", **{"qwen38.position": str(int(meta["qwen38.position"]) + 1)}),
+           write("position-text", **{"qwen38.position": "seven"}),
+           write("kv-1-row", {attention: tensors[attention][:1].clone()}),
+           write("nan", {"0.b": torch.full_like(tensors["0.b"], float("nan"))}),
+           write("id-2^40", {"tokens": torch.cat([tensors["tokens"][:-1], torch.tensor([2**40])])}),
+           write("id-minus-5", {"tokens": torch.cat([tensors["tokens"][:-1], torch.tensor([-5])])})]
+    missing_layer = dict(tensors)
+    del missing_layer["0.a"]
+    safetensors.torch.save_file(missing_layer, str(tmp_path / "no-layer"), metadata=meta)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    bad += [tmp_path / "no-layer", tmp_path / "fifo", tmp_path / "folder"]
+    script = "".join(f"/load {path}\n" for path in bad) + f"/load {saved}\nMore\n/quit\n"
+    code, err = chat_here(capsys, monkeypatch, script, "--max-new-tokens", "4")
+    assert code == 0 and "Traceback" not in err, err
+    for path in bad:
+        assert f"error: {path}" in err, (path, err)
+    assert err.count("error: ") == len(bad), err
+    assert "[loaded " in err and len(turns(err)) == 1  # the good file loaded after them, and a turn ran on it
