@@ -319,6 +319,16 @@ def _bounded_filter(name: str, f):
                 value = list(value)  # as jinja's join does; each item is charged as it is made
                 args = (*args[:skip], value, *rest)
             _check_join(kwargs.get("d", rest[0] if rest else ""), value)
+        elif name == "sum" and isinstance(kwargs.get("start", rest[1] if len(rest) > 1 else 0), (list, tuple)):
+            if not isinstance(value, (list, tuple)):
+                value = list(value)
+                args = (*args[:skip], value, *rest)
+            # sum() of lists copies the running total at each item: quadratic, in one C call
+            copied, total = 0, _len(kwargs.get("start", rest[1] if len(rest) > 1 else 0))
+            for item in value:
+                total += _len(item)
+                copied += total
+                _reserve(8 * copied, "sum() of lists")
         elif name in ("string", "tojson", "pprint") and value is not None:
             _check_size(_rendered_size(value, f"value for filter {name!r}"), f"value for filter {name!r}")
         elif name == "format" and isinstance(value, str):  # value % arguments

@@ -71,6 +71,8 @@ def families(rng: random.Random):
         ("recursion via macros holding a value per level",
          f"{{% macro f(n) %}}{{% set s = 'x' * {huge} %}}{{{{ f(n + 1) }}}}{{{{ s|length }}}}{{% endmacro %}}"
          "{{ f(0) }}"),
+        ("sum of lists: quadratic copying in one C call",
+         f"{{{{ ([[1]] * {count})|sum(start=[])|length }}}}"),
         ("a long-running loop producing nothing",
          f"{{% set s = 'x' * {huge} %}}{{% for i in range({count}) %}}{{% for j in range({count}) %}}"
          "{% if s.count('y') %}{% endif %}{% endfor %}{% endfor %}"),
