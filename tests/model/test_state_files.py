@@ -26,9 +26,10 @@ CASES = 300
 CASE_SECONDS = 10  # far above a case's load (~1 ms)
 CHILD_SECONDS = 120
 REPO = pathlib.Path(__file__).resolve().parents[2]
-# The child's address space: a loaded oracle model peaks near 0.9 GB of it; a load that allocated what a
-# mutated header claims (2^62 elements) or read a file twice over would pass 2 GiB.
-MEMORY_LIMIT = 2 << 30
+# The child's address space may grow by this much past what it has once the model is loaded (0.9 GB on
+# a CPU-only torch; a CUDA build maps several GB of libraries, hence a limit relative to that): the case
+# files are 180 KB, and a load that allocated what a mutated header claims (2^62 elements) would pass it.
+MEMORY_HEADROOM = 1 << 30
 TURN = [5, 17, 99, 3]
 ODD_JSON = ("[]", "null", "5", '"x"', "{", "", "{}", "[" * 100000, '{"hidden_size": "x"}', "NaN")
 ODD_POSITIONS = ("-1", "", "abc", " 7", "+7", "7.0", "1e3", "7_0", "\u0667", "9" * 5000, str(2**40), str(2**64),
@@ -208,7 +209,9 @@ def child(model_path: str, original: str, cases: list[str]) -> None:
     model = Qwen38ForCausalLM.from_pretrained(model_path, device="cpu")
     reference = Conversation.load(original, model)
     signal.signal(signal.SIGALRM, expire)
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    with open("/proc/self/status") as status:
+        in_use = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (in_use + MEMORY_HEADROOM, in_use + MEMORY_HEADROOM))
     for path in cases:
         print(json.dumps({"case": path}), flush=True)
         conversation = outcome(lambda p: Conversation.load(p, model), path,
