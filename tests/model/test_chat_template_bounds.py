@@ -117,15 +117,16 @@ def test_large_real_chats_render_as_transformers_renders_them():
     def text(n):
         return "".join(rng.choice(alphabet) for _ in range(n))
 
-    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": text(200),
-                                               "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": text(200), "parameters": schema}}
              for i in range(20)]
     messages = [{"role": "system", "content": text(1000)}]
     for _ in range(40):
         messages += [{"role": "user", "content": text(rng.randrange(1, 100_000))},
                      {"role": "assistant", "content": text(rng.randrange(1, 100_000)),
                       "reasoning_content": text(1000),
-                      "tool_calls": [{"type": "function", "function": {"name": "tool1", "arguments": {"x": text(50)}}}]},
+                      "tool_calls": [{"type": "function",
+                                      "function": {"name": "tool1", "arguments": {"x": text(50)}}}]},
                      {"role": "tool", "content": text(1000)}]
     for options in ({"add_generation_prompt": True}, {"add_generation_prompt": True, "enable_thinking": False}):
         expected = render_jinja_template(conversations=[messages], tools=tools, chat_template=SYNTHETIC_CHAT_TEMPLATE,
