@@ -20,7 +20,8 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from . import chat_template as templates
-from .checkpoint import _check_gguf_path, read_header
+from .checkpoint import read_gguf_header
+from .checkpoint.gguf_file import GGUFHeader
 from .errors import CheckpointError
 from .files import folder_file, optional_json_object
 from .stop_tokens import (TOKEN_CONTROL, TOKEN_UNUSED, TOKEN_USER_DEFINED, gguf_stop_token_ids, gguf_string_list,
@@ -104,6 +105,14 @@ class Tokenizer:
                           for name in ("bos_token", "eos_token", "pad_token", "unk_token")
                           if config.get(name) is not None}
         return cls(tokenizer, chat_template, list(hf_stop_token_ids(path)), special_tokens)
+
+    @classmethod
+    def from_gguf_header(cls, header: GGUFHeader, source: str) -> Tokenizer:
+        """From a GGUF header: its metadata, the token count checked against token_embd.weight's rows (a
+        vocabulary-only GGUF, without tensors, has nothing to check it against)."""
+        embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+        vocab_size = embedding.dims[1] if embedding is not None and len(embedding.dims) >= 2 else None
+        return cls.from_gguf_metadata(header.metadata, source, vocab_size)
 
     @classmethod
     def from_gguf_metadata(cls, fields: dict[str, Any], source: str = "GGUF metadata",
@@ -303,9 +312,4 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
     path = pathlib.Path(path)
     if path.is_dir():
         return Tokenizer.from_hf_folder(path)
-    _check_gguf_path(path)  # read_gguf_metadata's checks (a regular file, the magic), the header walked once
-    header = read_header(str(path))
-    embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
-    # A vocabulary-only GGUF (no tensors) has nothing to check the token count against.
-    vocab_size = embedding.dims[1] if embedding is not None and len(embedding.dims) >= 2 else None
-    return Tokenizer.from_gguf_metadata(header.metadata, str(path), vocab_size)
+    return Tokenizer.from_gguf_header(read_gguf_header(path), str(path))

@@ -24,7 +24,7 @@ import torch
 from ..config import ATTENTION
 from ..errors import CheckpointError
 from ..files import regular_file
-from .gguf_file import GGUFCheckpoint, read_header
+from .gguf_file import GGUFCheckpoint, GGUFHeader, read_header
 from .hf_folder import HFCheckpoint
 from .layout import HF_NAMES, MTP_HF_NAMES, SMALL_PARTS, expected_shape, gguf_tensor_name, hf_to_internal, layer_parts
 from .source import TensorSource
@@ -33,7 +33,7 @@ from .tensors import Q8Tensor, TensorReader
 # Elements per isfinite pass over a weight: bounds the pass's temporary to 16 MB (a 27B embedding has 1.3 G).
 CHECK_CHUNK = 1 << 24
 
-__all__ = ["Checkpoint", "CheckpointError", "Q8Tensor", "TensorSource", "open_checkpoint", "read_gguf_metadata"]
+__all__ = ["Checkpoint", "CheckpointError", "Q8Tensor", "TensorSource", "open_checkpoint", "read_gguf_header", "read_gguf_metadata"]
 
 Weight = torch.Tensor | Q8Tensor
 
@@ -226,11 +226,16 @@ def open_checkpoint(path: str | pathlib.Path, progress=None) -> Checkpoint:
     return Checkpoint(GGUFCheckpoint(str(p)), progress)
 
 
-def read_gguf_metadata(path: str | pathlib.Path) -> dict:
-    """A GGUF file's metadata (key -> value), its header checked as open_checkpoint checks it, without the
+def read_gguf_header(path: str | pathlib.Path) -> GGUFHeader:
+    """A GGUF file's header (metadata and tensor directory), checked as open_checkpoint checks it, without the
     tensor checks of a Checkpoint: what the tokenizer and the command line read."""
     _check_gguf_path(path)
-    return read_header(str(path)).metadata
+    return read_header(str(path))
+
+
+def read_gguf_metadata(path: str | pathlib.Path) -> dict:
+    """read_gguf_header's metadata (key -> value)."""
+    return read_gguf_header(path).metadata
 
 
 def _check_gguf_path(path: str | pathlib.Path) -> None:

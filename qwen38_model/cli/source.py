@@ -45,7 +45,7 @@ class Source:
 def open_source(args: argparse.Namespace) -> Source:
     """--model (else the built-in model), --device (else CUDA when available), the tokenizer; a warning for a
     large checkpoint on the CPU."""
-    from ..checkpoint import read_gguf_metadata
+    from ..checkpoint import read_gguf_header
     from ..default_model import default_model_path
 
     path = pathlib.Path(args.model) if args.model else default_model_path()
@@ -56,8 +56,8 @@ def open_source(args: argparse.Namespace) -> Source:
                          "expect minutes per token\n")
     if path.is_dir():
         return Source(path, device, Tokenizer.from_hf_folder(path), None)
-    metadata = read_gguf_metadata(path)
-    return Source(path, device, Tokenizer.from_gguf_metadata(metadata, str(path)), metadata)
+    header = read_gguf_header(path)
+    return Source(path, device, Tokenizer.from_gguf_header(header, str(path)), header.metadata)
 
 
 def checkpoint_bytes(path: pathlib.Path) -> int:

@@ -132,3 +132,18 @@ def test_fuzzed_gguf_vocabulary(oracle_dir):
     result = run_bounded("fuzz_vocabulary", __file__)
     assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
     assert f"{CASES} cases passed" in result.stdout
+
+
+def test_the_command_line_refuses_a_short_vocabulary_before_the_load(oracle_dir, tmp_path, capsys, monkeypatch):
+    """`qwen38 generate` reads the header once for its tokenizer (cli.source): the same check as load_tokenizer."""
+    from qwen38_model import cli
+
+    reader = gguf.GGUFReader(oracle_dir / "mini-q8_0.gguf")
+    tokens = [str(t) for t in reader.fields[TOKENS].contents()]
+    types = list(reader.fields[TYPES].contents())
+    path = tmp_path / "short.gguf"
+    write_copy(reader, path, {TOKENS: (tokens[:400], S), TYPES: (types[:400], I32)})
+    assert cli.main(["generate", "--model", str(path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"tokenizer\.ggml\.tokens has 400 tokens, the model's embedding "
+                                       rf"\(token_embd\.weight\) {ROWS} rows", err[0]), err
