@@ -16,7 +16,7 @@ import re
 import gguf
 import numpy as np
 
-from test_tokenizer_arguments import run_bounded
+from bounded import run_bounded
 
 SEED = 20261225
 CASES = 36

@@ -230,7 +230,7 @@ def fuzz_generate_arguments() -> None:
 def test_fuzzed_generate_and_forward_arguments():
     """Under an address-space limit (a 10^12-token cache would need 256 TB: refused before any allocation)
     and a CPU-time limit, each case a ValueError naming the argument or a valid result."""
-    from test_tokenizer_arguments import run_bounded
+    from bounded import run_bounded
     result = run_bounded("fuzz_generate_arguments", __file__)
     assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
     assert f"{FUZZ_CASES} cases passed" in result.stdout

@@ -12,16 +12,14 @@ import os
 import pathlib
 import random
 import re
-import subprocess
-import sys
 
 import numpy as np
 import torch
 
+from bounded import run_bounded
+
 SEED = 20261224
 CASES = 600
-CHILD_BYTES = 6 << 30  # address space: torch's import maps ~2 GB; a case that tried to grow hits this
-CHILD_CPU_SECONDS = 120  # all cases take ~1 s
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ORACLE = pathlib.Path(os.environ.get("QWEN38_ORACLE") or ROOT / "tests" / "oracle" / "mini")
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -122,25 +120,7 @@ def fuzz_tokenizer_arguments() -> None:
     print(f"{CASES} cases passed", flush=True)
 
 
-def run_bounded(function: str, test_file: str = __file__) -> subprocess.CompletedProcess:
-    """`function` of the test module `test_file` in a fresh interpreter (the checkout and the module's
-    folder first on sys.path, whatever is installed) under CHILD_BYTES of address space and
-    CHILD_CPU_SECONDS of CPU."""
-    def limits():
-        import resource
-        resource.setrlimit(resource.RLIMIT_AS, (CHILD_BYTES, CHILD_BYTES))
-        resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_SECONDS, CHILD_CPU_SECONDS))
-
-    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {os.path.dirname(os.path.abspath(test_file))!r}]\n"
-            "import importlib.util\n"
-            f"spec = importlib.util.spec_from_file_location('bounded', {test_file!r})\n"
-            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
-            f"module.{function}()\n")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          preexec_fn=limits, timeout=2 * CHILD_CPU_SECONDS)
-
-
 def test_fuzzed_tokenizer_arguments(oracle_dir):
-    result = run_bounded("fuzz_tokenizer_arguments")
+    result = run_bounded("fuzz_tokenizer_arguments", __file__)
     assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
     assert f"{CASES} cases passed" in result.stdout
