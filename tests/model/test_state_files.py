@@ -285,8 +285,6 @@ def test_fuzzed_conversation_files(saved, tmp_path):
             tally[result] = tally.get(result, 0) + 1
             if result not in ("error", "same"):
                 failures.append(f"{descriptions[path]}: {load} load: {result}")
-            if result == "same" and os.environ.get("QWEN38_SHOW_SAME"):
-                print(f"same: {descriptions[path]}: {load}")
     print(tally)
     assert not failures, f"{len(failures)} of {2 * len(cases)} loads:\n" + "\n".join(failures[:40])
     assert tally["error"] > len(cases)  # the mutations mostly break the file
