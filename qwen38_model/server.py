@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,8 +38,21 @@ class Cancelled(Exception):
     """Raised from the streamer in the worker thread: the client is gone."""
 
 
+# The fields each route reads; any other is a 400 naming it (nothing is silently ignored). NO_OP: fields the
+# server does not implement, accepted only with the value that asks for nothing (OpenAI's default).
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "min_tokens", "n", "seed", "stop", "stream", "stream_options", "user"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+NO_OP = {"frequency_penalty": (0,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
+         "tool_choice": (None, "none", "auto"), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+         "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+MESSAGE_KEYS = {"role", "content"}
+
+
 def error_response(status: int, message: str, param=None, code=None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(status, "server_error")
+    kind = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+            429: "rate_limit_error"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
@@ -108,6 +122,7 @@ class Server:
     async def handle(self, request: Request, chat: bool):
         try:
             body = await read_json(request)
+            self.check_fields(body, chat)
             ids = self.prompt_ids(body, chat)
             kwargs = self.generation_kwargs(body, len(ids))
         except RequestError as e:
@@ -116,31 +131,83 @@ class Server:
             return error_response(429, f"the server is busy: {self.waiting} requests already wait for the one "
                                        "sequence slot", code="queue_full")
         job = Job(ids, kwargs, asyncio.get_running_loop())
-        reply = Reply(self, job, request, chat, body.get("stream") is True)
+        reply = Reply(self, job, request, chat, body.get("stream") is True,
+                      (body.get("stream_options") or {}).get("include_usage") is True)
         return StreamingResponse(reply.events(), media_type="text/event-stream") if reply.stream else \
             await reply.whole()
 
+    def check_fields(self, body: dict, chat: bool) -> None:
+        """The model named (404 model_not_found unless the served one, as vLLM) and no field the server
+        would ignore: an unknown one, or one it does not implement asking for something (400 naming it)."""
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise RequestError(404, f"The model `{model}` does not exist (this server serves {self.model_name})",
+                               "model", "model_not_found")
+        known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        for name, value in body.items():
+            if name in NO_OP:
+                if not any(value == v and type(value) is not bool or value is v for v in NO_OP[name]):
+                    raise RequestError(400, f"{name} is not supported by this server (found {value!r})", name)
+            elif name not in known:
+                raise RequestError(400, f"{name} is not supported by this server", name)
+        options = body.get("stream_options")
+        if options is not None:
+            if body.get("stream") is not True:
+                raise RequestError(400, "stream_options is only allowed with stream: true", "stream_options")
+            if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+                    not isinstance(options.get("include_usage", False), bool):
+                raise RequestError(400, f"stream_options must be {{\"include_usage\": bool}}, found {options!r}",
+                                   "stream_options")
+
     def prompt_ids(self, body: dict, chat: bool) -> list[int]:
         if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages):
-                raise RequestError(400, "messages must be a non-empty list of {role, content} with string "
-                                        "values", "messages")
-            try:
-                text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
-                                                           for m in messages])
-            except ValueError as e:
-                raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
+            text = self.chat_prompt(body)
         else:
-            text = body.get("prompt")
-            if not isinstance(text, str) or not text:
-                raise RequestError(400, "prompt must be a non-empty string", "prompt")
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # one prompt in a list (of strings, or of token-id lists)
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+                vocab = len(self.tokenizer)
+                if not all(0 <= t < vocab for t in prompt):
+                    raise RequestError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+                return prompt
+            if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+                raise RequestError(400, f"prompt: {len(prompt)} prompts in one request are not supported yet "
+                                        "(one sequence slot): send one prompt a request", "prompt")
+            if not isinstance(prompt, str) or not prompt:
+                raise RequestError(400, "prompt must be a non-empty string, a list of token ids, or a list of "
+                                        "one of them", "prompt")
+            text = prompt
         ids = self.tokenizer.encode(text)
         if not ids:
             raise RequestError(400, "the prompt encodes to no tokens", "prompt")
         return ids
+
+    def chat_prompt(self, body: dict) -> str:
+        """The chat template's text for the request's messages (content as a string or a list of text parts,
+        joined by newlines as vLLM joins them) and its chat_template_kwargs (enable_thinking, ...)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise RequestError(400, "messages must be a non-empty list of {role, content} with string "
+                                    "values", "messages")
+        rendered = []
+        for i, m in enumerate(messages):
+            for key in m:
+                if key not in MESSAGE_KEYS:
+                    raise RequestError(400, f"messages[{i}].{key} is not supported by this server",
+                                       f"messages[{i}].{key}")
+            rendered.append({**m, "content": message_text(m.get("content"), i)})
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs) or "messages" in kwargs:
+            raise RequestError(400, "chat_template_kwargs must be an object of keyword arguments to the chat "
+                                    "template (not messages)", "chat_template_kwargs")
+        try:
+            return self.tokenizer.apply_chat_template(rendered, **kwargs)
+        except ValueError as e:
+            raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
 
     def generation_kwargs(self, body: dict, prompt_tokens: int) -> dict:
         """The request's sampling parameters as generate()'s arguments (temperature 0: greedy); those it
@@ -153,18 +220,24 @@ class Server:
                                     f"of {self.max_context} tokens", "messages", "context_length_exceeded")
         defaults = self.sampling
         temperature = number(body, "temperature", defaults["temperature"], 0.0, 2.0)
+        top_k = body.get("top_k")
+        if top_k is None:
+            top_k = defaults["top_k"]
+        elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+            raise RequestError(400, f"top_k must be an integer >= 1, or -1 or 0 (no top-k), found {top_k!r}",
+                               "top_k")
         kwargs = dict(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
-                      top_p=number(body, "top_p", defaults["top_p"], 0.0, 1.0), top_k=defaults["top_k"],
-                      min_p=defaults["min_p"], repetition_penalty=defaults["repetition_penalty"],
+                      top_p=number(body, "top_p", defaults["top_p"], 0.0, 1.0), top_k=max(top_k, 0),
+                      min_p=number(body, "min_p", defaults["min_p"], 0.0, 1.0),
+                      repetition_penalty=number(body, "repetition_penalty", defaults["repetition_penalty"], 0.0,
+                                                math.inf),
                       presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
                       min_new_tokens=integer(body, "min_tokens", 0), max_seq_len=self.max_context,
                       tokenizer=self.tokenizer, **self.engine_kwargs)
-        if kwargs["top_p"] <= 0:
-            raise RequestError(400, "top_p must be > 0", "top_p")
-        for name in ("frequency_penalty", "logprobs", "tools"):
-            if body.get(name) not in (None, 0, False, []):
-                raise RequestError(400, f"{name} is not supported by this server", name)
-        if body.get("n", 1) != 1:
+        for name in ("top_p", "repetition_penalty"):
+            if kwargs[name] <= 0:
+                raise RequestError(400, f"{name} must be > 0", name)
+        if body.get("n", 1) not in (None, 1):
             raise RequestError(400, "n must be 1 (one sequence slot)", "n")
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -191,8 +264,11 @@ class Server:
 class Reply:
     """One request's answer: the whole JSON body, or its server-sent events."""
 
-    def __init__(self, server: Server, job: Job, request: Request, chat: bool, stream: bool):
+    def __init__(self, server: Server, job: Job, request: Request, chat: bool, stream: bool,
+                 include_usage: bool = False):
         self.server, self.job, self.request, self.chat, self.stream = server, job, request, chat, stream
+        self.include_usage = include_usage
+        self.role_sent = False  # streamed chat: the first chunk's delta carries the role
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.stop_strings = job.kwargs.get("stop_strings") or []
         self.decoder = server.tokenizer.stream_decoder(skip_special_tokens=True)
@@ -261,8 +337,12 @@ class Reply:
     def choice(self, text: str, finish, delta: bool) -> dict:
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        key, content = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
-        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+        if not delta:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish}
+        content = {"content": text} if self.role_sent else {"role": "assistant", "content": text}
+        self.role_sent = True
+        return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
 
     def body(self, choices: list, usage: dict | None = None) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -287,8 +367,25 @@ class Reply:
         except Exception as e:  # mid-stream: the error is the last event
             yield sse(json.loads(error_response(*failure(e)).body))
             return
-        yield sse(self.body([self.choice("", self.finish, delta=True)], self.usage()))
+        yield sse(self.body([self.choice("", self.finish, delta=True)]))
+        if self.include_usage:  # as OpenAI: a last chunk with no choices and the usage, only when asked
+            yield sse(self.body([], self.usage()))
         yield "data: [DONE]\n\n"
+
+
+def message_text(content, index: int) -> str:
+    """A message's content: a string, or a list of text parts joined by newlines; other parts are a 400."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                    and set(part) <= {"type", "text"}):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(400, f"messages[{index}].content: only text parts are supported, found "
+                                        f"{kind!r}", f"messages[{index}].content")
+        return "\n".join(part["text"] for part in content)
+    raise RequestError(400, f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
 def failure(e: Exception) -> tuple[int, str]:

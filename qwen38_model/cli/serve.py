@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
                    "max_tokens of a request must fit")
     v.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait for the slot")
     v.add_argument("--cache-gb", type=float, default=4.0, metavar="GB", help="prefix cache budget")
+    v.add_argument("--served-model-name", metavar="NAME", help="the model name of /v1/models and the one requests "
+                   "may name (another is a 404 model_not_found); default: the checkpoint's file name")
     add_runtime_options(v)
 
 
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     with listening_socket(args.host, args.port) as sock:  # before the load: a port in use fails at once
         model = load_model(args, source)
         check_max_context(args, source, model.device, model)
-        name = source.path.name
+        name = args.served_model_name or source.path.name
         server = Server(model, source.tokenizer, name, args.max_context, args.max_queue, int(args.cache_gb * 1e9),
                         sampling=sampling, kv_dtype=KV_DTYPES.get(args.kv_dtype),
                         use_graph=False if args.eager else None, speculative=args.speculative,

@@ -18,6 +18,7 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
+MODEL = "model-q8_0.gguf"  # the served name: the built-in model's file name
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_models_and_health(client, server):
 
 
 def test_chat_streamed_and_not_agree(client):
-    args = dict(model="m", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0)
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0)
     whole = client.chat.completions.create(**args)
     assert whole.usage.completion_tokens <= 8 and whole.choices[0].finish_reason in ("stop", "length")
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True)
@@ -70,13 +71,13 @@ def test_chat_streamed_and_not_agree(client):
 
 
 def test_completion_reuses_the_cached_prompt(client):
-    first = client.completions.create(model="m", prompt="The quick brown fox", max_tokens=4, temperature=0)
+    first = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    again = client.completions.create(model="m", prompt="The quick brown fox jumps over", max_tokens=4, temperature=0,
+    again = client.completions.create(model=MODEL, prompt="The quick brown fox jumps over", max_tokens=4, temperature=0,
                                       seed=1)
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
     text = "".join(c.choices[0].text for c in client.completions.create(
-        model="m", prompt="The quick brown fox jumps over", max_tokens=4, temperature=0, stream=True))
+        model=MODEL, prompt="The quick brown fox jumps over", max_tokens=4, temperature=0, stream=True))
     assert text == again.choices[0].text
 
 
@@ -91,10 +92,10 @@ def test_bad_requests_are_json_errors(client, server):
         status, answer = post(server + "/v1/chat/completions", body)
         assert status == 400 and message in answer["error"]["message"], (body, answer)
     with pytest.raises(openai.BadRequestError) as oversized:
-        client.completions.create(model="m", prompt="word " * 9000, max_tokens=4)
+        client.completions.create(model=MODEL, prompt="word " * 9000, max_tokens=4)
     assert oversized.value.code == "context_length_exceeded"
     assert post(server + "/v1/nothing", b"{}")[0] == 404
-    assert client.completions.create(model="m", prompt="still alive", max_tokens=2).usage.completion_tokens >= 1
+    assert client.completions.create(model=MODEL, prompt="still alive", max_tokens=2).usage.completion_tokens >= 1
 
 
 def test_queue_is_bounded_and_a_dropped_client_cancels(client, server):
@@ -106,14 +107,14 @@ def test_queue_is_bounded_and_a_dropped_client_cancels(client, server):
     assert response.status == 200 and response.readline().startswith(b"data: ")  # it holds the slot now
     waiting = {}
     thread = threading.Thread(target=lambda: waiting.update(
-        r=client.completions.create(model="m", prompt="Queued", max_tokens=3)))
+        r=client.completions.create(model=MODEL, prompt="Queued", max_tokens=3)))
     thread.start()
     deadline = time.monotonic() + 30
     while json.loads(urllib.request.urlopen(server + "/health").read())["waiting"] < 1:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     with pytest.raises(openai.RateLimitError):
-        client.completions.create(model="m", prompt="One too many", max_tokens=3)
+        client.completions.create(model=MODEL, prompt="One too many", max_tokens=3)
     start = time.monotonic()
     response.close()
     long.close()  # the client goes away: its 6000-token generation stops, the queued request runs
@@ -163,6 +164,9 @@ def test_fields_a_request_leaves_out_take_the_checkpoint_settings():
                                         repetition_penalty=1.05)
     assert sampling(server, {"temperature": 0, "top_p": 0.5}) == dict(do_sample=False, temperature=1.0, top_k=20,
                                                                       top_p=0.5, min_p=0.0, repetition_penalty=1.05)
+    # vLLM's top_k (-1 or 0: none), min_p and repetition_penalty (over prompt and output) reach generate().
+    assert sampling(server, {"top_k": -1, "min_p": 0.05, "repetition_penalty": 1.2}) == dict(
+        do_sample=True, temperature=0.6, top_k=0, top_p=0.95, min_p=0.05, repetition_penalty=1.2)
 
 
 def test_serve_reads_the_checkpoint_sampling_settings(capsys, monkeypatch, tmp_path, oracle_dir):
@@ -202,6 +206,68 @@ def test_serve_reads_the_checkpoint_sampling_settings(capsys, monkeypatch, tmp_p
     assert len(servers) == 1  # refused before the load
 
 
+def test_nothing_is_silently_ignored(client, server):
+    """A field the server does not implement is a 400 naming it, a model it does not serve a 404, as vLLM."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=4, temperature=0)
+    for extra, param in [({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"logit_bias": {"5": 10}}, "logit_bias"), ({"guided_json": {}}, "guided_json"),
+                         ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"top_k": -2}, "top_k"),
+                         ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"chat_template_kwargs": []}, "chat_template_kwargs")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**chat, extra_body=extra)
+        assert refused.value.param == param and param in refused.value.message, (extra, refused.value.message)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(**{**chat, "model": "gpt-4o"})
+    assert unknown.value.code == "model_not_found" and "gpt-4o" in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as image:
+        client.chat.completions.create(**{**chat, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:,"}}]}]})
+    assert "only text parts" in image.value.message
+    with pytest.raises(openai.BadRequestError) as several:
+        client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=2)
+    assert several.value.param == "prompt" and "2 prompts" in several.value.message
+    # The accepted ones are used: no-op values pass, text parts join, kwargs reach the template.
+    plain = client.chat.completions.create(**chat, extra_body={"response_format": {"type": "text"}, "logit_bias": {},
+                                                               "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1})
+    parts = client.chat.completions.create(**{**chat, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hel"}, {"type": "text", "text": "lo!"}]}]})
+    joined = client.chat.completions.create(**{**chat, "messages": [{"role": "user", "content": "Hel\nlo!"}]})
+    assert parts.choices[0].message.content == joined.choices[0].message.content
+    assert parts.usage.prompt_tokens == joined.usage.prompt_tokens
+    thinking_off = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert thinking_off.usage.prompt_tokens > plain.usage.prompt_tokens  # the template's empty <think></think>
+
+
+def test_completion_prompt_as_token_ids(client):
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(default_model_path()).encode("The quick brown fox")
+    args = dict(model=MODEL, max_tokens=4, temperature=0)
+    text = client.completions.create(prompt="The quick brown fox", **args)
+    for prompt in (ids, [ids], ["The quick brown fox"]):
+        same = client.completions.create(prompt=prompt, **args)
+        assert (same.choices[0].text, same.usage.prompt_tokens) == (text.choices[0].text, len(ids))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(prompt=[10**9], **args)
+
+
+def test_stream_usage_only_when_asked_and_the_role_first(client):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=4, temperature=0,
+                stream=True)
+    chunks = list(client.chat.completions.create(**args))
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.usage is None for c in chunks)
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    counted = list(client.chat.completions.create(**args, stream_options={"include_usage": True}))
+    assert counted[-1].choices == [] and counted[-1].usage.completion_tokens >= 1
+    assert all(c.usage is None for c in counted[:-1]) and counted[-2].choices[0].finish_reason in ("stop", "length")
+    text = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=3, stream=True,
+                                          stream_options={"include_usage": True}))
+    assert text[-1].choices == [] and text[-1].usage.completion_tokens >= 1
+
+
 @pytest.mark.cuda
 def test_gpu_100_streamed_requests_leak_nothing():
     """The server in this process (so that its GPU memory can be read) on the built-in model: after a warm-up
@@ -234,7 +300,7 @@ def test_gpu_100_streamed_requests_leak_nothing():
 
     def streamed_chat(i: int) -> str:
         chunks = list(client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": f"Request {i}: say something."}], max_tokens=16,
+            model=MODEL, messages=[{"role": "user", "content": f"Request {i}: say something."}], max_tokens=16,
             temperature=0, stream=True))
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
