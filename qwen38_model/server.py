@@ -8,14 +8,18 @@ takes a model's generation config. Every bad request is an OpenAI-style JSON err
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import torch
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -56,6 +60,24 @@ def error_response(status: int, message: str, param=None, code=None) -> JSONResp
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
+class ApiKey:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`, else a 401 in OpenAI's
+    shape (pure ASGI, not BaseHTTPMiddleware: the handlers' receive() still sees a client go away)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "Incorrect or missing API key: send Authorization: Bearer KEY",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 @dataclass
 class Job:
     ids: list[int]
@@ -80,10 +102,14 @@ class Job:
 
 class Server:
     def __init__(self, model, tokenizer, model_name: str, max_context: int, max_queue: int, cache_bytes: int,
-                 sampling: dict | None = None, **engine_kwargs):
+                 sampling: dict | None = None, api_key: str | None = None, allowed_origins=(), log=None,
+                 **engine_kwargs):
         """sampling: the checkpoint's settings (sampling_defaults.checkpoint_sampling, checked), over
-        REQUEST_DEFAULTS; engine_kwargs (kv_dtype, use_graph) go to every generate()."""
+        REQUEST_DEFAULTS; api_key: every route but /health needs it; allowed_origins: the CORS origins ("*":
+        any); log: where one line per request goes (stderr); engine_kwargs (kv_dtype, use_graph) go to
+        every generate()."""
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.api_key, self.allowed_origins, self.log = api_key, list(allowed_origins), log or sys.stderr
         self.sampling = {**REQUEST_DEFAULTS, **(sampling or {})}
         self.engine_kwargs = engine_kwargs
         self.max_context, self.max_queue = max_context, max_queue
@@ -93,12 +119,55 @@ class Server:
         self.created = int(time.time())
 
     def app(self) -> Starlette:
+        middleware = []  # the first is the outermost: CORS answers a preflight (no key) before ApiKey
+        if self.allowed_origins:
+            middleware.append(Middleware(CORSMiddleware, allow_origins=self.allowed_origins, allow_methods=["*"],
+                                         allow_headers=["*"]))
+        if self.api_key:
+            middleware.append(Middleware(ApiKey, key=self.api_key))
         return Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
-        ], exception_handlers={404: self.not_found, 405: self.not_found, 500: self.internal_error})
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+        ], middleware=middleware,
+            exception_handlers={404: self.not_found, 405: self.not_found, 500: self.internal_error})
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...], "chat_template_kwargs"?} (rendered by
+        the chat template) -> {"tokens", "count", "max_model_len"}."""
+        try:
+            body = await read_json(request)
+            model = body.get("model")
+            if model is not None and model != self.model_name:
+                raise RequestError(404, f"The model `{model}` does not exist", "model", "model_not_found")
+            extra = set(body) - {"model", "prompt", "messages", "chat_template_kwargs"}
+            if extra or ("prompt" in body) == ("messages" in body):
+                raise RequestError(400, "/tokenize takes {\"prompt\": text} or {\"messages\": [...]}"
+                                        + (f", not {sorted(extra)}" if extra else ""), sorted(extra)[0] if extra else None)
+            if "messages" in body:
+                ids = self.tokenizer.encode(self.chat_prompt(body))
+            elif isinstance(body["prompt"], str):
+                ids = self.tokenizer.encode(body["prompt"])
+            else:
+                raise RequestError(400, "prompt must be a string", "prompt")
+        except RequestError as e:
+            return error_response(e.status, str(e), e.param, e.code)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_context})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        try:
+            body = await read_json(request)
+            tokens, vocab = body.get("tokens"), len(self.tokenizer)
+            if set(body) - {"model", "tokens"} or not isinstance(tokens, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+                raise RequestError(400, f"/detokenize takes {{\"tokens\": [ids in [0, {vocab})]}}", "tokens")
+        except RequestError as e:
+            return error_response(e.status, str(e), e.param, e.code)
+        return JSONResponse({"prompt": self.tokenizer.decode(tokens)})
 
     async def not_found(self, request: Request, exc) -> JSONResponse:
         return error_response(404, f"no route {request.method} {request.url.path}")
@@ -126,10 +195,14 @@ class Server:
             ids = self.prompt_ids(body, chat)
             kwargs = self.generation_kwargs(body, len(ids))
         except RequestError as e:
+            self.log.write(f"- POST {request.url.path} {e.status}: {e}\n")
             return error_response(e.status, str(e), e.param, e.code)
         if self.waiting >= self.max_queue and self.slot.locked():
-            return error_response(429, f"the server is busy: {self.waiting} requests already wait for the one "
+            self.log.write(f"- POST {request.url.path} 429: {self.waiting} waiting\n")
+            busy = error_response(429, f"the server is busy: {self.waiting} requests already wait for the one "
                                        "sequence slot", code="queue_full")
+            busy.headers["Retry-After"] = "1"
+            return busy
         job = Job(ids, kwargs, asyncio.get_running_loop())
         reply = Reply(self, job, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True)
@@ -273,6 +346,7 @@ class Reply:
         self.stop_strings = job.kwargs.get("stop_strings") or []
         self.decoder = server.tokenizer.stream_decoder(skip_special_tokens=True)
         self.text, self.sent, self.count, self.finish = "", 0, 0, "length"
+        self.started, self.first_token = time.monotonic(), None
 
     async def tokens(self):
         """Waits for the slot, runs the job, yields its text pieces; the finish reason is set at the end."""
@@ -282,7 +356,7 @@ class Reply:
             await server.slot.acquire()
         finally:
             server.waiting -= 1
-        worker = None
+        worker, done = None, False
         watcher = asyncio.create_task(self.watch_disconnect())
         try:
             worker = asyncio.get_running_loop().run_in_executor(None, server.run, self.job)
@@ -290,17 +364,21 @@ class Reply:
                 if isinstance(token, Exception):
                     raise token
                 self.count += 1
+                if self.first_token is None:
+                    self.first_token = time.monotonic()
                 self.text += self.decoder.feed(token)
                 if token in server.model.config.eos_token_ids or self.stopped():
                     self.finish = "stop"
                 if piece := self.ready():
                     yield piece
+            done = True
             self.text += self.decoder.flush()
             if piece := self.ready(final=True):
                 yield piece
         finally:
             watcher.cancel()
             self.job.cancelled = True  # a generation still running stops at its next token
+            self.write_log(self.finish if done else "ended early (cancelled or failed)")
             # The slot is free once the worker is done. No await here: a task cancelled by the ASGI stack
             # (the client left) is cancelled again at every await of its cleanup.
             if worker is None:
@@ -314,6 +392,23 @@ class Reply:
         while (await self.request.receive())["type"] != "http.disconnect":
             pass
         self.job.cancelled = True
+
+    def write_log(self, finish: str) -> None:
+        """One line on the server's log: id, route, tokens in (cached) and out, time to first token, tok/s."""
+        now, path = time.monotonic(), self.request.url.path
+        prompt = len(self.job.ids)
+        try:
+            cached = f"{prompt - self.server.model.last_generation_stats.prompt_tokens} cached"
+        except AttributeError:
+            cached = "? cached"
+        if self.first_token is None:
+            timing = "no token"
+        else:
+            rate = (self.count - 1) / (now - self.first_token) if self.count > 1 and now > self.first_token else 0.0
+            timing = f"TTFT {self.first_token - self.started:.3f} s, {rate:.1f} tok/s"
+        self.server.log.write(f"{self.id} POST {path}: {prompt} tokens in ({cached}), {self.count} out, {timing}, "
+                              f"{finish}\n")
+        self.server.log.flush()
 
     def stopped(self) -> bool:
         cut = min((self.text.find(s) for s in self.stop_strings if s in self.text), default=-1)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
+import signal
 import socket
 import sys
 
@@ -10,6 +12,7 @@ from ..sampling_defaults import check_settings
 from .options import KV_DTYPES, HelpFormatter, add_model_argument, add_runtime_options, check_sampling
 from .source import check_max_context, load_model, open_source
 
+SHUTDOWN_GRACE_S = 5  # on SIGTERM, what requests in flight get to finish before they are cancelled
 SERVE_HINT = "python3 -m pip install starlette uvicorn"  # the serve extra's packages; keeps the installed torch
 
 
@@ -17,7 +20,7 @@ def add_parser(sub) -> None:
     v = sub.add_parser("serve", help=f"an OpenAI-compatible HTTP server (needs starlette and uvicorn: {SERVE_HINT})",
                        formatter_class=HelpFormatter,
                        description="/v1/chat/completions and /v1/completions (stream: true as server-sent events), "
-                                   "/v1/models, /health. One sequence slot: requests wait FIFO; beyond --max-queue "
+                                   "/v1/models, /health, /tokenize, /detokenize. One sequence slot: requests wait FIFO; beyond --max-queue "
                                    "waiting they are answered 429. A prefix cache spares re-reading shared history. "
                                    "Sampling fields a request leaves out take the checkpoint's settings "
                                    "(generation_config.json; a GGUF: its general.sampling.* keys), as vLLM does. "
@@ -31,6 +34,12 @@ def add_parser(sub) -> None:
     v.add_argument("--cache-gb", type=float, default=4.0, metavar="GB", help="prefix cache budget")
     v.add_argument("--served-model-name", metavar="NAME", help="the model name of /v1/models and the one requests "
                    "may name (another is a 404 model_not_found); default: the checkpoint's file name")
+    v.add_argument("--api-key", metavar="KEY", default=os.environ.get("QWEN38_API_KEY"),
+                   help="every route but /health needs `Authorization: Bearer KEY` (else 401); default: "
+                   "$QWEN38_API_KEY, else none")
+    v.add_argument("--allowed-origins", metavar="ORIGINS", default="", help="comma-separated origins a browser "
+                   "may call from (CORS; * for any); default: none")
+    v.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the checkpoint's")
     add_runtime_options(v)
 
 
@@ -49,7 +58,15 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [1, 65535], found {args.port}")
     if not args.cache_gb > 0:
         raise ValueError(f"--cache-gb must be > 0, found {args.cache_gb}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key (or QWEN38_API_KEY) must not be empty")
     source = open_source(args)
+    if args.chat_template is not None:
+        try:
+            template = open(args.chat_template, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {args.chat_template}: cannot read it: {e}") from None
+        source.tokenizer.chat_template = template
     sampling = check_settings(source.sampling(), lambda k: f"{k} in the checkpoint {source.path}")
     check_sampling({**REQUEST_DEFAULTS, **sampling})  # in range, before the load
     check_max_context(args, source, source.device)
@@ -58,14 +75,21 @@ def run(args: argparse.Namespace) -> None:
         check_max_context(args, source, model.device, model)
         name = args.served_model_name or source.path.name
         server = Server(model, source.tokenizer, name, args.max_context, args.max_queue, int(args.cache_gb * 1e9),
-                        sampling=sampling, kv_dtype=KV_DTYPES.get(args.kv_dtype),
+                        sampling=sampling, api_key=args.api_key,
+                        allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+                        kv_dtype=KV_DTYPES.get(args.kv_dtype),
                         use_graph=False if args.eager else None, speculative=args.speculative,
                         num_draft_tokens=args.num_draft_tokens, draft_vocab_size=args.draft_vocab)
         if sampling:
             settings = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
             sys.stderr.write(f"sampling fields a request leaves out: the checkpoint's {settings}\n")
         sys.stderr.write(f"serving {name} on http://{args.host}:{args.port}/v1\n")
-        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning")).run(sockets=[sock])
+        # SIGTERM: uvicorn stops accepting, gives requests in flight SHUTDOWN_GRACE_S to finish, then cancels
+        # them (a generation stops at its next token), and raises the signal again once it has restored the
+        # handler it found: this one, so that the process exits 0 rather than being killed by its default.
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning",
+                                      timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run(sockets=[sock])
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -113,8 +113,9 @@ def test_queue_is_bounded_and_a_dropped_client_cancels(client, server):
     while json.loads(urllib.request.urlopen(server + "/health").read())["waiting"] < 1:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.RateLimitError) as busy:
         client.completions.create(model=MODEL, prompt="One too many", max_tokens=3)
+    assert busy.value.response.headers["retry-after"] == "1"
     start = time.monotonic()
     response.close()
     long.close()  # the client goes away: its 6000-token generation stops, the queued request runs
@@ -266,6 +267,121 @@ def test_stream_usage_only_when_asked_and_the_role_first(client):
     text = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=3, stream=True,
                                           stream_options={"include_usage": True}))
     assert text[-1].choices == [] and text[-1].usage.completion_tokens >= 1
+
+
+def test_tokenize_and_detokenize(client, server):
+    """vLLM's shapes: {"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}; {"tokens"} -> {"prompt"}."""
+    status, answer = post(server + "/tokenize", b'{"prompt": "The quick brown fox"}')
+    assert status == 200 and answer["count"] == len(answer["tokens"]) > 0 and answer["max_model_len"] == 8192
+    assert post(server + "/detokenize", json.dumps({"tokens": answer["tokens"]}).encode()) == \
+        (200, {"prompt": "The quick brown fox"})
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    status, answer = post(server + "/tokenize", b'{"messages": [{"role": "user", "content": "Hi"}]}')
+    assert status == 200 and answer["count"] == chat.usage.prompt_tokens
+    for route, body in [("/tokenize", b'{"text": "x"}'), ("/tokenize", b'{"prompt": 3}'),
+                        ("/detokenize", b'{"tokens": [-1]}'), ("/detokenize", b'{"tokens": "x"}')]:
+        assert post(server + route, body)[0] == 400, (route, body)
+
+
+def test_api_key_cors_log_and_sigterm(tmp_path):
+    """QWEN38_API_KEY (or --api-key): every route but /health needs the key, else 401 as OpenAI; CORS for
+    --allowed-origins only; one stderr line per request; SIGTERM with a generation in flight exits 0."""
+    import os
+    import signal
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "stderr", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "qwen38_model", "serve", "--port", str(port),
+                                "--served-model-name", "qwen", "--allowed-origins", "http://ui.example"],
+                               stderr=log, text=True, env={**os.environ, "QWEN38_API_KEY": "secret"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)  # /health needs no key
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+                time.sleep(0.3)
+        for key in ("wrong", "none"):
+            with pytest.raises(openai.AuthenticationError) as refused:
+                openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0).models.list()
+            assert refused.value.code == "invalid_api_key"
+        assert post(url + "/tokenize", b'{"prompt": "x"}')[0] == 401
+        client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["qwen"]
+        assert client.completions.create(model="qwen", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+        def preflight(origin: str) -> tuple[int, str | None]:
+            request = urllib.request.Request(url + "/v1/chat/completions", method="OPTIONS", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return response.status, response.headers.get("access-control-allow-origin")
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers.get("access-control-allow-origin")
+
+        assert preflight("http://ui.example") == (200, "http://ui.example")
+        assert preflight("http://elsewhere.example")[1] is None
+        host = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        host.request("POST", "/v1/completions", json.dumps({"prompt": "Once", "max_tokens": 6000, "min_tokens": 6000,
+                                                             "stream": True}),
+                     {"Content-Type": "application/json", "Authorization": "Bearer secret"})
+        response = host.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")  # generating now
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        host.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    served = [line for line in lines if line.startswith("cmpl-")]
+    assert len(served) == 2 and "POST /v1/completions: " in served[0], lines
+    assert " 2 out, TTFT " in served[0] and "tok/s" in served[0] and "0 cached" in served[0], served
+    assert "ended early" in served[1], served
+
+
+def test_chat_template_file_replaces_the_checkpoint_one(monkeypatch, tmp_path, oracle_dir):
+    """--chat-template FILE: a folder without a template can chat (without it: a 400)."""
+    import shutil
+
+    import uvicorn
+
+    from qwen38_model import cli, server
+
+    folder = tmp_path / "hf"
+    shutil.copytree(oracle_dir / "hf", folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]")
+    servers = []
+
+    class Recorded(server.Server):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            servers.append(self)
+
+    monkeypatch.setattr(server, "Server", Recorded)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert cli.main(["serve", "--model", str(folder), "--port", port, "--device", "cpu"]) == 0
+    with pytest.raises(server.RequestError, match="no chat template"):
+        servers[-1].chat_prompt(body)
+    assert cli.main(["serve", "--model", str(folder), "--port", port, "--device", "cpu", "--chat-template",
+                     str(tmp_path / "t.jinja")]) == 0
+    assert servers[-1].chat_prompt(body) == "[user] Hi\n[assistant]"
+    assert cli.main(["serve", "--model", str(folder), "--port", port, "--chat-template", str(tmp_path / "no")]) == 2
 
 
 @pytest.mark.cuda
