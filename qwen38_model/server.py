@@ -146,7 +146,8 @@ class Server:
             extra = set(body) - {"model", "prompt", "messages", "chat_template_kwargs"}
             if extra or ("prompt" in body) == ("messages" in body):
                 raise RequestError(400, "/tokenize takes {\"prompt\": text} or {\"messages\": [...]}"
-                                        + (f", not {sorted(extra)}" if extra else ""), sorted(extra)[0] if extra else None)
+                                        + (f", not {sorted(extra)}" if extra else ""),
+                                   sorted(extra)[0] if extra else None)
             if "messages" in body:
                 ids = self.tokenizer.encode(self.chat_prompt(body))
             elif isinstance(body["prompt"], str):

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     v = sub.add_parser("serve", help=f"an OpenAI-compatible HTTP server (needs starlette and uvicorn: {SERVE_HINT})",
                        formatter_class=HelpFormatter,
                        description="/v1/chat/completions and /v1/completions (stream: true as server-sent events), "
-                                   "/v1/models, /health, /tokenize, /detokenize. One sequence slot: requests wait FIFO; beyond --max-queue "
+                                   "/v1/models, /health, /tokenize, /detokenize. One sequence slot: requests wait "
+                                   "FIFO; beyond --max-queue "
                                    "waiting they are answered 429. A prefix cache spares re-reading shared history. "
                                    "Sampling fields a request leaves out take the checkpoint's settings "
                                    "(generation_config.json; a GGUF: its general.sampling.* keys), as vLLM does. "

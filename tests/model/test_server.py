@@ -237,7 +237,8 @@ def test_nothing_is_silently_ignored(client, server):
     joined = client.chat.completions.create(**{**chat, "messages": [{"role": "user", "content": "Hel\nlo!"}]})
     assert parts.choices[0].message.content == joined.choices[0].message.content
     assert parts.usage.prompt_tokens == joined.usage.prompt_tokens
-    thinking_off = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    thinking_off = client.chat.completions.create(
+        **chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert thinking_off.usage.prompt_tokens > plain.usage.prompt_tokens  # the template's empty <think></think>
 
 
