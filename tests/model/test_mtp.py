@@ -84,11 +84,14 @@ def dequantized_copy(src, dst):
         if t.tensor_type == gguf.GGMLQuantizationType.F32:
             return np.asarray(t.data), t.tensor_type
         return gguf.quants.dequantize(t.data, t.tensor_type), gguf.GGMLQuantizationType.F32
-    return rewrite_gguf(src, dst, lambda tensors: {name: dequantize(t) for name, t in tensors.items()})
+    # All F32 now: general.file_type says so, as the loader checks it against the tensors.
+    return rewrite_gguf(src, dst, lambda tensors: {name: dequantize(t) for name, t in tensors.items()},
+                        {"general.file_type": int(gguf.LlamaFileType.ALL_F32)})
 
 
-def rewrite_gguf(src, dst, change):
-    """A copy of src with its tensors {name: (numpy data, ggml type)} replaced by change({name: ReaderTensor})."""
+def rewrite_gguf(src, dst, change, metadata=None):
+    """A copy of src with its tensors {name: (numpy data, ggml type)} replaced by change({name: ReaderTensor})
+    and the metadata values in `metadata` (same keys and types) replaced."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, "qwen35")
     for key, field in reader.fields.items():
@@ -96,7 +99,7 @@ def rewrite_gguf(src, dst, change):
             continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), value_type, sub_type)
+        writer.add_key_value(key, (metadata or {}).get(key, field.contents()), value_type, sub_type)
     for name, (data, data_type) in change({t.name: t for t in reader.tensors}).items():
         writer.add_tensor(name, data, raw_dtype=data_type)
     writer.write_header_to_file()
