@@ -4,7 +4,9 @@ One sequence slot: requests wait FIFO for it in a bounded queue (429 when full);
 a worker thread and streams its tokens back to the event loop. A client that goes away cancels its
 generation at the next token. Prompts share one PrefixCache, so a chat that comes back with its history
 prefills only its new tokens. Sampling fields a request leaves out take the checkpoint's settings, as vLLM
-takes a model's generation config. Every bad request is an OpenAI-style JSON error, never a traceback."""
+takes a model's generation config. Every bad request is an OpenAI-style JSON error, never a traceback; a
+field the server does not implement is one, never ignored. A chat reply's `<think>` part is its
+reasoning_content, as vLLM's qwen3 reasoning parser splits it."""
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +53,41 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 NO_OP = {"frequency_penalty": (0,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
          "tool_choice": (None, "none", "auto"), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
          "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
-MESSAGE_KEYS = {"role", "content"}
+MESSAGE_KEYS = {"role", "content", "reasoning_content"}  # the last: an assistant turn's thinking (Qwen3's template)
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+class ThinkingSplit:
+    """A chat reply's text as (reasoning, content), as vLLM's qwen3 reasoning parser splits it: the text
+    before `</think>` is the reasoning when the prompt opened `<think>` (the template's thinking on) or the
+    reply opens it; the rest is the content. Fed piece by piece: a piece ending in what may start `</think>`
+    (or, at the start, `<think>`) holds that back until the next one or the end."""
+
+    def __init__(self, opened: bool):
+        self.state = "reasoning" if opened else "start"
+        self.held = ""
+        self.reasoned = opened
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
+        text, self.held = self.held + piece, ""
+        reasoning = ""
+        if self.state == "start":
+            if text.startswith(THINK_START):
+                text, self.state, self.reasoned = text[len(THINK_START):], "reasoning", True
+            elif THINK_START.startswith(text) and text and not final:
+                self.held = text
+                return "", ""
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            end = text.find(THINK_END)
+            if end < 0:
+                keep = 0 if final else next((n for n in range(min(len(text), len(THINK_END) - 1), 0, -1)
+                                             if THINK_END.startswith(text[-n:])), 0)
+                self.held = text[len(text) - keep:]
+                return text[:len(text) - keep], ""
+            reasoning, text, self.state = text[:end], text[end + len(THINK_END):], "content"
+        return reasoning, text
 
 
 def error_response(status: int, message: str, param=None, code=None) -> JSONResponse:
@@ -272,6 +308,9 @@ class Server:
                 if key not in MESSAGE_KEYS:
                     raise RequestError(400, f"messages[{i}].{key} is not supported by this server",
                                        f"messages[{i}].{key}")
+            if not isinstance(m.get("reasoning_content", ""), str):
+                raise RequestError(400, f"messages[{i}].reasoning_content must be a string",
+                                   f"messages[{i}].reasoning_content")
             rendered.append({**m, "content": message_text(m.get("content"), i)})
         kwargs = body.get("chat_template_kwargs")
         kwargs = {} if kwargs is None else kwargs
@@ -343,6 +382,9 @@ class Reply:
         self.server, self.job, self.request, self.chat, self.stream = server, job, request, chat, stream
         self.include_usage = include_usage
         self.role_sent = False  # streamed chat: the first chunk's delta carries the role
+        if chat:  # the prompt ends inside <think> (the template's thinking on): the reply starts reasoning
+            tail = server.tokenizer.decode(job.ids[-16:])
+            self.thinking = ThinkingSplit(tail.rfind(THINK_START) > tail.rfind(THINK_END))
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.stop_strings = job.kwargs.get("stop_strings") or []
         self.decoder = server.tokenizer.stream_decoder(skip_special_tokens=True)
@@ -430,13 +472,24 @@ class Reply:
         return {"prompt_tokens": prompt, "completion_tokens": self.count, "total_tokens": prompt + self.count,
                 "prompt_tokens_details": {"cached_tokens": prompt - stats.prompt_tokens}}
 
-    def choice(self, text: str, finish, delta: bool) -> dict:
+    def choice(self, text: str, finish, delta: bool) -> dict | None:
+        """The choice for text (all of it, or a streamed piece); a streamed chat piece the thinking split
+        holds back entirely is None (no chunk)."""
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        reasoning, text = self.thinking.feed(text, final=finish is not None)
         if not delta:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": finish}
-        content = {"content": text} if self.role_sent else {"role": "assistant", "content": text}
+            message = {"role": "assistant", "content": text}
+            if self.thinking.reasoned:
+                message["reasoning_content"] = reasoning
+            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        content = {} if self.role_sent else {"role": "assistant"}
+        if reasoning:
+            content["reasoning_content"] = reasoning
+        if text or not reasoning:
+            content["content"] = text
+        if finish is None and not reasoning and not text and self.role_sent:
+            return None
         self.role_sent = True
         return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
 
@@ -459,7 +512,8 @@ class Reply:
     async def events(self):
         try:
             async for piece in self.tokens():
-                yield sse(self.body([self.choice(piece, None, delta=True)]))
+                if choice := self.choice(piece, None, delta=True):
+                    yield sse(self.body([choice]))
         except Exception as e:  # mid-stream: the error is the last event
             yield sse(json.loads(error_response(*failure(e)).body))
             return

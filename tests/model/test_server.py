@@ -65,9 +65,10 @@ def test_chat_streamed_and_not_agree(client):
     args = dict(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0)
     whole = client.chat.completions.create(**args)
     assert whole.usage.completion_tokens <= 8 and whole.choices[0].finish_reason in ("stop", "length")
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True)
-              if c.choices]
-    assert "".join(pieces) == whole.choices[0].message.content
+    chunks = [c.choices[0].delta for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    assert "".join(d.content or "" for d in chunks) == whole.choices[0].message.content
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == \
+        whole.choices[0].message.reasoning_content  # the template opens <think>: the reply starts reasoning
 
 
 def test_completion_reuses_the_cached_prompt(client):
@@ -383,6 +384,68 @@ def test_chat_template_file_replaces_the_checkpoint_one(monkeypatch, tmp_path, o
                      str(tmp_path / "t.jinja")]) == 0
     assert servers[-1].chat_prompt(body) == "[user] Hi\n[assistant]"
     assert cli.main(["serve", "--model", str(folder), "--port", port, "--chat-template", str(tmp_path / "no")]) == 2
+
+
+def test_thinking_goes_to_reasoning_content():
+    """As vLLM's qwen3 reasoning parser: with the template's thinking on (the prompt opens <think>), the reply's
+    text before </think> is message.reasoning_content (delta.reasoning_content streamed), the rest content;
+    with it off (enable_thinking false), a reply that opens <think> itself is split the same way. A scripted
+    model (fixed tokens) in this process, so that the reply does hold a </think>."""
+    import types
+
+    import uvicorn
+
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.server import Server, ThinkingSplit
+    from qwen38_model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+
+    class Scripted:
+        config = types.SimpleNamespace(eos_token_ids=[])
+        reply = "I think so.</think>\n\nHello!"
+
+        def generate(self, ids, streamer, **kwargs):
+            self.last_generation_stats = types.SimpleNamespace(prompt_tokens=ids.shape[1])
+            streamer.put(ids)
+            for token in tokenizer.encode(self.reply):
+                streamer.put(torch.tensor([token]))
+
+    model = Scripted()
+    server = Server(model, tokenizer, "scripted", max_context=512, max_queue=1, cache_bytes=1 << 20, log=sys.stdout)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=listener.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not listener.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    args = dict(model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
+    try:
+        for reply, extra in [("I think so.</think>\n\nHello!", {}),
+                             ("<think>I think so.</think>\n\nHello!", {"enable_thinking": False})]:
+            model.reply = reply
+            message = client.chat.completions.create(**args, extra_body={"chat_template_kwargs": extra}).choices[0]
+            assert (message.message.reasoning_content, message.message.content) == ("I think so.", "\n\nHello!")
+            deltas = [c.choices[0].delta for c in client.chat.completions.create(
+                **args, stream=True, extra_body={"chat_template_kwargs": extra})]
+            assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I think so."
+            assert "".join(d.content or "" for d in deltas) == "\n\nHello!"
+            assert not any("think>" in (d.content or "") for d in deltas)
+        model.reply = "Plain answer."  # thinking off, no <think>: all content, no reasoning_content
+        message = client.chat.completions.create(
+            **args, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+        assert message.content == "Plain answer." and getattr(message, "reasoning_content", None) is None
+    finally:
+        listener.should_exit = True
+        thread.join(timeout=30)
+    split = ThinkingSplit(opened=True)  # a </think> split across pieces is held back, never shown as content
+    pieces = [split.feed(p) for p in ("abc</th", "ink>def")] + [split.feed("", final=True)]
+    assert pieces == [("abc", ""), ("", "def"), ("", "")]
 
 
 @pytest.mark.cuda
