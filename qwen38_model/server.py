@@ -260,6 +260,8 @@ class Server:
                     raise RequestError(400, f"{name} is not supported by this server (found {value!r})", name)
             elif name not in known:
                 raise RequestError(400, f"{name} is not supported by this server", name)
+        if not isinstance(body.get("stream", False), bool):
+            raise RequestError(400, f"stream must be true or false, found {body['stream']!r}", "stream")
         options = body.get("stream_options")
         if options is not None:
             if body.get("stream") is not True:

@@ -220,6 +220,7 @@ def test_nothing_is_silently_ignored(client, server):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(**chat, extra_body=extra)
         assert refused.value.param == param and param in refused.value.message, (extra, refused.value.message)
+    assert post(server + "/v1/completions", b'{"prompt": "x", "stream": "yes"}')[1]["error"]["param"] == "stream"
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(**{**chat, "model": "gpt-4o"})
     assert unknown.value.code == "model_not_found" and "gpt-4o" in unknown.value.message
