@@ -50,7 +50,8 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "presence_penalty", "min_tokens", "n", "seed", "stop", "stream", "stream_options", "user"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-NO_OP = {"frequency_penalty": (0,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
+# (A completion's logprobs=0 is not among them: it asks for the sampled token's logprob.)
+NO_OP = {"frequency_penalty": (None, 0), "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
          "tool_choice": (None, "none", "auto"), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
          "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 MESSAGE_KEYS = {"role", "content", "reasoning_content"}  # the last: an assistant turn's thinking (Qwen3's template)
@@ -256,7 +257,8 @@ class Server:
         known = CHAT_FIELDS if chat else COMPLETION_FIELDS
         for name, value in body.items():
             if name in NO_OP:
-                if not any(value == v and type(value) is not bool or value is v for v in NO_OP[name]):
+                # A bool matches only itself (False == 0 in Python: logprobs=0 must not pass as false).
+                if not any(value is v if bool in (type(value), type(v)) else value == v for v in NO_OP[name]):
                     raise RequestError(400, f"{name} is not supported by this server (found {value!r})", name)
             elif name not in known:
                 raise RequestError(400, f"{name} is not supported by this server", name)

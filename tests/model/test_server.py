@@ -89,6 +89,9 @@ def test_bad_requests_are_json_errors(client, server):
              (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
              (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n must be 1"),
              (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs is not supported")]
+    # A completion's logprobs=0 asks for the sampled token's logprob (not implemented): a 400, not false.
+    status, answer = post(server + "/v1/completions", b'{"prompt": "x", "logprobs": 0}')
+    assert status == 400 and "logprobs is not supported" in answer["error"]["message"], answer
     for body, message in cases:
         status, answer = post(server + "/v1/chat/completions", body)
         assert status == 400 and message in answer["error"]["message"], (body, answer)
