@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from ..formats import ActFormat
 from ..sampling_defaults import SAMPLING_DEFAULTS, check_settings
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -67,7 +68,8 @@ def add_runtime_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", type=device_arg, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", choices=DTYPES, help="dense-weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--quantize", choices=["q8_0"], help="quantize dense weights at load")
-    g.add_argument("--lane", choices=["f32", "int8", "int8x2"], default="int8", help="Q8_0 activation lane")
+    g.add_argument("--lane", choices=[f.value for f in ActFormat], default=ActFormat.INT8.value,
+                   help="Q8_0 activation lane")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
     g.add_argument("--speculative", choices=["mtp"], help="speculative decoding: the checkpoint's MTP block drafts, "
