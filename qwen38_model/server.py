@@ -6,7 +6,8 @@ generation at the next token. Prompts share one PrefixCache, so a chat that come
 prefills only its new tokens. Sampling fields a request leaves out take the checkpoint's settings, as vLLM
 takes a model's generation config. Every bad request is an OpenAI-style JSON error, never a traceback; a
 field the server does not implement is one, never ignored. A chat reply's `<think>` part is its
-reasoning_content, as vLLM's qwen3 reasoning parser splits it."""
+reasoning_content, as vLLM's qwen3 reasoning parser splits it; with `tools`, its `<tool_call>` blocks are
+message.tool_calls, as vLLM's hermes tool parser (the one for Qwen's JSON tool calls) reads them."""
 from __future__ import annotations
 
 import asyncio
@@ -48,14 +49,16 @@ class Cancelled(Exception):
 # server does not implement, accepted only with the value that asks for nothing (OpenAI's default).
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "min_tokens", "n", "seed", "stop", "stream", "stream_options", "user"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 # (A completion's logprobs=0 is not among them: it asks for the sampled token's logprob.)
-NO_OP = {"frequency_penalty": (None, 0), "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-         "tool_choice": (None, "none", "auto"), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
-         "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
-MESSAGE_KEYS = {"role", "content", "reasoning_content"}  # the last: an assistant turn's thinking (Qwen3's template)
+NO_OP = {"frequency_penalty": (None, 0), "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+         "response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+# reasoning_content: an assistant turn's thinking (Qwen3's template); tool_calls: its calls; tool_call_id, name:
+# a tool message's.
+MESSAGE_KEYS = {"role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name"}
 THINK_START, THINK_END = "<think>", "</think>"
+TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 
 
 class ThinkingSplit:
@@ -89,6 +92,75 @@ class ThinkingSplit:
                 return text[:len(text) - keep], ""
             reasoning, text, self.state = text[:end], text[end + len(THINK_END):], "content"
         return reasoning, text
+
+
+def parse_tool_call(body: str) -> dict | None:
+    """A `<tool_call>` block's text as an OpenAI tool call, or None when it is not
+    {"name": str, "arguments": object} JSON (its text is then content, as the hermes parser leaves it)."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+            not isinstance(call.get("arguments", {}), dict):
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": call["name"],
+                         "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}}
+
+
+class ToolCallSplit:
+    """A chat reply's content (after the thinking split) as (content, tool calls), as vLLM's hermes parser
+    reads Qwen's `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks. Fed piece by piece:
+    content until a block opens, then each call once its block is complete (a whole call per streamed delta:
+    vLLM streams the arguments piece by piece, but one delta holding a call's whole arguments string is as
+    valid an OpenAI stream). A block that is not such JSON, or is left unclosed at the end, is content text.
+    Whitespace is held until more text follows it; at the end it is dropped when there were calls (content
+    null when empty, as OpenAI), so that the streamed pieces join to what the whole reply parses to."""
+
+    def __init__(self):
+        self.buffer, self.space, self.in_call, self.calls = "", "", False, []
+
+    def text(self, piece: str) -> str:
+        piece = self.space + piece
+        kept = piece.rstrip()
+        self.space = piece[len(kept):]
+        return kept
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.buffer += piece
+        content, calls = "", []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(TOOL_END)
+                if end < 0:
+                    if final:  # unclosed (the reply ran out of tokens): its text is content
+                        content += self.text(TOOL_START + self.buffer)
+                        self.buffer, self.in_call = "", False
+                    break
+                body, self.buffer, self.in_call = self.buffer[:end], self.buffer[end + len(TOOL_END):], False
+                call = parse_tool_call(body)
+                if call is None:
+                    content += self.text(TOOL_START + body + TOOL_END)
+                else:
+                    self.calls.append(call)
+                    calls.append({"index": len(self.calls) - 1, **call})
+                continue
+            start = self.buffer.find(TOOL_START)
+            if start >= 0:
+                content += self.text(self.buffer[:start])
+                self.buffer, self.in_call = self.buffer[start + len(TOOL_START):], True
+                continue
+            keep = 0 if final else next((n for n in range(min(len(self.buffer), len(TOOL_START) - 1), 0, -1)
+                                         if TOOL_START.startswith(self.buffer[-n:])), 0)
+            content += self.text(self.buffer[:len(self.buffer) - keep])
+            self.buffer = self.buffer[len(self.buffer) - keep:]
+            break
+        if final:
+            if not self.calls:
+                content += self.space
+            self.space = ""
+        return content, calls
 
 
 def error_response(status: int, message: str, param=None, code=None) -> JSONResponse:
@@ -180,11 +252,13 @@ class Server:
             model = body.get("model")
             if model is not None and model != self.model_name:
                 raise RequestError(404, f"The model `{model}` does not exist", "model", "model_not_found")
-            extra = set(body) - {"model", "prompt", "messages", "chat_template_kwargs"}
+            extra = set(body) - {"model", "prompt", "messages", "chat_template_kwargs", "tools"}
             if extra or ("prompt" in body) == ("messages" in body):
                 raise RequestError(400, "/tokenize takes {\"prompt\": text} or {\"messages\": [...]}"
                                         + (f", not {sorted(extra)}" if extra else ""),
                                    sorted(extra)[0] if extra else None)
+            if "tools" in body and "messages" not in body:
+                raise RequestError(400, "tools go with messages", "tools")
             if "messages" in body:
                 ids = self.tokenizer.encode(self.chat_prompt(body))
             elif isinstance(body["prompt"], str):
@@ -243,7 +317,8 @@ class Server:
             return busy
         job = Job(ids, kwargs, asyncio.get_running_loop())
         reply = Reply(self, job, request, chat, body.get("stream") is True,
-                      (body.get("stream_options") or {}).get("include_usage") is True)
+                      (body.get("stream_options") or {}).get("include_usage") is True,
+                      parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none")
         return StreamingResponse(reply.events(), media_type="text/event-stream") if reply.stream else \
             await reply.whole()
 
@@ -312,15 +387,28 @@ class Server:
                 if key not in MESSAGE_KEYS:
                     raise RequestError(400, f"messages[{i}].{key} is not supported by this server",
                                        f"messages[{i}].{key}")
-            if not isinstance(m.get("reasoning_content", ""), str):
-                raise RequestError(400, f"messages[{i}].reasoning_content must be a string",
-                                   f"messages[{i}].reasoning_content")
-            rendered.append({**m, "content": message_text(m.get("content"), i)})
+            for key in ("reasoning_content", "tool_call_id", "name"):
+                if not isinstance(m.get(key, ""), str):
+                    raise RequestError(400, f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
+            message = dict(m)
+            if "tool_calls" in m:
+                if m["role"] != "assistant":
+                    raise RequestError(400, f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                                       f"messages[{i}].tool_calls")
+                message["tool_calls"] = message_tool_calls(m["tool_calls"], i)
+            # An assistant message with tool calls may have no content (null), as OpenAI's.
+            content = m.get("content")
+            message["content"] = "" if content is None and m["role"] == "assistant" else message_text(content, i)
+            rendered.append(message)
         kwargs = body.get("chat_template_kwargs")
         kwargs = {} if kwargs is None else kwargs
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs) or "messages" in kwargs:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs) or \
+                {"messages", "tools"} & set(kwargs):
             raise RequestError(400, "chat_template_kwargs must be an object of keyword arguments to the chat "
-                                    "template (not messages)", "chat_template_kwargs")
+                                    "template (not messages or tools)", "chat_template_kwargs")
+        tools = request_tools(body)
+        if tools:  # rendered by the checkpoint's template, whatever tool_choice says (as vLLM)
+            kwargs = {**kwargs, "tools": tools}
         try:
             return self.tokenizer.apply_chat_template(rendered, **kwargs)
         except ValueError as e:
@@ -382,9 +470,10 @@ class Reply:
     """One request's answer: the whole JSON body, or its server-sent events."""
 
     def __init__(self, server: Server, job: Job, request: Request, chat: bool, stream: bool,
-                 include_usage: bool = False):
+                 include_usage: bool = False, parse_tools: bool = False):
         self.server, self.job, self.request, self.chat, self.stream = server, job, request, chat, stream
         self.include_usage = include_usage
+        self.tool_split = ToolCallSplit() if parse_tools else None  # tools given, tool_choice not "none"
         self.role_sent = False  # streamed chat: the first chunk's delta carries the role
         if chat:  # the prompt ends inside <think> (the template's thinking on): the reply starts reasoning
             tail = server.tokenizer.decode(job.ids[-16:])
@@ -482,17 +571,26 @@ class Reply:
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         reasoning, text = self.thinking.feed(text, final=finish is not None)
+        calls = []
+        if self.tool_split is not None:
+            text, calls = self.tool_split.feed(text, final=finish is not None)
+            if finish is not None and self.tool_split.calls:
+                finish = "tool_calls"
         if not delta:
-            message = {"role": "assistant", "content": text}
+            message = {"role": "assistant", "content": text or (None if calls else text)}
             if self.thinking.reasoned:
                 message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
             return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         content = {} if self.role_sent else {"role": "assistant"}
         if reasoning:
             content["reasoning_content"] = reasoning
-        if text or not reasoning:
+        if text or not (reasoning or calls):
             content["content"] = text
-        if finish is None and not reasoning and not text and self.role_sent:
+        if calls:
+            content["tool_calls"] = calls
+        if finish is None and not reasoning and not text and not calls and self.role_sent:
             return None
         self.role_sent = True
         return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
@@ -525,6 +623,50 @@ class Reply:
         if self.include_usage:  # as OpenAI: a last chunk with no choices and the usage, only when asked
             yield sse(self.body([], self.usage()))
         yield "data: [DONE]\n\n"
+
+
+def request_tools(body: dict) -> list:
+    """The request's OpenAI function tools (checked), and its tool_choice: "none" (the tools rendered, no
+    call parsed, as vLLM) or "auto"; "required" and a named function need constrained decoding: a 400."""
+    tools = body.get("tools")
+    tools = [] if tools is None else tools
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and set(t) <= {"type", "function"}
+            and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            and isinstance(t["function"].get("parameters", {}), dict) for t in tools):
+        raise RequestError(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\", "
+                                "\"description\"?, \"parameters\"?}}", "tools")
+    choice = body.get("tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        raise RequestError(400, f"tool_choice {choice!r} is not supported yet (it needs constrained decoding): "
+                                "use \"auto\" or \"none\"", "tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise RequestError(400, f"tool_choice must be \"none\" or \"auto\", found {choice!r}", "tool_choice")
+    return tools
+
+
+def message_tool_calls(calls, index: int) -> list[dict]:
+    """An assistant message's tool calls as transformers passes them to the template: each
+    function.arguments (OpenAI's JSON string) parsed back to a mapping, as Qwen's template expects."""
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise RequestError(400, f"{param} must be a list", param)
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str) and call.get("type", "function") == "function"):
+            raise RequestError(400, f"{param}: each is {{\"id\", \"type\": \"function\", \"function\": "
+                                    "{\"name\", \"arguments\": JSON string}}", param)
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise RequestError(400, f"{param}: function.arguments must be a JSON object, found "
+                                    f"{function['arguments']!r:.80}", param)
+        out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
+    return out
 
 
 def message_text(content, index: int) -> str:

@@ -452,6 +452,105 @@ def test_thinking_goes_to_reasoning_content():
     assert pieces == [("abc", ""), ("", "def"), ("", "")]
 
 
+def test_tool_calls_parsed_from_the_reply():
+    """As vLLM's hermes parser reads Qwen's tool calls: with tools (rendered by the chat template), the reply's
+    <tool_call> blocks are message.tool_calls (one delta per complete call streamed), finish_reason tool_calls,
+    the text outside them content (null when empty); a block that is not JSON stays content; tool_choice
+    "none" parses nothing; "required" is a 400; a tool message and an assistant's tool_calls reach the
+    template. A scripted model (fixed tokens), as test_thinking_goes_to_reasoning_content."""
+    import types
+
+    import uvicorn
+
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.server import Server
+    from qwen38_model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+
+    class Scripted:
+        config = types.SimpleNamespace(eos_token_ids=[])
+        reply = ""
+
+        def generate(self, ids, streamer, **kwargs):
+            self.last_generation_stats = types.SimpleNamespace(prompt_tokens=ids.shape[1])
+            streamer.put(ids)
+            for token in tokenizer.encode(self.reply):
+                streamer.put(torch.tensor([token]))
+
+    model = Scripted()
+    server = Server(model, tokenizer, "scripted", max_context=1024, max_queue=1, cache_bytes=1 << 20, log=sys.stdout)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=listener.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not listener.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    args = dict(model="scripted", messages=[{"role": "user", "content": "Weather?"}], max_tokens=200, tools=tools,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+
+    def both(reply: str):
+        model.reply = reply
+        whole = client.chat.completions.create(**args).choices[0]
+        chunks = [c.choices[0] for c in client.chat.completions.create(**args, stream=True)]
+        deltas = [c.delta for c in chunks]
+        streamed = [d for c in deltas for d in c.tool_calls or []]
+        assert all(d.id.startswith("call_") and d.type == "function" for d in streamed)
+        assert [d.index for d in streamed] == list(range(len(streamed)))
+        content = "".join(d.content or "" for d in deltas)
+        assert (content or None) == whole.message.content and chunks[-1].finish_reason == whole.finish_reason
+        assert [(d.function.name, d.function.arguments) for d in streamed] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+        return whole
+
+    try:
+        one = both(call % "Paris")
+        assert one.finish_reason == "tool_calls" and one.message.content is None
+        [parsed] = one.message.tool_calls
+        assert parsed.id.startswith("call_") and parsed.type == "function" and parsed.function.name == "get_weather"
+        assert json.loads(parsed.function.arguments) == {"city": "Paris"}
+        two = both("Checking both.\n" + call % "Paris" + "\n" + call % "Rome")
+        assert two.message.content == "Checking both." and two.finish_reason == "tool_calls"
+        assert [json.loads(c.function.arguments)["city"] for c in two.message.tool_calls] == ["Paris", "Rome"]
+        bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'
+        malformed = both("Hm. " + bad)
+        assert malformed.message.content == "Hm. " + bad and not malformed.message.tool_calls
+        assert malformed.finish_reason == "length"  # the scripted model sends no end token
+        model.reply = call % "Paris"
+        none = client.chat.completions.create(**args, tool_choice="none").choices[0]
+        assert none.message.content == call % "Paris" and not none.message.tool_calls
+        with pytest.raises(openai.BadRequestError) as required:
+            client.chat.completions.create(**args, tool_choice="required")
+        assert required.value.param == "tool_choice" and "'required'" in required.value.message
+        # The round trip: the assistant's call (arguments a JSON string) and the tool's answer, rendered.
+        history = [{"role": "user", "content": "Weather?"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": parsed.id, "type": "function",
+                        "function": {"name": "get_weather", "arguments": parsed.function.arguments}}]},
+                   {"role": "tool", "tool_call_id": parsed.id, "content": "Sunny, 21 C"}]
+        status, tokenized = post(url + "/tokenize", json.dumps({"messages": history, "tools": tools}).encode())
+        assert status == 200, tokenized
+        prompt = post(url + "/detokenize", json.dumps({"tokens": tokenized["tokens"]}).encode())[1]["prompt"]
+        assert '"name": "get_weather"' in prompt and "<tools>" in prompt  # the tools' block
+        assert call % "Paris" in prompt and "<tool_response>\nSunny, 21 C\n</tool_response>" in prompt
+        model.reply = "It is sunny."
+        answer = client.chat.completions.create(**{**args, "messages": history}).choices[0]
+        assert answer.message.content == "It is sunny." and answer.finish_reason == "length"
+    finally:
+        listener.should_exit = True
+        thread.join(timeout=30)
+
+
 @pytest.mark.cuda
 def test_gpu_100_streamed_requests_leak_nothing():
     """The server in this process (so that its GPU memory can be read) on the built-in model: after a warm-up
