@@ -20,7 +20,7 @@ from .errors import Qwen38Error
 from .synthetic import write_hf_checkpoint
 
 # Bumped whenever the default model's bytes would change, so stale caches are not reused.
-DEFAULT_MODEL_VERSION = 2
+DEFAULT_MODEL_VERSION = 3
 
 
 def default_model_path() -> pathlib.Path:

@@ -299,18 +299,18 @@ NUM_SYNTHETIC_MERGES = 240  # 256 bytes + 240 merges + 5 added tokens = 501 ids:
 _SYNTHETIC_ADDED_TOKENS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
                            ("<think>", False), ("</think>", False)]  # <think> is not special in Qwen3
 
-# ChatML as Qwen writes it: optional system/tools block, reasoning in <think>, tool calls and responses;
+# ChatML as Qwen3 writes it: optional system/tools block (Qwen3's wording; consecutive tool responses in one user turn), reasoning in <think>, tool calls and responses;
 # `enable_thinking=False` closes an empty think block in the generation prompt.
 SYNTHETIC_CHAT_TEMPLATE = r"""{%- if tools %}
 {{- '<|im_start|>system\n' }}
 {%- if messages and messages[0].role == 'system' %}
 {{- messages[0].content + '\n\n' }}
 {%- endif %}
-{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>' }}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
 {%- for tool in tools %}
 {{- '\n' + (tool | tojson) }}
 {%- endfor %}
-{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags.<|im_end|>\n' }}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
 {%- elif messages and messages[0].role == 'system' %}
 {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
@@ -328,11 +328,23 @@ SYNTHETIC_CHAT_TEMPLATE = r"""{%- if tools %}
 {%- endif %}
 {{- message.content or '' }}
 {%- for call in message.tool_calls or [] %}
-{{- '\n<tool_call>\n' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) + '\n</tool_call>' }}
+{%- if (loop.first and message.content) or not loop.first %}
+{{- '\n' }}
+{%- endif %}
+{%- set call = call.function if call.function else call %}
+{{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' }}
+{{- call.arguments if call.arguments is string else call.arguments | tojson }}
+{{- '}\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\n' }}
 {%- elif message.role == 'tool' %}
-{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+{{- '<|im_end|>\n' }}
+{%- endif %}
 {%- else %}
 {{- raise_exception('Unknown role: ' + message.role) }}
 {%- endif %}

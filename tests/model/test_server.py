@@ -541,7 +541,8 @@ def test_tool_calls_parsed_from_the_reply():
         status, tokenized = post(url + "/tokenize", json.dumps({"messages": history, "tools": tools}).encode())
         assert status == 200, tokenized
         prompt = post(url + "/detokenize", json.dumps({"tokens": tokenized["tokens"]}).encode())[1]["prompt"]
-        assert '"name": "get_weather"' in prompt and "<tools>" in prompt  # the tools' block
+        assert '"name": "get_weather"' in prompt and "<tools>" in prompt  # the tools' block, in Qwen3's words
+        assert 'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}' in prompt
         assert call % "Paris" in prompt and "<tool_response>\nSunny, 21 C\n</tool_response>" in prompt
         model.reply = "It is sunny."
         answer = client.chat.completions.create(**{**args, "messages": history}).choices[0]
