@@ -24,7 +24,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .conversation import PrefixCache
@@ -169,15 +169,90 @@ def error_response(status: int, message: str, param=None, code=None) -> JSONResp
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
+OPEN_PATHS = ("/health", "/metrics")  # no key needed (vLLM: /metrics unauthenticated)
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative counts per upper bound `le`, the sum and the count."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+
+# vLLM's buckets for these histograms (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    """What /metrics reports, in Prometheus' text format under vLLM's names (a qwen38: name where vLLM has
+    none). Updated on the event loop only, at the end of each request."""
+
+    def __init__(self):
+        self.prompt_tokens = self.generation_tokens = self.cache_queries = self.cache_hits = 0
+        self.ttft, self.itl, self.e2e = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS), Histogram(E2E_BUCKETS)
+
+    def text(self, model_name: str, running: int, waiting: int, state_bytes: dict[str, int]) -> str:
+        name = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        label = f'model_name="{name}"'
+        lines = []
+
+        def head(metric: str, kind: str, help_text: str) -> None:
+            lines.extend([f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"])
+
+        for metric, value, help_text in (
+                ("vllm:num_requests_running", running, "Number of requests currently running."),
+                ("vllm:num_requests_waiting", waiting, "Number of requests waiting to be processed.")):
+            head(metric, "gauge", help_text)
+            lines.append(f"{metric}{{{label}}} {value}")
+        for metric, value, help_text in (
+                ("vllm:prompt_tokens_total", self.prompt_tokens, "Number of prefill tokens processed."),
+                ("vllm:generation_tokens_total", self.generation_tokens, "Number of generation tokens processed."),
+                ("vllm:prefix_cache_queries_total", self.cache_queries,
+                 "Prefix cache queries, in terms of number of queried tokens."),
+                ("vllm:prefix_cache_hits_total", self.cache_hits,
+                 "Prefix cache hits, in terms of number of cached tokens.")):
+            head(metric, "counter", help_text)  # the classic text format: TYPE names the _total sample
+            lines.append(f"{metric}{{{label}}} {value}")
+        for metric, hist, help_text in (
+                ("vllm:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds."),
+                ("vllm:inter_token_latency_seconds", self.itl, "Histogram of inter-token latency in seconds."),
+                ("vllm:e2e_request_latency_seconds", self.e2e, "Histogram of e2e request latency in seconds.")):
+            head(metric, "histogram", help_text)
+            for bound, count in zip(hist.buckets, hist.counts):
+                lines.append(f'{metric}_bucket{{{label},le="{bound}"}} {count}')
+            lines.append(f'{metric}_bucket{{{label},le="+Inf"}} {hist.count}')
+            lines.append(f"{metric}_sum{{{label}}} {hist.sum!r}")
+            lines.append(f"{metric}_count{{{label}}} {hist.count}")
+        head("qwen38:state_bytes", "gauge", "Bytes of the cached KV and recurrent state snapshots (prefix cache), "
+             "per tier.")
+        for tier, value in state_bytes.items():
+            lines.append(f'qwen38:state_bytes{{{label},tier="{tier}"}} {value}')
+        return "\n".join(lines) + "\n"
+
+
 class ApiKey:
-    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`, else a 401 in OpenAI's
-    shape (pure ASGI, not BaseHTTPMiddleware: the handlers' receive() still sees a client go away)."""
+    """ASGI middleware: every route but /health and /metrics needs `Authorization: Bearer KEY`, else a 401
+    in OpenAI's shape (pure ASGI, not BaseHTTPMiddleware: the handlers' receive() still sees a client go
+    away). /metrics is open as in vLLM, whose --api-key guards only /v1: Prometheus scrapes it without a
+    key, and it shows counts and timings, no request content."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(401, "Incorrect or missing API key: send Authorization: Bearer KEY",
@@ -214,8 +289,8 @@ class Server:
                  sampling: dict | None = None, api_key: str | None = None, allowed_origins=(), log=None,
                  **engine_kwargs):
         """sampling: the checkpoint's settings (sampling_defaults.checkpoint_sampling, checked), over
-        REQUEST_DEFAULTS; api_key: every route but /health needs it; allowed_origins: the CORS origins ("*":
-        any); log: where one line per request goes (stderr); engine_kwargs (kv_dtype, use_graph) go to
+        REQUEST_DEFAULTS; api_key: every route but /health and /metrics needs it; allowed_origins: the CORS
+        origins ("*": any); log: where one line per request goes (stderr); engine_kwargs (kv_dtype, use_graph) go to
         every generate()."""
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.api_key, self.allowed_origins, self.log = api_key, list(allowed_origins), log or sys.stderr
@@ -225,6 +300,7 @@ class Server:
         self.cache = PrefixCache(cache_bytes)
         self.slot = asyncio.Lock()  # FIFO: asyncio wakes its waiters in arrival order
         self.waiting = 0
+        self.metrics = Metrics()
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -236,6 +312,7 @@ class Server:
             middleware.append(Middleware(ApiKey, key=self.api_key))
         return Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -289,6 +366,11 @@ class Server:
 
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "waiting": self.waiting, "cached_prefixes": len(self.cache.entries)})
+
+    async def metrics_text(self, request: Request) -> Response:
+        text = self.metrics.text(self.model_name, int(self.slot.locked()), self.waiting,
+                                 {"device": self.cache.nbytes, "host": self.cache.host_nbytes})
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
@@ -482,7 +564,7 @@ class Reply:
         self.stop_strings = job.kwargs.get("stop_strings") or []
         self.decoder = server.tokenizer.stream_decoder(skip_special_tokens=True)
         self.text, self.sent, self.count, self.finish = "", 0, 0, "length"
-        self.started, self.first_token = time.monotonic(), None
+        self.started, self.first_token, self.last_token, self.gaps = time.monotonic(), None, None, []
 
     async def tokens(self):
         """Waits for the slot, runs the job, yields its text pieces; the finish reason is set at the end."""
@@ -500,8 +582,12 @@ class Reply:
                 if isinstance(token, Exception):
                     raise token
                 self.count += 1
+                arrived = time.monotonic()
                 if self.first_token is None:
-                    self.first_token = time.monotonic()
+                    self.first_token = arrived
+                else:
+                    self.gaps.append(arrived - self.last_token)
+                self.last_token = arrived
                 self.text += self.decoder.feed(token)
                 if token in server.model.config.eos_token_ids or self.stopped():
                     self.finish = "stop"
@@ -515,6 +601,7 @@ class Reply:
             watcher.cancel()
             self.job.cancelled = True  # a generation still running stops at its next token
             self.write_log(self.finish if done else "ended early (cancelled or failed)")
+            self.record(worker is not None)
             # The slot is free once the worker is done. No await here: a task cancelled by the ASGI stack
             # (the client left) is cancelled again at every await of its cleanup.
             if worker is None:
@@ -545,6 +632,24 @@ class Reply:
         self.server.log.write(f"{self.id} POST {path}: {prompt} tokens in ({cached}), {self.count} out, {timing}, "
                               f"{finish}\n")
         self.server.log.flush()
+
+    def record(self, ran: bool) -> None:
+        """The request into the server's metrics (as vLLM: every request that ran, finished or not)."""
+        if not ran:
+            return
+        metrics, now, prompt = self.server.metrics, time.monotonic(), len(self.job.ids)
+        metrics.prompt_tokens += prompt
+        metrics.generation_tokens += self.count
+        metrics.cache_queries += prompt
+        try:
+            metrics.cache_hits += prompt - self.server.model.last_generation_stats.prompt_tokens
+        except AttributeError:
+            pass
+        metrics.e2e.observe(now - self.started)
+        if self.first_token is not None:
+            metrics.ttft.observe(self.first_token - self.started)
+        for gap in self.gaps:
+            metrics.itl.observe(gap)
 
     def stopped(self) -> bool:
         cut = min((self.text.find(s) for s in self.stop_strings if s in self.text), default=-1)

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     v.add_argument("--served-model-name", metavar="NAME", help="the model name of /v1/models and the one requests "
                    "may name (another is a 404 model_not_found); default: the checkpoint's file name")
     v.add_argument("--api-key", metavar="KEY", default=os.environ.get("QWEN38_API_KEY"),
-                   help="every route but /health needs `Authorization: Bearer KEY` (else 401); default: "
+                   help="every route but /health and /metrics needs `Authorization: Bearer KEY` (else 401); default: "
                    "$QWEN38_API_KEY, else none")
     v.add_argument("--allowed-origins", metavar="ORIGINS", default="", help="comma-separated origins a browser "
                    "may call from (CORS; * for any); default: none")

@@ -4,6 +4,7 @@ bounded FIFO queue (429) and a client that goes away cancelling its generation. 
 sequential streamed requests leave the GPU memory where it was."""
 import http.client
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -125,6 +126,61 @@ def test_queue_is_bounded_and_a_dropped_client_cancels(client, server):
     long.close()  # the client goes away: its 6000-token generation stops, the queued request runs
     thread.join(timeout=60)
     assert waiting["r"].usage.completion_tokens >= 1 and time.monotonic() - start < 20
+
+
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*)\} (\S+)$')
+
+
+def scrape(server: str) -> dict:
+    """/metrics parsed, every line checked: {(name, frozenset of label pairs): value}."""
+    with urllib.request.urlopen(server + "/metrics", timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples, types = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+            continue
+        if line.startswith("# HELP "):
+            continue
+        match = SAMPLE.match(line)
+        assert match, line
+        labels = frozenset(re.findall(r'([a-zA-Z_]+)="((?:[^"\\]|\\.)*)"', match[2]))
+        assert ("model_name", MODEL) in labels, line
+        samples[match[1], labels - {("model_name", MODEL)}] = float(match[3])
+    assert types["vllm:prompt_tokens_total"] == "counter" and types["vllm:num_requests_running"] == "gauge"
+    assert types["vllm:e2e_request_latency_seconds"] == "histogram"
+    return samples
+
+
+def test_metrics_count_the_requests(client, server):
+    """/metrics (no key needed): vLLM's counters grow by the usage the responses report, each request is
+    one observation of the request histograms, one of the inter-token latency per token after the first."""
+    before = scrape(server)
+    usages = [client.completions.create(model=MODEL, prompt="Count to ten: one, two", max_tokens=5,
+                                        temperature=0).usage,
+              client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=3, temperature=0).usage]
+    after = scrape(server)
+
+    def grew(name: str, labels=frozenset()) -> float:
+        return after[name, labels] - before.get((name, labels), 0.0)
+
+    assert grew("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew("vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert grew("vllm:prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
+    assert grew("vllm:prefix_cache_hits_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert grew(name + "_count") == 2 and grew(name + "_bucket", frozenset({("le", "+Inf")})) == 2
+        assert grew(name + "_sum") > 0
+    assert grew("vllm:inter_token_latency_seconds_count") == sum(u.completion_tokens - 1 for u in usages)
+    assert after["vllm:num_requests_running", frozenset()] == 0
+    assert after["vllm:num_requests_waiting", frozenset()] == 0
+    assert after["qwen38:state_bytes", frozenset({("tier", "device")})] > 0
+    buckets = sorted((float(dict(k[1])["le"]), v) for k, v in after.items()
+                     if k[0] == "vllm:e2e_request_latency_seconds_bucket")
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
 
 
 def test_serve_mistakes_are_one_line_before_the_load(capsys):
@@ -290,7 +346,7 @@ def test_tokenize_and_detokenize(client, server):
 
 
 def test_api_key_cors_log_and_sigterm(tmp_path):
-    """QWEN38_API_KEY (or --api-key): every route but /health needs the key, else 401 as OpenAI; CORS for
+    """QWEN38_API_KEY (or --api-key): every route but /health, /metrics needs the key, else 401 as OpenAI; CORS for
     --allowed-origins only; one stderr line per request; SIGTERM with a generation in flight exits 0."""
     import os
     import signal
@@ -317,6 +373,7 @@ def test_api_key_cors_log_and_sigterm(tmp_path):
                 openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0).models.list()
             assert refused.value.code == "invalid_api_key"
         assert post(url + "/tokenize", b'{"prompt": "x"}')[0] == 401
+        assert urllib.request.urlopen(url + "/metrics", timeout=30).status == 200  # open, as in vLLM
         client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["qwen"]
         assert client.completions.create(model="qwen", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
