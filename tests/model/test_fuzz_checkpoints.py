@@ -23,6 +23,8 @@ import torch
 
 from qwen38_model import CheckpointError, Qwen38ForCausalLM
 
+from gguf_copies import join_safetensors, split_safetensors
+
 SEED = 20261201
 CASES_PER_GGUF = 250
 CASES_HF = 250
@@ -193,16 +195,6 @@ def test_fuzzed_gguf_files(oracle_dir, tmp_path, qtype):
 
 
 # ---- HF safetensors + config.json ------------------------------------------------------------------------
-
-def split_safetensors(data: bytes) -> tuple[dict, bytes]:
-    (length,) = struct.unpack_from("<Q", data)
-    return json.loads(data[8 : 8 + length]), data[8 + length :]
-
-
-def join_safetensors(header: dict, body: bytes) -> bytes:
-    raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + body
-
 
 ODD_VALUES = (None, "128", 128.0, True, [8], {}, -1, 0, 2**40, 1e30, float("nan"), "x")
 

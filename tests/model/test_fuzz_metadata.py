@@ -13,14 +13,14 @@ Every case is a pure function of (SEED, class, case number): a failure names the
 import json
 import random
 import shutil
-import struct
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
 from qwen38_model import CheckpointError, Qwen38ForCausalLM
+
+from gguf_copies import join_safetensors, rewrite_gguf, split_safetensors
 
 SEED = 20261224
 CASES = 40
@@ -50,27 +50,6 @@ def outcome(path, names: tuple[str, ...], ref: torch.Tensor, description: str) -
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------------
-
-def rewrite_gguf(src, dst, changes: dict) -> None:
-    """src with keys replaced (in place, keeping the order): key -> (value, value type, item type or None)."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, "qwen35")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if key in changes:
-            value, value_type, item_type = changes[key]
-        else:
-            value, value_type = field.contents(), field.types[0]
-            item_type = field.types[-1] if value_type == V.ARRAY else None
-        writer.add_key_value(key, value, value_type, item_type)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
 
 SECTIONS = "qwen35.rope.dimension_sections"
 
@@ -131,16 +110,6 @@ def test_fuzzed_gguf_arch_metadata(oracle_dir, tmp_path, qtype):
 
 
 # ---- HF -------------------------------------------------------------------------------------------------
-
-def split_safetensors(data: bytes) -> tuple[dict, bytes]:
-    (length,) = struct.unpack_from("<Q", data)
-    return json.loads(data[8 : 8 + length]), data[8 + length :]
-
-
-def join_safetensors(header: dict, body: bytes) -> bytes:
-    raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + body
-
 
 NEW_DTYPES = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "F8_E8M0": 8, "C64": 64}
 

@@ -14,9 +14,9 @@ import random
 import re
 
 import gguf
-import numpy as np
 
 from bounded import run_bounded
+from gguf_copies import rewrite_gguf
 
 SEED = 20261225
 CASES = 36
@@ -28,25 +28,6 @@ A, S, I32 = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING, gguf.GGUFValueT
 BAD_TYPES = (0, 7, 8, 100, -1, -6, 2**31 - 1, -2**31)
 
 
-def write_copy(reader: gguf.GGUFReader, path: pathlib.Path, changes: dict) -> None:
-    """The oracle file with metadata replaced: key -> (value, sub_type) of an array, or None to drop it."""
-    writer = gguf.GGUFWriter(path, "qwen35")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in changes:
-            continue
-        value_type = field.types[0]
-        writer.add_key_value(key, field.contents(), value_type, field.types[-1] if value_type == A else None)
-    for key, change in changes.items():
-        if change is not None:
-            writer.add_key_value(key, change[0], A, change[1])
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def mutation(rng: random.Random, tokens: list, types: list, name: str):
     """(description, changes, expected): expected None = loads or a CheckpointError; else the regex the
     error must match after '<file>: '."""
@@ -55,13 +36,13 @@ def mutation(rng: random.Random, tokens: list, types: list, name: str):
         n = rng.choice([1, 2, 255, 400, 503, 511, 513, 600, 1024, rng.randint(1, 2000)])
         new_tokens = tokens[:n] + [f"[EXTRA{i}]" for i in range(n - len(tokens))]
         new_types = types[:n] + [1] * (n - len(types))
-        return (f"{n} tokens", {TOKENS: (new_tokens, S), TYPES: (new_types, I32)},
+        return (f"{n} tokens", {TOKENS: (new_tokens, A, S), TYPES: (new_types, A, I32)},
                 rf"tokenizer\.ggml\.tokens has {n} tokens, the model's embedding \(token_embd\.weight\) {ROWS} rows")
     if kind == 1:
         at, value = rng.randrange(len(types)), rng.choice(BAD_TYPES)
         new_types = list(types)
         new_types[at] = value
-        return (f"token_type[{at}] = {value}", {TYPES: (new_types, I32)},
+        return (f"token_type[{at}] = {value}", {TYPES: (new_types, A, I32)},
                 rf"tokenizer\.ggml\.token_type\[{at}\] is {value}, expected a llama_token_type from 1 to 6")
     if kind == 2:
         return "no token_type", {TYPES: None}, r"tokenizer\.ggml\.tokens \(512 tokens\) without tokenizer\.ggml\.token_type"
@@ -72,7 +53,7 @@ def mutation(rng: random.Random, tokens: list, types: list, name: str):
         at, value = rng.randrange(len(types)), rng.randint(1, 6)
         new_types = list(types)
         new_types[at] = value
-        return f"token_type[{at}] = {value} (valid)", {TYPES: (new_types, I32)}, None
+        return f"token_type[{at}] = {value} (valid)", {TYPES: (new_types, A, I32)}, None
     return "unchanged", {}, None
 
 
@@ -98,7 +79,7 @@ def fuzz_vocabulary() -> None:
             path = pathlib.Path(folder) / f"case{number}.gguf"
             description, changes, expected = mutation(rng, tokens, types, path.name)
             where = f"SEED {SEED} case {number}: {description}"
-            write_copy(reader, path, changes)
+            rewrite_gguf(reader, path, changes)
             for loader, name in ((load_tokenizer, "load_tokenizer"), (load_both, "qwen38_model.load")):
                 try:
                     loaded = loader(path)
@@ -142,7 +123,7 @@ def test_the_command_line_refuses_a_short_vocabulary_before_the_load(oracle_dir,
     tokens = [str(t) for t in reader.fields[TOKENS].contents()]
     types = list(reader.fields[TYPES].contents())
     path = tmp_path / "short.gguf"
-    write_copy(reader, path, {TOKENS: (tokens[:400], S), TYPES: (types[:400], I32)})
+    rewrite_gguf(reader, path, {TOKENS: (tokens[:400], A, S), TYPES: (types[:400], A, I32)})
     assert cli.main(["generate", "--model", str(path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(r"tokenizer\.ggml\.tokens has 400 tokens, the model's embedding "

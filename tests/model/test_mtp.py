@@ -16,6 +16,7 @@ from qwen38_model import CheckpointError, Qwen38ForCausalLM, StateSnapshot, conv
 from qwen38_model.scratch import Scratch
 
 from conftest import require
+from gguf_copies import rewrite_gguf
 from numerics import rel_l2
 
 transformers = require("transformers")
@@ -85,28 +86,9 @@ def dequantized_copy(src, dst):
             return np.asarray(t.data), t.tensor_type
         return gguf.quants.dequantize(t.data, t.tensor_type), gguf.GGMLQuantizationType.F32
     # All F32 now: general.file_type says so, as the loader checks it against the tensors.
-    return rewrite_gguf(src, dst, lambda tensors: {name: dequantize(t) for name, t in tensors.items()},
-                        {"general.file_type": int(gguf.LlamaFileType.ALL_F32)})
-
-
-def rewrite_gguf(src, dst, change, metadata=None):
-    """A copy of src with its tensors {name: (numpy data, ggml type)} replaced by change({name: ReaderTensor})
-    and the metadata values in `metadata` (same keys and types) replaced."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, "qwen35")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value_type = field.types[0]
-        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, (metadata or {}).get(key, field.contents()), value_type, sub_type)
-    for name, (data, data_type) in change({t.name: t for t in reader.tensors}).items():
-        writer.add_tensor(name, data, raw_dtype=data_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+    return rewrite_gguf(src, dst, {"general.file_type": (int(gguf.LlamaFileType.ALL_F32), gguf.GGUFValueType.UINT32,
+                                                         None)},
+                        lambda tensors: {name: dequantize(t) for name, t in tensors.items()})
 
 
 def poisoned_state(model, length: int):
@@ -376,7 +358,7 @@ def test_two_mtp_layers_are_refused(hf_copy):
 def test_partial_gguf_block_is_an_error(files, tmp_path):
     def drop(tensors):
         return {n: (np.asarray(t.data), t.tensor_type) for n, t in tensors.items() if n != "blk.4.nextn.hnorm.weight"}
-    path = rewrite_gguf(files["f32"], tmp_path / "partial.gguf", drop)
+    path = rewrite_gguf(files["f32"], tmp_path / "partial.gguf", tensors=drop)
     with pytest.raises(CheckpointError, match=r"partial\.gguf: missing tensor 'blk\.4\.nextn\.hnorm\.weight'"):
         Qwen38ForCausalLM.from_pretrained(path, device="cpu")
 
@@ -389,7 +371,7 @@ def test_gguf_block_with_a_dedicated_head_is_an_error(files, tmp_path):
         out["blk.4.nextn.shared_head_head.weight"] = (np.asarray(tensors["output.weight"].data),
                                                       gguf.GGMLQuantizationType.F32)
         return out
-    path = rewrite_gguf(files["f32"], tmp_path / "head.gguf", add)
+    path = rewrite_gguf(files["f32"], tmp_path / "head.gguf", tensors=add)
     with pytest.raises(CheckpointError, match=r"1 tensors are not part of the model .*'blk\.4\.nextn\.shared_head_head"):
         Qwen38ForCausalLM.from_pretrained(path, device="cpu")
 
