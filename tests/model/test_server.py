@@ -2,6 +2,7 @@
 streamed and not, the prefix cache across requests, malformed requests answered as JSON errors, the
 bounded FIFO queue (429) and a client that goes away cancelling its generation. On the GPU (`-m cuda`): 100
 sequential streamed requests leave the GPU memory where it was."""
+import contextlib
 import http.client
 import json
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -55,6 +57,45 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+class ScriptedModel:
+    """Stands in for the model in an in-process server: its "generation" is the tokens of `reply`, so that a test
+    can serve a reply that holds </think> or <tool_call> blocks (the built-in model's random text never does)."""
+    config = types.SimpleNamespace(eos_token_ids=[])
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.reply = tokenizer, ""
+
+    def generate(self, ids, streamer, **kwargs):
+        self.last_generation_stats = types.SimpleNamespace(prompt_tokens=ids.shape[1])
+        streamer.put(ids)
+        for token in self.tokenizer.encode(self.reply):
+            streamer.put(torch.tensor([token]))
+
+
+@contextlib.contextmanager
+def in_process(server):
+    """The server on a free port in a thread of this process (so that the test can read its state and its
+    model's); yields its URL, stops it after."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=listener.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not listener.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        listener.should_exit = True
+        thread.join(timeout=30)
+
 
 
 def test_models_and_health(client, server):
@@ -452,41 +493,16 @@ def test_thinking_goes_to_reasoning_content():
     text before </think> is message.reasoning_content (delta.reasoning_content streamed), the rest content;
     with it off (enable_thinking false), a reply that opens <think> itself is split the same way. A scripted
     model (fixed tokens) in this process, so that the reply does hold a </think>."""
-    import types
-
-    import uvicorn
-
     from qwen38_model.default_model import default_model_path
     from qwen38_model.server import Server, ThinkingSplit
     from qwen38_model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
-
-    class Scripted:
-        config = types.SimpleNamespace(eos_token_ids=[])
-        reply = "I think so.</think>\n\nHello!"
-
-        def generate(self, ids, streamer, **kwargs):
-            self.last_generation_stats = types.SimpleNamespace(prompt_tokens=ids.shape[1])
-            streamer.put(ids)
-            for token in tokenizer.encode(self.reply):
-                streamer.put(torch.tensor([token]))
-
-    model = Scripted()
+    model = ScriptedModel(tokenizer)
     server = Server(model, tokenizer, "scripted", max_context=512, max_queue=1, cache_bytes=1 << 20, log=sys.stdout)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=listener.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not listener.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-    args = dict(model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
-    try:
+    with in_process(server) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        args = dict(model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
         for reply, extra in [("I think so.</think>\n\nHello!", {}),
                              ("<think>I think so.</think>\n\nHello!", {"enable_thinking": False})]:
             model.reply = reply
@@ -501,9 +517,6 @@ def test_thinking_goes_to_reasoning_content():
         message = client.chat.completions.create(
             **args, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
         assert message.content == "Plain answer." and getattr(message, "reasoning_content", None) is None
-    finally:
-        listener.should_exit = True
-        thread.join(timeout=30)
     split = ThinkingSplit(opened=True)  # a </think> split across pieces is held back, never shown as content
     pieces = [split.feed(p) for p in ("abc</th", "ink>def")] + [split.feed("", final=True)]
     assert pieces == [("abc", ""), ("", "def"), ("", "")]
@@ -515,62 +528,36 @@ def test_tool_calls_parsed_from_the_reply():
     the text outside them content (null when empty); a block that is not JSON stays content; tool_choice
     "none" parses nothing; "required" is a 400; a tool message and an assistant's tool_calls reach the
     template. A scripted model (fixed tokens), as test_thinking_goes_to_reasoning_content."""
-    import types
-
-    import uvicorn
-
     from qwen38_model.default_model import default_model_path
     from qwen38_model.server import Server
     from qwen38_model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
-
-    class Scripted:
-        config = types.SimpleNamespace(eos_token_ids=[])
-        reply = ""
-
-        def generate(self, ids, streamer, **kwargs):
-            self.last_generation_stats = types.SimpleNamespace(prompt_tokens=ids.shape[1])
-            streamer.put(ids)
-            for token in tokenizer.encode(self.reply):
-                streamer.put(torch.tensor([token]))
-
-    model = Scripted()
+    model = ScriptedModel(tokenizer)
     server = Server(model, tokenizer, "scripted", max_context=1024, max_queue=1, cache_bytes=1 << 20, log=sys.stdout)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=listener.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not listener.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"city": {"type": "string"}}}}}]
-    args = dict(model="scripted", messages=[{"role": "user", "content": "Weather?"}], max_tokens=200, tools=tools,
-                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+    with in_process(server) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                   "parameters": {"type": "object",
+                                                                  "properties": {"city": {"type": "string"}}}}}]
+        args = dict(model="scripted", messages=[{"role": "user", "content": "Weather?"}], max_tokens=200, tools=tools,
+                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
 
-    def both(reply: str):
-        model.reply = reply
-        whole = client.chat.completions.create(**args).choices[0]
-        chunks = [c.choices[0] for c in client.chat.completions.create(**args, stream=True)]
-        deltas = [c.delta for c in chunks]
-        streamed = [d for c in deltas for d in c.tool_calls or []]
-        assert all(d.id.startswith("call_") and d.type == "function" for d in streamed)
-        assert [d.index for d in streamed] == list(range(len(streamed)))
-        content = "".join(d.content or "" for d in deltas)
-        assert (content or None) == whole.message.content and chunks[-1].finish_reason == whole.finish_reason
-        assert [(d.function.name, d.function.arguments) for d in streamed] == \
-            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
-        return whole
+        def both(reply: str):
+            model.reply = reply
+            whole = client.chat.completions.create(**args).choices[0]
+            chunks = [c.choices[0] for c in client.chat.completions.create(**args, stream=True)]
+            deltas = [c.delta for c in chunks]
+            streamed = [d for c in deltas for d in c.tool_calls or []]
+            assert all(d.id.startswith("call_") and d.type == "function" for d in streamed)
+            assert [d.index for d in streamed] == list(range(len(streamed)))
+            content = "".join(d.content or "" for d in deltas)
+            assert (content or None) == whole.message.content and chunks[-1].finish_reason == whole.finish_reason
+            assert [(d.function.name, d.function.arguments) for d in streamed] == \
+                [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+            return whole
 
-    try:
         one = both(call % "Paris")
         assert one.finish_reason == "tool_calls" and one.message.content is None
         [parsed] = one.message.tool_calls
@@ -604,9 +591,6 @@ def test_tool_calls_parsed_from_the_reply():
         model.reply = "It is sunny."
         answer = client.chat.completions.create(**{**args, "messages": history}).choices[0]
         assert answer.message.content == "It is sunny." and answer.finish_reason == "length"
-    finally:
-        listener.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.mark.cuda
@@ -617,8 +601,6 @@ def test_gpu_100_streamed_requests_leak_nothing():
     budget (small here, so it evicts all along) and is emptied before both readings."""
     import gc
 
-    import uvicorn
-
     from qwen38_model import Qwen38ForCausalLM
     from qwen38_model.server import Server
     from qwen38_model.default_model import default_model_path
@@ -627,33 +609,23 @@ def test_gpu_100_streamed_requests_leak_nothing():
     path = default_model_path()
     model = Qwen38ForCausalLM.from_pretrained(path, device="cuda")
     server = Server(model, load_tokenizer(path), path.name, max_context=512, max_queue=4, cache_bytes=4 << 20)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=listener.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not listener.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.1)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    with in_process(server) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
-    def streamed_chat(i: int) -> str:
-        chunks = list(client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Request {i}: say something."}], max_tokens=16,
-            temperature=0, stream=True))
-        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        def streamed_chat(i: int) -> str:
+            chunks = list(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Request {i}: say something."}], max_tokens=16,
+                temperature=0, stream=True))
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
-    def allocated_without_cache() -> int:
-        server.cache.entries.clear()
-        server.cache.host.clear()
-        gc.collect()
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
+        def allocated_without_cache() -> int:
+            server.cache.entries.clear()
+            server.cache.host.clear()
+            gc.collect()
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
 
-    try:
         streamed_chat(-1)
         before = allocated_without_cache()
         for i in range(100):
@@ -661,6 +633,3 @@ def test_gpu_100_streamed_requests_leak_nothing():
             assert server.cache.nbytes <= server.cache.max_bytes
         assert model.last_generation_stats.graph
         assert allocated_without_cache() == before
-    finally:
-        listener.should_exit = True
-        thread.join(timeout=30)
