@@ -271,20 +271,13 @@ def test_fields_a_request_leaves_out_take_the_checkpoint_settings():
         do_sample=True, temperature=0.6, top_k=0, top_p=0.95, min_p=0.05, repetition_penalty=1.2)
 
 
-def test_serve_reads_the_checkpoint_sampling_settings(capsys, monkeypatch, tmp_path, oracle_dir):
-    """`serve` hands the server the settings of the checkpoint's generation_config.json (checked before the
-    load, as `generate` checks them), and says so."""
-    import shutil
-
+@pytest.fixture
+def built_servers(monkeypatch):
+    """`serve` run for its start-up only: the Servers it builds (in order) and a free port to give it."""
     import uvicorn
 
-    from qwen38_model import cli, server
+    from qwen38_model import server
 
-    folder = tmp_path / "hf"
-    shutil.copytree(oracle_dir / "hf", folder)
-    config = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.6,
-                                                               "top_k": 20, "top_p": 0.95}))
     servers = []
 
     class Recorded(server.Server):
@@ -297,6 +290,22 @@ def test_serve_reads_the_checkpoint_sampling_settings(capsys, monkeypatch, tmp_p
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
+    return servers, port
+
+
+def test_serve_reads_the_checkpoint_sampling_settings(capsys, built_servers, tmp_path, oracle_dir):
+    """`serve` hands the server the settings of the checkpoint's generation_config.json (checked before the
+    load, as `generate` checks them), and says so."""
+    import shutil
+
+    from qwen38_model import cli
+
+    folder = tmp_path / "hf"
+    shutil.copytree(oracle_dir / "hf", folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.6,
+                                                               "top_k": 20, "top_p": 0.95}))
+    servers, port = built_servers
     assert cli.main(["serve", "--model", str(folder), "--port", port, "--device", "cpu"]) == 0
     (built,) = servers
     assert built.sampling == dict(temperature=0.6, top_k=20, top_p=0.95, min_p=0.0, repetition_penalty=1.0)
@@ -451,11 +460,9 @@ def test_api_key_cors_log_and_sigterm(tmp_path):
     assert "ended early" in served[1], served
 
 
-def test_chat_template_file_replaces_the_checkpoint_one(monkeypatch, tmp_path, oracle_dir):
+def test_chat_template_file_replaces_the_checkpoint_one(built_servers, tmp_path, oracle_dir):
     """--chat-template FILE: a folder without a template can chat (without it: a 400)."""
     import shutil
-
-    import uvicorn
 
     from qwen38_model import cli, server
 
@@ -466,18 +473,7 @@ def test_chat_template_file_replaces_the_checkpoint_one(monkeypatch, tmp_path, o
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]")
-    servers = []
-
-    class Recorded(server.Server):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            servers.append(self)
-
-    monkeypatch.setattr(server, "Server", Recorded)
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    servers, port = built_servers
     body = {"messages": [{"role": "user", "content": "Hi"}]}
     assert cli.main(["serve", "--model", str(folder), "--port", port, "--device", "cpu"]) == 0
     with pytest.raises(server.RequestError, match="no chat template"):
