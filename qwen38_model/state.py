@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import safetensors.torch
 import torch
 
-from qwen38_ops.embedding import BAD_TOKEN
+from qwen38_ops.limits import BAD_POSITION, BAD_TOKEN  # the flag bits the kernels set (op_limits.h)
 
 from .config import ATTENTION, Qwen38Config
 from .errors import CheckpointError
@@ -22,7 +22,6 @@ from .files import regular_file
 # the same values (eos ids, the source path and the context limit do not change what a state holds).
 SNAPSHOT_CONFIG_EXCLUDED = ("source", "eos_token_ids", "max_position_embeddings", "num_mtp_layers")
 MTP_KEYS = ("mtp.k", "mtp.v", "mtp.hidden")  # the MTP part of a saved snapshot (never a digit first: see load)
-BAD_POSITION = 1  # what attn_qk_norm_rope_store stores into bad_position (BAD_TOKEN: the embeddings' bit)
 KV_DTYPES = (torch.float32, torch.bfloat16)  # what a state's KV caches hold (Qwen38State's kv_dtype)
 # The largest magnitude a saved state value may have: far above what a real state holds (activations stay
 # within ~1e5; a GDN recurrent state is a decayed sum of products of L2-normed keys and values), far below
