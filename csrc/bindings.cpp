@@ -124,27 +124,33 @@ TORCH_LIBRARY(qwen38, m) {
         "Tensor(a!) conv_state, Tensor(b!) state, Tensor(c!) out, Tensor(d!)? out_q, Tensor(e!)? out_q_lo, "
         "Tensor(f!)? out_d, Tensor(g!)? token_conv_states=None, Tensor(h!)? token_states=None) -> ()");
 
-  // ---- attention: gated full attention with a KV cache [max_seq, Hkv, hd] (float32 or bfloat16).
+  // ---- attention: gated full attention with a KV cache [max_seq, Hkv, hd] (float32 or bfloat16) that the T rows
+  // share (T tokens of one sequence), or, in the decode-step ops (attn_qk_norm_rope_store, attention,
+  // attention_gated), caches [T, max_seq, Hkv, hd]: batched rows, row t a sequence of its own with cache t, each
+  // row exactly what a one-row call on its cache gives. The caches' rank picks the mode.
   // qgkv [T, Hq*2*hd + 2*Hkv*hd]: per query head [query hd | gate hd] interleaved, then k, then v.
   // Per token t at position positions[t] (int32, on the device): RMSNorm each q and k head (weights
   // [hd], stored as 1+w), NEOX RoPE on the first rotary_dim dims with frequencies theta^(-2i/rotary_dim);
-  // q -> q_out [T, Hq, hd]; k and v stored at row positions[t] of the caches. A position outside the cache
-  // stores nothing and sets bad_position (int32 [1], when given) to 1: the caller reads it at its next sync.
+  // q -> q_out [T, Hq, hd]; k and v stored at row positions[t] of the caches (of cache t, batched). A position
+  // outside the cache stores nothing and sets bad_position to 1: int32 [1], one flag for all rows, or [T], row t's
+  // flag t (either mode), when given; the caller reads it at its next sync.
   m.def("attn_qk_norm_rope_store(Tensor qgkv, Tensor q_norm, Tensor k_norm, Tensor positions, float eps, "
         "float rope_theta, int rotary_dim, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor(d!)? bad_position=None) -> ()");
   // Causal attention of q [T, Hq, hd] over cache rows 0..positions[t] (GQA: query head h reads kv head
   // h / (Hq/Hkv)), softmax in float32 with scale. out [T, Hq, hd]. workspace: float32 scratch for the
-  // split-K combine (size from qwen38_ops.attention.workspace_numel); contents undefined afterwards.
+  // split-K combine (size from qwen38_ops.attention.workspace_numel, batched=True for [T, ...] caches); contents
+  // undefined afterwards.
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, Tensor(a!) out, "
         "Tensor(b!) workspace) -> ()");
-  // attention's out for prompts (tensor cores; a bf16 cache rounds q and p to bf16). workspace: float32 scratch
+  // attention's out for prompts (tensor cores; a bf16 cache rounds q and p to bf16), one cache [max_seq, Hkv, hd]
+  // shared by the rows. workspace: float32 scratch
   // for the split-K of few query rows (size from qwen38_ops.attention_prefill.workspace_numel, 0 when unsplit);
   // contents undefined afterwards.
   m.def("attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, "
         "Tensor(a!) out, Tensor(b!) workspace) -> ()");
   // attention, then attn_output_gate applied in the split-K combine: one launch fewer for the decode step and
-  // the verify (T <= 8; each row bitwise the two ops' result).
+  // the verify (T <= 8), and for batched rows (any T); each row bitwise the two ops' result.
   m.def("attention_gated(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, Tensor qgkv, "
         "Tensor(a!) workspace, Tensor(b!) out, Tensor(c!)? out_q, Tensor(d!)? out_q_lo, Tensor(e!)? out_d) -> ()");
   // out [T, Hq*hd] = attn [T, Hq, hd] * sigmoid(gate) with gate read from qgkv's interleaved q|gate rows.

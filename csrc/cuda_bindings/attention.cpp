@@ -32,21 +32,25 @@ void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, c
                 op, ": q_norm and k_norm must be contiguous float32 [hd] = [", head_dim, "] on ", qgkv.device(),
                 ", found ", w->scalar_type(), " ", w->sizes(), " on ", w->device());
   }
-  check_caches(op, qgkv, k_cache, v_cache, head_dim);
-  const int64_t num_kv_heads = k_cache.size(1), max_seq = k_cache.size(0);
+  const CacheLayout cache = check_row_caches(op, qgkv, k_cache, v_cache, head_dim, num_tokens);
+  const int64_t num_kv_heads = cache.num_kv_heads;
   QWEN38_CHECK(qgkv.size(1) == 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim, op,
               ": qgkv must be [T, Hq*2*hd + 2*Hkv*hd] = [", num_tokens, ", ",
               2 * num_heads * head_dim + 2 * num_kv_heads * head_dim, "], found ", qgkv.sizes());
   check_positions(op, qgkv, positions, num_tokens);
   QWEN38_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, op,
               ": rotary_dim must be even and in [0, hd = ", head_dim, "], found ", rotary_dim);
+  // One flag the rows share, or row t's own flag t (either with either cache rank).
   int32_t* bad = nullptr;
+  int bad_stride = 0;
   if (bad_position.has_value()) {
     const at::Tensor& b = *bad_position;
-    QWEN38_CHECK(b.device() == qgkv.device() && b.scalar_type() == at::kInt && b.numel() == 1, op,
-                ": bad_position must be int32 [1] on ", qgkv.device(), ", found ", b.scalar_type(), " ", b.sizes(),
-                " on ", b.device());
+    QWEN38_CHECK(b.device() == qgkv.device() && b.scalar_type() == at::kInt && b.is_contiguous() &&
+                    (b.numel() == 1 || b.numel() == num_tokens),
+                op, ": bad_position must be contiguous int32 with 1 element (shared by the rows) or T = ", num_tokens,
+                " (a flag a row) on ", qgkv.device(), ", found ", b.scalar_type(), " ", b.sizes(), " on ", b.device());
     bad = b.data_ptr<int32_t>();
+    bad_stride = b.numel() == 1 ? 0 : 1;
   }
 
   const c10::cuda::CUDAGuard guard(qgkv.device());
@@ -57,26 +61,31 @@ void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, c
     a.q_norm = q_norm.data_ptr<float>(), a.k_norm = k_norm.data_ptr<float>();
     a.positions = positions.data_ptr<int32_t>();
     a.eps = (float)eps, a.rope_theta = (float)rope_theta, a.rotary_dim = (int)rotary_dim;
-    a.q_out = q_out.data_ptr<float>(), a.bad_position = bad;
+    a.q_out = q_out.data_ptr<float>(), a.bad_position = bad, a.bad_position_stride = bad_stride;
     a.k_cache = reinterpret_cast<CacheT*>(k_cache.data_ptr());
     a.v_cache = reinterpret_cast<CacheT*>(v_cache.data_ptr());
+    a.cache_row_stride = cache.row_stride;
     a.num_tokens = (int)num_tokens, a.num_heads = (int)num_heads, a.num_kv_heads = (int)num_kv_heads;
-    a.head_dim = (int)head_dim, a.max_seq = (int)max_seq;
+    a.head_dim = (int)head_dim, a.max_seq = (int)cache.max_seq;
     return attn_qk_norm_rope_store_launch(a, current_stream());
   }));
 }
 
 struct AttentionSizes {
-  int64_t num_tokens, num_heads, head_dim, num_kv_heads, max_seq;
+  int64_t num_tokens, num_heads, head_dim;
+  CacheLayout cache;
+  bool batched_rows() const { return cache.row_stride != 0; }
 };
 
-// q [T, Hq, hd], the caches, positions and the workspace of attention and attention_gated.
+// q [T, Hq, hd], the caches (shared, or a cache a row), positions and the workspace of attention and
+// attention_gated.
 AttentionSizes check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& positions,
                                       const at::Tensor& workspace) {
-  check_q_and_caches(op, q, k_cache, v_cache, attention_head_dim_supported);
+  check_q(op, q, attention_head_dim_supported);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), max_seq = k_cache.size(0);
+  const CacheLayout cache = check_row_caches(op, q, k_cache, v_cache, head_dim, num_tokens);
+  const int64_t num_kv_heads = cache.num_kv_heads;
   QWEN38_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= kAttentionMaxGroup, op,
               ": Hq must be a multiple of Hkv with at most ", kAttentionMaxGroup, " query heads per kv head, found Hq ",
               num_heads, ", Hkv ", num_kv_heads);
@@ -86,10 +95,12 @@ AttentionSizes check_attention_inputs(const char* op, const at::Tensor& q, const
   QWEN38_CHECK(workspace.device() == q.device() && workspace.scalar_type() == at::kFloat && workspace.is_contiguous(),
               op, ": workspace must be contiguous float32 on ", q.device(), ", found ", workspace.scalar_type(), " on ",
               workspace.device());
-  const int64_t needed = attention_workspace_numel((int)num_tokens, (int)num_heads, (int)head_dim);
-  QWEN38_CHECK(workspace.numel() >= needed, op, ": workspace must hold T * splits(T) * Hq * (hd + 2) = ", needed,
-              " floats (qwen38_ops.attention.workspace_numel), found ", workspace.numel());
-  return {num_tokens, num_heads, head_dim, num_kv_heads, max_seq};
+  const bool batched_rows = cache.row_stride != 0;
+  const int64_t needed = attention_workspace_numel((int)num_tokens, (int)num_heads, (int)head_dim, batched_rows);
+  QWEN38_CHECK(workspace.numel() >= needed, op, ": workspace must hold T * splits * Hq * (hd + 2) = ", needed,
+              " floats (qwen38_ops.attention.workspace_numel(T, Hq, hd, batched=",
+              batched_rows ? "True" : "False", ")), found ", workspace.numel());
+  return {num_tokens, num_heads, head_dim, cache};
 }
 
 // The output gate's operands for T rows of Hq heads of hd values (attn_output_gate, attention_gated): qgkv
@@ -134,7 +145,7 @@ GateOutputs check_gate_outputs(const char* op, const at::Device& device, const c
 void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& positions,
                double scale, at::Tensor& out, at::Tensor& workspace) {
   constexpr const char* op = "attention";
-  check_attention_inputs(op, q, k_cache, v_cache, positions, workspace);
+  const AttentionSizes n = check_attention_inputs(op, q, k_cache, v_cache, positions, workspace);
   QWEN38_CHECK_SAME_DEVICE(op, q, out);
   QWEN38_CHECK_DTYPE(op, out, at::kFloat);
   QWEN38_CHECK_CONTIGUOUS(op, out);
@@ -143,7 +154,7 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   const c10::cuda::CUDAGuard guard(q.device());
   launch_or_throw(op, with_cache_type(k_cache, [&](auto cache_element) {
     using CacheT = decltype(cache_element);
-    return attention_launch(attention_args<CacheT>(q, k_cache, v_cache, positions, scale, &out, workspace),
+    return attention_launch(attention_args<CacheT>(q, k_cache, v_cache, n.cache, positions, scale, &out, workspace),
                             current_stream());
   }));
 }
@@ -154,9 +165,10 @@ void attention_gated(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const std::optional<at::Tensor>& out_d) {
   constexpr const char* op = "attention_gated";
   const AttentionSizes n = check_attention_inputs(op, q, k_cache, v_cache, positions, workspace);
-  QWEN38_CHECK(n.num_tokens <= kAttentionSameSplitTokens, op, ": T must be at most ", kAttentionSameSplitTokens,
-              " (the decode step and the verify; longer inputs: attention_prefill, then attn_output_gate), found ",
-              n.num_tokens);
+  QWEN38_CHECK(n.batched_rows() || n.num_tokens <= kAttentionSameSplitTokens, op, ": T must be at most ",
+              kAttentionSameSplitTokens, " with one cache for the rows (the decode step and the verify; longer inputs: "
+              "attention_prefill, then attn_output_gate; batched rows, [T, max_seq, Hkv, hd] caches, take any T), "
+              "found ", n.num_tokens);
   const GateOutputs gate =
       check_gate_outputs(op, q.device(), "q", n.num_tokens, n.num_heads, n.head_dim, qgkv, out, out_q, out_q_lo, out_d);
 
@@ -165,7 +177,7 @@ void attention_gated(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     using CacheT = decltype(cache_element);
     AttentionGatedArgs<CacheT> a;
     static_cast<AttentionArgs<CacheT>&>(a) =
-        attention_args<CacheT>(q, k_cache, v_cache, positions, scale, nullptr, workspace);
+        attention_args<CacheT>(q, k_cache, v_cache, n.cache, positions, scale, nullptr, workspace);
     a.gate = gate;
     return attention_gated_launch(a, current_stream());
   }));

@@ -1,5 +1,9 @@
 // What the attention bindings (attention.cpp, attention_prefill.cpp) share: the checks of the caches and
 // positions, and the packing of attention's launch arguments for the caches' element type.
+//
+// The caches come in two ranks (attention.h): [max_seq, Hkv, hd], one cache the T rows of a call share, or, for
+// the decode-step ops (attn_qk_norm_rope_store, attention, attention_gated), [T, max_seq, Hkv, hd], row t's own
+// cache t (batched rows). The rank picks the mode: there is no flag to disagree with it.
 #pragma once
 #include <ATen/ATen.h>
 #include <cuda_bf16.h>
@@ -11,9 +15,15 @@
 
 namespace qwen38 {
 
-// Both caches: [max_seq, Hkv, hd], contiguous, one dtype (float32 or bfloat16), on `like`'s device.
-inline void check_caches(const char* op, const at::Tensor& like, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         int64_t head_dim) {
+// Where the rows find their cache: the sizes of one cache, and the elements from row t's cache to row t+1's (0: the
+// rows share one cache; max_seq*Hkv*hd in batched rows).
+struct CacheLayout {
+  int64_t max_seq, num_kv_heads, row_stride;
+};
+
+// Both caches: contiguous, one dtype (float32 or bfloat16), shaped alike, on `like`'s device.
+inline void check_cache_pair(const char* op, const at::Tensor& like, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache) {
   QWEN38_CHECK(k_cache.device() == like.device() && v_cache.device() == like.device(), op,
               ": k_cache and v_cache must be on ", like.device(), ", found ", k_cache.device(), " and ",
               v_cache.device());
@@ -21,25 +31,51 @@ inline void check_caches(const char* op, const at::Tensor& like, const at::Tenso
               ": k_cache must be float32 or bfloat16, found ", k_cache.scalar_type());
   QWEN38_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), op, ": v_cache must have k_cache's dtype ",
               k_cache.scalar_type(), ", found ", v_cache.scalar_type());
-  QWEN38_CHECK(k_cache.dim() == 3 && k_cache.size(2) == head_dim, op, ": k_cache must be [max_seq, Hkv, hd] with hd = ",
-              head_dim, ", found ", k_cache.sizes());
   QWEN38_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must be shaped like k_cache ", k_cache.sizes(),
               ", found ", v_cache.sizes());
   QWEN38_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache and v_cache must be contiguous");
-  QWEN38_CHECK(k_cache.size(0) <= INT32_MAX, op, ": max_seq must fit in int32, found ", k_cache.size(0));
 }
 
-// q: contiguous float32 [T, Hq, hd] on a CUDA device, hd one the kernel is built for (`head_dim_supported`), and
-// the caches for it (check_caches).
-inline void check_q_and_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
-                               const at::Tensor& v_cache, bool (*head_dim_supported)(int)) {
+// The layout of a checked cache: [max_seq, Hkv, hd] (shared) or [T, max_seq, Hkv, hd] (a cache a row).
+inline CacheLayout cache_layout(const char* op, const at::Tensor& k_cache) {
+  const int64_t max_seq = k_cache.size(-3), num_kv_heads = k_cache.size(-2);
+  QWEN38_CHECK(max_seq <= INT32_MAX, op, ": max_seq must fit in int32, found ", max_seq);
+  const int64_t row_stride = k_cache.dim() == 4 ? max_seq * num_kv_heads * k_cache.size(-1) : 0;  // contiguous
+  return {max_seq, num_kv_heads, row_stride};
+}
+
+// The caches of attention_prefill: [max_seq, Hkv, hd] (check_cache_pair), the one cache every row attends.
+inline CacheLayout check_caches(const char* op, const at::Tensor& like, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, int64_t head_dim) {
+  check_cache_pair(op, like, k_cache, v_cache);
+  QWEN38_CHECK(k_cache.dim() == 3 && k_cache.size(2) == head_dim, op, ": k_cache must be [max_seq, Hkv, hd] with hd = ",
+              head_dim, ", found ", k_cache.sizes());
+  return cache_layout(op, k_cache);
+}
+
+// The caches of the decode-step ops (check_cache_pair): [max_seq, Hkv, hd], shared by the T = `num_tokens` rows,
+// or [T, max_seq, Hkv, hd], row t's own cache t (batched rows; max_seq, Hkv >= 1, so that the row stride, which
+// tells the kernels the mode, is never 0).
+inline CacheLayout check_row_caches(const char* op, const at::Tensor& like, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, int64_t head_dim, int64_t num_tokens) {
+  check_cache_pair(op, like, k_cache, v_cache);
+  QWEN38_CHECK((k_cache.dim() == 3 || k_cache.dim() == 4) && k_cache.size(-1) == head_dim, op,
+              ": k_cache must be [max_seq, Hkv, hd], or [T, max_seq, Hkv, hd] with a cache a row, with hd = ",
+              head_dim, ", found ", k_cache.sizes());
+  QWEN38_CHECK(k_cache.dim() == 3 || (k_cache.size(0) == num_tokens && k_cache.size(1) >= 1 && k_cache.size(2) >= 1),
+              op, ": a 4-D k_cache holds a cache a row: [T, max_seq >= 1, Hkv >= 1, hd] with T = ", num_tokens,
+              " rows, found ", k_cache.sizes());
+  return cache_layout(op, k_cache);
+}
+
+// q: contiguous float32 [T, Hq, hd] on a CUDA device, hd one the kernel is built for (`head_dim_supported`).
+inline void check_q(const char* op, const at::Tensor& q, bool (*head_dim_supported)(int)) {
   QWEN38_CHECK_CUDA(op, q);
   QWEN38_CHECK_DTYPE(op, q, at::kFloat);
   QWEN38_CHECK_CONTIGUOUS(op, q);
   QWEN38_CHECK(q.dim() == 3, op, ": q must be [T, Hq, hd], found ", q.sizes());
   QWEN38_CHECK(head_dim_supported(static_cast<int>(q.size(2))), op,
               ": head_dim must be one of 32, 64, 128, 256 (one kernel instance each), found ", q.size(2));
-  check_caches(op, q, k_cache, v_cache, q.size(2));
 }
 
 inline void check_positions(const char* op, const at::Tensor& like, const at::Tensor& positions, int64_t num_tokens) {
@@ -58,16 +94,17 @@ cudaError_t with_cache_type(const at::Tensor& k_cache, Launch&& launch) {
   return launch(__nv_bfloat16{});
 }
 
-// attention's arguments from checked tensors: q [T, Hq, hd], the caches [max_seq, Hkv, hd], positions [T],
-// out (null: not written, attention_gated) and the workspace.
+// attention's arguments from checked tensors: q [T, Hq, hd], the caches and their layout, positions [T], out
+// (null: not written, attention_gated) and the workspace.
 template <typename CacheT>
 AttentionArgs<CacheT> attention_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                     const at::Tensor& positions, double scale, at::Tensor* out,
-                                     at::Tensor& workspace) {
+                                     const CacheLayout& cache, const at::Tensor& positions, double scale,
+                                     at::Tensor* out, at::Tensor& workspace) {
   AttentionArgs<CacheT> a;
   a.q = q.data_ptr<float>();
   a.k_cache = reinterpret_cast<const CacheT*>(k_cache.data_ptr());
   a.v_cache = reinterpret_cast<const CacheT*>(v_cache.data_ptr());
+  a.cache_row_stride = cache.row_stride;
   a.positions = positions.data_ptr<int32_t>();
   a.scale = static_cast<float>(scale);
   a.out = out != nullptr ? out->data_ptr<float>() : nullptr;
@@ -75,8 +112,8 @@ AttentionArgs<CacheT> attention_args(const at::Tensor& q, const at::Tensor& k_ca
   a.num_tokens = static_cast<int>(q.size(0));
   a.num_heads = static_cast<int>(q.size(1));
   a.head_dim = static_cast<int>(q.size(2));
-  a.num_kv_heads = static_cast<int>(k_cache.size(1));
-  a.max_seq = static_cast<int>(k_cache.size(0));
+  a.num_kv_heads = static_cast<int>(cache.num_kv_heads);
+  a.max_seq = static_cast<int>(cache.max_seq);
   return a;
 }
 

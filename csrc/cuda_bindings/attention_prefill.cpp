@@ -12,9 +12,10 @@ namespace {
 void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& positions, double scale, at::Tensor& out, at::Tensor& workspace) {
   constexpr const char* op = "attention_prefill";
-  check_q_and_caches(op, q, k_cache, v_cache, attention_prefill_head_dim_supported);
+  check_q(op, q, attention_prefill_head_dim_supported);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), max_seq = k_cache.size(0);
+  const CacheLayout cache = check_caches(op, q, k_cache, v_cache, head_dim);
+  const int64_t num_kv_heads = cache.num_kv_heads;
   QWEN38_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op,
               ": Hq must be a multiple of Hkv, found Hq ", num_heads, ", Hkv ", num_kv_heads);
   const int64_t row_blocks = (num_tokens * (num_heads / num_kv_heads) + kAttentionPrefillRows - 1) /
@@ -43,8 +44,8 @@ void attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const c10::cuda::CUDAGuard guard(q.device());
   launch_or_throw(op, with_cache_type(k_cache, [&](auto cache_element) {
     using CacheT = decltype(cache_element);
-    return attention_prefill_launch(attention_args<CacheT>(q, k_cache, v_cache, positions, scale, &out, workspace),
-                                    current_stream());
+    return attention_prefill_launch(
+        attention_args<CacheT>(q, k_cache, v_cache, cache, positions, scale, &out, workspace), current_stream());
   }));
 }
 

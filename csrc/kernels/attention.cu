@@ -5,6 +5,10 @@
 // Positions live on the device (int32): every kernel reads positions[t] itself and derives what depends
 // on it (the causal bound, each split's row range), so the grid is fixed at launch and one captured graph
 // serves every decode position.
+//
+// Batched rows (attention.h: row t is sequence t, with its own cache) run the same kernels on the same grid: the
+// blocks of token t read their cache from k_cache + t * cache_row_stride, and every row gets the decode step's
+// kAttentionSplits splits whatever T, so each row computes exactly what a T = 1 call on its cache computes.
 #include "attention.h"
 
 #include <cuda_bf16.h>
@@ -140,10 +144,10 @@ __device__ __forceinline__ void issue_tile(CacheT* stage_k, CacheT* stage_v, con
 template <typename CacheT, int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kAttnThreads, 2)
 attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k_cache,
-                       const CacheT* __restrict__ v_cache, const int32_t* __restrict__ positions,
-                       float scale_log2, float* __restrict__ out, float* __restrict__ ws_acc,
-                       float* __restrict__ ws_ml, int num_heads, int num_kv_heads, int group, int max_seq,
-                       int num_splits) {
+                       const CacheT* __restrict__ v_cache, int64_t cache_row_stride,
+                       const int32_t* __restrict__ positions, float scale_log2, float* __restrict__ out,
+                       float* __restrict__ ws_acc, float* __restrict__ ws_ml, int num_heads, int num_kv_heads,
+                       int group, int max_seq, int num_splits) {
   using Split = GroupSplit<kGroup>;
   using Tile = AttnTile<CacheT, kHeadDim, Split::kRowWarps>;
   constexpr int kHeads = Split::kHeadsPerWarp;  // query heads this warp serves
@@ -155,6 +159,8 @@ attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k
   const int ctx = context_length(positions, t, max_seq);
   const SplitRange range = split_range(ctx, num_splits, Tile::kRows);
   if (split >= range.active_splits) return;  // block-uniform, before any barrier
+  k_cache += t * cache_row_stride;  // token t's own cache in batched rows; the shared one at stride 0
+  v_cache += t * cache_row_stride;
   const int begin = split * range.rows_per_split;
   const int end = min(begin + range.rows_per_split, ctx);
   const int num_tiles = (end - begin + Tile::kRows - 1) / Tile::kRows;
@@ -407,12 +413,13 @@ cudaError_t launch_combine(dim3 grid, cudaStream_t stream, const int32_t* positi
 }
 
 // gate: null for attention's plain output (a.out), else the output gate fused into the combine (which then must
-// run: the caller guarantees more than one split; a.out is not written).
+// run: the caller guarantees more than one split; a.out is not written). Batched rows (a.cache_row_stride != 0)
+// take the same path with kAttentionSplits splits a row.
 template <typename CacheT, int kHeadDim, int kGroup>
 cudaError_t launch_attention(const AttentionArgs<CacheT>& a, const GateOutputs* gate, cudaStream_t stream) {
   using Split = GroupSplit<kGroup>;
   using Tile = AttnTile<CacheT, kHeadDim, Split::kRowWarps>;
-  const int num_splits = attention_num_splits(a.num_tokens);
+  const int num_splits = attention_num_splits(a.num_tokens, a.cache_row_stride != 0);
   constexpr int kRingBytes = kStages * Tile::kStageBytes;
   constexpr int kMergeBytes = Split::kRowWarps * kGroup * (kHeadDim + 2) * (int)sizeof(float);
   constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
@@ -424,9 +431,9 @@ cudaError_t launch_attention(const AttentionArgs<CacheT>& a, const GateOutputs* 
   float* ws_acc = a.workspace;
   float* ws_ml = a.workspace + (int64_t)a.num_tokens * a.num_heads * num_splits * kHeadDim;
   const dim3 grid(num_splits, a.num_kv_heads, a.num_tokens);
-  err = launch_pdl(kernel, grid, dim3(kAttnThreads), kSmemBytes, stream, a.q, a.k_cache, a.v_cache, a.positions,
-                   a.scale * kLog2e, out, ws_acc, ws_ml, a.num_heads, a.num_kv_heads, a.num_heads / a.num_kv_heads,
-                   a.max_seq, num_splits);
+  err = launch_pdl(kernel, grid, dim3(kAttnThreads), kSmemBytes, stream, a.q, a.k_cache, a.v_cache,
+                   a.cache_row_stride, a.positions, a.scale * kLog2e, out, ws_acc, ws_ml, a.num_heads, a.num_kv_heads,
+                   a.num_heads / a.num_kv_heads, a.max_seq, num_splits);
   if (err != cudaSuccess || num_splits == 1) return err;
   const dim3 combine_grid(a.num_heads, a.num_tokens);
   const GateOutputs g = gate != nullptr ? *gate : GateOutputs{};
@@ -476,7 +483,9 @@ cudaError_t attention_launch(const AttentionArgs<CacheT>& args, cudaStream_t str
 
 template <typename CacheT>
 cudaError_t attention_gated_launch(const AttentionGatedArgs<CacheT>& args, cudaStream_t stream) {
-  if (args.num_tokens > kAttentionSameSplitTokens || args.head_dim % 32 != 0) return cudaErrorInvalidValue;
+  const bool batched_rows = args.cache_row_stride != 0;  // any T: every row has kAttentionSplits splits
+  if ((!batched_rows && args.num_tokens > kAttentionSameSplitTokens) || args.head_dim % 32 != 0)
+    return cudaErrorInvalidValue;
   return dispatch_head_dim<CacheT>(args, &args.gate, stream);
 }
 

@@ -6,6 +6,12 @@
 // launcher takes its op's Args and a stream, launches asynchronously (with PDL when pdl_enabled(): pdl.cuh) and
 // returns the cudaError_t. Layouts are those of csrc/bindings.cpp. The cache element type is float or
 // __nv_bfloat16.
+//
+// Two modes, the same kernels (the Args' cache_row_stride tells them apart): the T rows of a call are T tokens of
+// ONE sequence sharing one cache [max_seq, Hkv, hd] (cache_row_stride 0: a decode step, a speculative verify, a
+// prompt), or T sequences of one token each, row t with its own cache t of [T, max_seq, Hkv, hd] (batched rows,
+// cache_row_stride = max_seq*Hkv*hd: B sequences decode in one launch). In both, row t finds its cache at
+// k_cache + t * cache_row_stride; nothing else differs but the attention's split count (attention_num_splits).
 #pragma once
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -17,15 +23,16 @@ namespace qwen38 {
 
 constexpr int kAttentionMaxGroup = 8;  // query heads per kv head
 
-// Splits per (token, query head) of the attention kernel (op_limits.h says why).
-inline int attention_num_splits(int num_tokens) {
-  if (num_tokens <= kAttentionSameSplitTokens) return kAttentionSplits;
+// Splits per (token, query head) of the attention kernel (op_limits.h says why). Batched rows always get the decode
+// step's kAttentionSplits, whatever T: each row is a sequence's decode step and keeps a T = 1 call's float order.
+inline int attention_num_splits(int num_tokens, bool batched_rows) {
+  if (batched_rows || num_tokens <= kAttentionSameSplitTokens) return kAttentionSplits;
   const int s = kAttentionSplits / num_tokens;
   return s > 1 ? s : 1;
 }
 // Per (token, query head, split): hd partial accumulators, then (max, sum) after all of them.
-inline int64_t attention_workspace_numel(int num_tokens, int num_heads, int head_dim) {
-  return (int64_t)num_tokens * attention_num_splits(num_tokens) * num_heads * (head_dim + 2);
+inline int64_t attention_workspace_numel(int num_tokens, int num_heads, int head_dim, bool batched_rows) {
+  return (int64_t)num_tokens * attention_num_splits(num_tokens, batched_rows) * num_heads * (head_dim + 2);
 }
 // head_dim values the attention kernel is built for (one template instance each).
 inline bool attention_head_dim_supported(int head_dim) {
@@ -33,8 +40,10 @@ inline bool attention_head_dim_supported(int head_dim) {
 }
 
 // qgkv [T, Hq*2*hd + 2*Hkv*hd] (row stride qgkv_row_stride), q_norm/k_norm [hd], positions int32 [T],
-// q_out [T, Hq, hd], caches [max_seq, Hkv, hd]. A position outside [0, max_seq) stores nothing and stores
-// kBadPositionFlag into *bad_position (when not null). hd <= 1024, rotary_dim even and <= hd.
+// q_out [T, Hq, hd], caches [max_seq, Hkv, hd] (cache_row_stride 0) or [T, max_seq, Hkv, hd] (batched rows:
+// cache_row_stride = max_seq*Hkv*hd), row t storing its k, v at row positions[t] of its cache. A position outside
+// [0, max_seq) stores nothing and stores kBadPositionFlag into bad_position[t * bad_position_stride] (when not null:
+// stride 0, one flag shared by the rows; 1, a flag a row). hd <= 1024, rotary_dim even and <= hd.
 template <typename CacheT>
 struct AttnQkNormRopeStoreArgs {
   const float* qgkv = nullptr;
@@ -47,21 +56,26 @@ struct AttnQkNormRopeStoreArgs {
   float* q_out = nullptr;
   CacheT* k_cache = nullptr;
   CacheT* v_cache = nullptr;
+  int64_t cache_row_stride = 0;
   int32_t* bad_position = nullptr;
+  int bad_position_stride = 0;
   int num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, max_seq = 0;
 };
 template <typename CacheT>
 cudaError_t attn_qk_norm_rope_store_launch(const AttnQkNormRopeStoreArgs<CacheT>& args, cudaStream_t stream);
 
-// q [T, Hq, hd], caches [max_seq, Hkv, hd] (16-byte aligned), positions int32 [T], out [T, Hq, hd],
-// workspace float32 with attention_workspace_numel(T, Hq, hd) elements. Token t attends rows
-// 0..positions[t] (clamped to the cache). Hq / Hkv <= kAttentionMaxGroup, head_dim supported as above.
-// attention_prefill_launch (attention_prefill.h) takes the same arguments, with its own workspace size.
+// q [T, Hq, hd], caches [max_seq, Hkv, hd] (cache_row_stride 0) or [T, max_seq, Hkv, hd] (batched rows:
+// cache_row_stride = max_seq*Hkv*hd, never 0: max_seq >= 1), 16-byte aligned, positions int32 [T], out [T, Hq, hd],
+// workspace float32 with attention_workspace_numel(T, Hq, hd, cache_row_stride != 0) elements. Token t attends
+// rows 0..positions[t] (clamped to the cache) of its cache. Hq / Hkv <= kAttentionMaxGroup, head_dim supported as
+// above. attention_prefill_launch (attention_prefill.h) takes the same arguments (one shared cache only), with its
+// own workspace size.
 template <typename CacheT>
 struct AttentionArgs {
   const float* q = nullptr;
   const CacheT* k_cache = nullptr;
   const CacheT* v_cache = nullptr;
+  int64_t cache_row_stride = 0;  // elements from row t's cache to row t+1's: 0 shares one cache
   const int32_t* positions = nullptr;
   float scale = 0.f;
   float* out = nullptr;  // unused by attention_gated_launch (the gate's out is its output)
@@ -86,7 +100,8 @@ struct GateOutputs {
 };
 
 // attention_launch, then the output gate applied in its split-K combine (one launch fewer): the decode step and
-// the verify, T <= kAttentionSameSplitTokens (so the combine always runs), head_dim % 32 == 0.
+// the verify, T <= kAttentionSameSplitTokens, or batched rows of any T (so the combine always runs: every row has
+// kAttentionSplits splits), head_dim % 32 == 0.
 template <typename CacheT>
 struct AttentionGatedArgs : AttentionArgs<CacheT> {
   GateOutputs gate;

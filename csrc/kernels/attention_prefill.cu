@@ -460,7 +460,8 @@ cudaError_t launch_prefill(const AttentionArgs<CacheT>& a, cudaStream_t stream) 
 template <typename CacheT>
 cudaError_t attention_prefill_launch(const AttentionArgs<CacheT>& args, cudaStream_t stream) {
   if (args.num_tokens <= 0) return cudaSuccess;
-  if (args.num_kv_heads <= 0 || args.num_heads % args.num_kv_heads != 0) return cudaErrorInvalidValue;
+  if (args.cache_row_stride != 0 || args.num_kv_heads <= 0 || args.num_heads % args.num_kv_heads != 0)
+    return cudaErrorInvalidValue;
   switch (args.head_dim) {
     case 32: return launch_prefill<CacheT, 32>(args, stream);
     case 64: return launch_prefill<CacheT, 64>(args, stream);

@@ -46,7 +46,9 @@ inline bool attention_prefill_head_dim_supported(int head_dim) {
 // 0..max(positions) written), positions int32 [T], out [T, Hq, hd] float32, workspace float32 with
 // attention_prefill_workspace_numel(T, Hq, Hkv, hd) elements (unused, may be null, when that is 0); q, caches, out
 // and workspace 16-byte aligned. Token t attends rows 0..positions[t] (clamped to the cache); query head h reads
-// kv head h / (Hq/Hkv). Hq % Hkv == 0, head_dim supported as above. Launched without PDL (pdl.cuh).
+// kv head h / (Hq/Hkv). Hq % Hkv == 0, head_dim supported as above. One cache shared by the rows only
+// (cache_row_stride 0; batched rows are decode steps: attention_launch), else cudaErrorInvalidValue. Launched
+// without PDL (pdl.cuh).
 template <typename CacheT>
 cudaError_t attention_prefill_launch(const AttentionArgs<CacheT>& args, cudaStream_t stream);
 

@@ -14,7 +14,8 @@ constexpr int kQuantBlock = 32;
 // attention: splits per (token, query head). Up to kAttentionSameSplitTokens tokens every row gets the decode
 // step's kAttentionSplits, so a speculative verify of T <= 8 tokens computes each row with exactly the float
 // order of a T = 1 step (greedy speculative output equals plain greedy, bit for bit); longer inputs share the 64
-// splits among their rows (attention_num_splits, attention.h; qwen38_ops.attention.num_splits).
+// splits among their rows (attention_num_splits, attention.h; qwen38_ops.attention.num_splits). Batched rows (a
+// cache a row, T sequences) keep kAttentionSplits a row at any T: each is a sequence's decode step.
 constexpr int kAttentionSplits = 64;
 constexpr int kAttentionSameSplitTokens = 8;
 

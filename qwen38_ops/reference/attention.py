@@ -1,4 +1,8 @@
-"""Gated full attention: per-head QK RMSNorm, partial NEOX RoPE, KV cache, causal GQA, sigmoid gate."""
+"""Gated full attention: per-head QK RMSNorm, partial NEOX RoPE, KV cache, causal GQA, sigmoid gate.
+
+The caches are [max_seq, Hkv, hd], one cache the T rows of a call share (a sequence's decode step, verify or
+prompt), or [T, max_seq, Hkv, hd]: batched rows, row t a sequence of its own with cache t. A batched call is, by
+definition, T one-row calls, row t on its own cache."""
 import torch
 
 from .norm_quant import write_activation
@@ -36,15 +40,24 @@ def _rope(x, cos, sin, rotary_dim):
 
 def attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, eps, rope_theta, rotary_dim, q_out, k_cache,
                             v_cache, bad_position=None) -> None:
-    """Rows at positions outside the cache are not stored; they set bad_position to 1 (as the kernel does)."""
+    """Rows at positions outside the cache are not stored; they set bad_position to 1 (as the kernel does): its
+    one element, shared by the rows, or element t of its T, row t's own flag."""
+    if k_cache.dim() == 4:
+        for t in range(qgkv.shape[0]):
+            shared = bad_position is None or bad_position.numel() == 1
+            flag = bad_position if shared else bad_position.view(-1)[t : t + 1]
+            attn_qk_norm_rope_store(qgkv[t : t + 1], q_norm, k_norm, positions[t : t + 1], eps, rope_theta,
+                                    rotary_dim, q_out[t : t + 1], k_cache[t], v_cache[t], flag)
+        return
     dtype = q_out.dtype
     q, _, k, v = split_qgkv(qgkv.to(dtype), k_cache.shape[1], q_norm.shape[0])
     cos, sin = rope_cos_sin(positions, rope_theta, rotary_dim, dtype)
     q_out.copy_(_rope(_rms(q, q_norm, eps), cos, sin, rotary_dim))
     rows = positions.long()
     inside = (rows >= 0) & (rows < k_cache.shape[0])
-    if bad_position is not None and not bool(inside.all()):
-        bad_position.fill_(1)
+    if bad_position is not None:
+        outside = ~inside if bad_position.numel() > 1 else ~inside.all().reshape(1)
+        bad_position.view(-1).masked_fill_(outside, 1)
     k_cache.index_copy_(0, rows[inside], _rope(_rms(k, k_norm, eps), cos, sin, rotary_dim)[inside].to(k_cache.dtype))
     v_cache.index_copy_(0, rows[inside], v[inside].to(v_cache.dtype))
 
@@ -60,6 +73,10 @@ def attention(q, k_cache, v_cache, positions, scale, out, workspace) -> None:
     share the call (prefill vs decode) and the kernels are measured against the exact value. Queries go
     in blocks of rows (memory O(rows * H * L), not O(T^2 H)); query head h reads KV head h // (Hq / Hkv),
     without copying K and V per query head."""
+    if k_cache.dim() == 4:
+        for t in range(q.shape[0]):
+            attention(q[t : t + 1], k_cache[t], v_cache[t], positions[t : t + 1], scale, out[t : t + 1], workspace)
+        return
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads

@@ -6,14 +6,20 @@ gguf-style block rounding). CUDA (-m cuda): every kernel against the reference i
 random inputs, outputs and unread cache rows poisoned, at odd sizes and the 27B shapes, both cache dtypes;
 two runs give the same bits; a captured graph replays bit for bit like eager, also after the device-held
 positions move, and gives the same bits with programmatic dependent launch on and off; bad arguments raise.
+
+Batched rows (caches [T, max_seq, Hkv, hd]: row t a sequence of its own with cache t): on the CPU the reference
+against one-row calls and an explicit softmax loop, opcheck, per-row bad_position flags; on CUDA the kernels
+against the reference (each row at its own context length, unread cache rows poisoned), every row bit for bit a
+T = 1 call on its own cache for T up to 64, per-row flags, the workspace rule, bad arguments.
 """
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
 
 import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
-from qwen38_ops.attention import ATTENTION_SPLITS, SAME_SPLIT_TOKENS, num_splits, workspace_numel
+from qwen38_ops.attention import ATTENTION_SPLITS, BAD_POSITION, SAME_SPLIT_TOKENS, num_splits, workspace_numel
 from qwen38_ops.reference import attention as ref
 from qwen38_ops.reference import norm_quant as ref_quant
 
@@ -132,6 +138,120 @@ def test_output_gate_reference_vs_formula():
 
 
 # ---------------------------------------------------------------------------------------------------
+# CPU: batched rows (caches [T, max_seq, Hkv, hd], row t a sequence of its own with cache t).
+
+def make_row_caches(positions, max_seq, hkv, hd, dtype, device="cpu", seed=0):
+    """Batched rows' caches [T, max_seq, Hkv, hd]: cache t random up to row positions[t], NaN past it (a kernel
+    that reads past a row's own bound shows it)."""
+    pairs = [make_cache(max_seq, hkv, hd, dtype, device, seed=seed + t, poison_from=int(p) + 1)
+             for t, p in enumerate(positions)]
+    return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+
+
+def opcheck_batched_rows(device, cache_dtype):
+    """opcheck of the three decode-step ops with caches [T, max_seq, Hkv, hd] and a flag a row."""
+    hq, hkv, hd, rd = ORACLE
+    T, max_seq = 3, 16
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, device=device)
+    positions = torch.tensor([2, 15, 0], dtype=torch.int32)
+    k_cache, v_cache = make_row_caches(positions, max_seq, hkv, hd, cache_dtype, device=device)
+    positions = positions.to(device)
+    empty = lambda *size, dtype=torch.float32: torch.empty(size, dtype=dtype, device=device)
+    q_out, flags = empty(T, hq, hd), torch.zeros(T, dtype=torch.int32, device=device)
+    torch.library.opcheck(ops.attn_qk_norm_rope_store.default,
+                          (qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache, flags))
+    out, workspace = empty(T, hq, hd), empty(workspace_numel(T, hq, hd, batched=True))
+    torch.library.opcheck(ops.attention.default, (q_out, k_cache, v_cache, positions, hd**-0.5, out, workspace))
+    width = hq * hd
+    gated, out_q, out_d = empty(T, width), empty(T, width, dtype=torch.int8), empty(T, width // 32)
+    torch.library.opcheck(ops.attention_gated.default,
+                          (q_out, k_cache, v_cache, positions, hd**-0.5, qgkv, workspace, gated, out_q, None, out_d))
+
+
+def test_opcheck_cpu_batched_rows():
+    opcheck_batched_rows("cpu", torch.float32)
+
+
+def test_batched_store_reference_is_one_row_calls():
+    """Row t of a batched store is a one-row store into cache t alone: its q_out row and cache t bit for bit."""
+    hq, hkv, hd, rd = ORACLE
+    T, max_seq = 4, 12
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, seed=5)
+    positions = torch.tensor([3, 11, 0, 3], dtype=torch.int32)  # rows 0 and 3: the same row of different caches
+    g = torch.Generator().manual_seed(5)
+    k0, v0 = (torch.randn(T, max_seq, hkv, hd, generator=g) for _ in range(2))
+    q_out, k_cache, v_cache = torch.empty(T, hq, hd), k0.clone(), v0.clone()
+    ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache)
+    for t in range(T):
+        q_row, k_row, v_row = torch.empty(1, hq, hd), k0[t].clone(), v0[t].clone()
+        ops.attn_qk_norm_rope_store(qgkv[t : t + 1], q_norm, k_norm, positions[t : t + 1], EPS, THETA, rd, q_row,
+                                    k_row, v_row)
+        assert torch.equal(q_out[t : t + 1], q_row) and torch.equal(k_cache[t], k_row), t
+        assert torch.equal(v_cache[t], v_row), t
+        assert not torch.equal(k_cache[t], k0[t]), t  # something was stored
+
+
+def test_batched_attention_reference_vs_softmax_loop():
+    """Row t attends rows 0..positions[t] of cache t only (the other caches' rows at those positions are other
+    sequences'): an explicit softmax loop per row and head; attention_gated is attention then the gate."""
+    hq, hkv, hd = 6, 2, 16
+    positions = torch.tensor([4, 9, 0, 9], dtype=torch.int32)
+    T, scale = positions.shape[0], hd**-0.5
+    k_cache, v_cache = make_row_caches(positions, 12, hkv, hd, torch.float64, seed=3)
+    q = torch.randn(T, hq, hd, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = torch.empty(T, hq, hd, dtype=torch.float64)
+    ref.attention(q, k_cache, v_cache, positions, scale, out, None)
+    for t in range(T):
+        n = int(positions[t]) + 1
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            p = torch.softmax(k_cache[t, :n, kv] @ q[t, h] * scale, dim=0)
+            torch.testing.assert_close(out[t, h], p @ v_cache[t, :n, kv], rtol=1e-12, atol=1e-12)
+    qgkv, _, _ = make_qgkv(T, hq, hkv, hd, dtype=torch.float64, seed=2)
+    gated, expected = torch.empty(T, hq * hd, dtype=torch.float64), torch.empty(T, hq * hd, dtype=torch.float64)
+    ref.attention_gated(q, k_cache, v_cache, positions, scale, qgkv, None, gated)
+    ref.attn_output_gate(out, qgkv, expected)
+    assert torch.equal(gated, expected)
+
+
+def check_per_row_flags(device):
+    """bad_position with a flag a row (T elements): a row whose position is outside its cache stores nothing and
+    sets its own element to BAD_POSITION; a row inside leaves its element as it was (2 here: another condition
+    flagged earlier). Both cache ranks; and batched rows with one shared flag."""
+    hq, hkv, hd, rd = ORACLE
+    max_seq = 8
+    positions = torch.tensor([2, 8, 5, -1], dtype=torch.int32, device=device)
+    T = positions.shape[0]
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, device=device, seed=1)
+    q_out = torch.empty(T, hq, hd, device=device)
+    for shape in ((max_seq, hkv, hd), (T, max_seq, hkv, hd)):
+        k_cache = torch.full(shape, float("nan"), device=device)
+        v_cache = torch.full(shape, float("nan"), device=device)
+        flags = torch.tensor([0, 0, 2, 0], dtype=torch.int32, device=device)
+        ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache, flags)
+        assert flags.tolist() == [0, BAD_POSITION, 2, BAD_POSITION], shape
+        stored = torch.zeros(shape[:-2], dtype=torch.bool, device=device)  # [max_seq] or [T, max_seq]
+        if len(shape) == 3:
+            stored[[2, 5]] = True
+        else:
+            stored[0, 2] = stored[2, 5] = True
+        assert torch.isfinite(k_cache[stored]).all() and torch.isnan(k_cache[~stored]).all(), shape
+        assert torch.isfinite(v_cache[stored]).all() and torch.isnan(v_cache[~stored]).all(), shape
+    k_cache = torch.zeros(T, max_seq, hkv, hd, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    shared = torch.zeros(1, dtype=torch.int32, device=device)
+    ops.attn_qk_norm_rope_store(qgkv[:1], q_norm, k_norm, positions[:1], EPS, THETA, rd, q_out[:1], k_cache[:1],
+                                v_cache[:1], shared)
+    assert int(shared) == 0
+    ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache, shared)
+    assert int(shared) == BAD_POSITION
+
+
+def test_per_row_bad_position_flags():
+    check_per_row_flags("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------
 # CUDA: kernels against the reference.
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16]
@@ -227,7 +347,7 @@ def attention_expected(q, k_cache, v_cache, positions, scale):
 def run_attention_cuda(q, k_cache, v_cache, positions, scale):
     T, hq, hd = q.shape
     out = torch.full((T, hq, hd), float("nan"), device="cuda")
-    workspace = torch.full((workspace_numel(T, hq, hd),), float("nan"), device="cuda")
+    workspace = torch.full((workspace_numel(T, hq, hd, batched=k_cache.dim() == 4),), float("nan"), device="cuda")
     ops.attention(q, k_cache, v_cache, positions, scale, out, workspace)
     return out
 
@@ -541,6 +661,44 @@ def check_bad_inputs():
         ops.attention_gated(q_out, k_cache, v_cache, positions, 0.1, qgkv[:, :width], workspace,
                             torch.empty(T, width, device="cuda"), None, None, None)
 
+    # Batched rows: caches [T, max_seq, Hkv, hd], flags [1] or [T], the batched workspace.
+    row_k, row_v = k_cache.expand(T, -1, -1, -1).contiguous(), v_cache.expand(T, -1, -1, -1).contiguous()
+    progress()
+    with pytest.raises(RuntimeError, match="attn_qk_norm_rope_store: a 4-D k_cache holds a cache a row"):
+        store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, row_k[:1], row_v[:1])
+    progress()
+    with pytest.raises(RuntimeError, match="attn_qk_norm_rope_store: k_cache must be \\[max_seq, Hkv, hd\\], or"):
+        store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, row_k[None], row_v[None])
+    progress()
+    with pytest.raises(RuntimeError, match="v_cache must be shaped like k_cache"):
+        store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, row_k, v_cache)
+    progress()
+    with pytest.raises(RuntimeError, match="max_seq >= 1"):
+        store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, row_k[:, :0], row_v[:, :0])
+    progress()
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must be contiguous"):
+        store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, row_k.transpose(0, 1), row_v.transpose(0, 1))
+    for flag in (torch.zeros(T + 1, dtype=torch.int32, device="cuda"), torch.zeros(T, dtype=torch.int32),
+                 torch.zeros(T, dtype=torch.int64, device="cuda"),
+                 torch.zeros(2 * T, dtype=torch.int32, device="cuda")[::2]):
+        progress()
+        with pytest.raises(RuntimeError, match="bad_position must be contiguous int32 with 1 element"):
+            store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, row_k, row_v, flag)
+    progress()
+    with pytest.raises(RuntimeError, match="attention: a 4-D k_cache holds a cache a row"):
+        ops.attention(q_out, row_k[:1], row_v[:1], positions, 0.1, out, workspace)
+    rows_k, rows_v = k_cache.expand(rows, -1, -1, -1).contiguous(), v_cache.expand(rows, -1, -1, -1).contiguous()
+    shared_size = torch.empty(workspace_numel(rows, hq, hd), device="cuda")  # the shared cache's: fewer splits
+    progress()
+    with pytest.raises(RuntimeError, match="workspace must hold .*batched=True"):
+        ops.attention(q9, rows_k, rows_v, torch.zeros(rows, dtype=torch.int32, device="cuda"), 0.1,
+                      torch.empty(rows, hq, hd, device="cuda"), shared_size)
+    progress()
+    with pytest.raises(RuntimeError, match="attention_gated: workspace must hold .*batched=True"):
+        ops.attention_gated(q9, rows_k, rows_v, torch.zeros(rows, dtype=torch.int32, device="cuda"), 0.1,
+                            torch.zeros(rows, qgkv.shape[1], device="cuda"), shared_size,
+                            torch.empty(rows, width, device="cuda"), None, None, None)
+
 
 @cuda
 def test_bad_inputs_raise():
@@ -614,3 +772,195 @@ def test_cuda_position_outside_the_cache_sets_the_flag():
                                 v_cache, flag)
     assert int(flag) == 1
     assert torch.isfinite(k_cache[2]).all() and torch.isnan(k_cache[[0, 1, 3, 4, 5, 6, 7]]).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA: batched rows.
+
+@cuda
+@pytest.mark.parametrize("shape", [ORACLE, M27B, (6, 3, 64, 64), (2, 2, 80, 0)])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 13])
+def test_batched_store_cuda_float64(shape, cache_dtype, T):
+    """Batched rows against the float64 reference (bounds as test_qk_norm_rope_store_cuda_float64): row t's q, and
+    its k and v at row positions[t] of cache t; every other row of every cache keeps its NaN poison (rows of
+    different caches at the same position included)."""
+    assert_cuda_kernel("attn_qk_norm_rope_store")
+    hq, hkv, hd, rd = shape
+    max_seq = 64
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, seed=T + hd + 1)
+    positions = torch.randint(0, max_seq, (T,), generator=torch.Generator().manual_seed(T), dtype=torch.int32)
+    k_cache = torch.full((T, max_seq, hkv, hd), float("nan"), dtype=torch.float64)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    exp_q = torch.empty(T, hq, hd, dtype=torch.float64)
+    exp_k, exp_v = k_cache.clone(), v_cache.clone()
+    ref.attn_qk_norm_rope_store(qgkv.double(), q_norm.double(), k_norm.double(), positions, EPS, THETA, rd, exp_q,
+                                exp_k, exp_v)
+    q_out, k_out, v_out = run_store_cuda(rows_view(qgkv.cuda()), q_norm.cuda(), k_norm.cuda(), positions.cuda(), rd,
+                                         k_cache.to(cache_dtype).cuda(), v_cache.to(cache_dtype).cuda(), hq)
+    assert torch.isfinite(q_out).all()
+    torch.testing.assert_close(q_out.cpu().double(), exp_q, rtol=0, atol=5e-5)
+    tol = dict(rtol=0, atol=5e-5) if cache_dtype == torch.float32 else dict(rtol=2**-8, atol=1e-6)
+    written = torch.zeros(T, max_seq, dtype=torch.bool)
+    written[torch.arange(T), positions.long()] = True
+    k_out, v_out = k_out.cpu().double(), v_out.cpu().double()
+    assert torch.isnan(k_out[~written]).all() and torch.isnan(v_out[~written]).all()
+    torch.testing.assert_close(k_out[written], exp_k[written], **tol)
+    torch.testing.assert_close(v_out[written], exp_v[written].to(cache_dtype).double(), rtol=0, atol=0)
+
+
+BATCHED_CASES = [
+    # (Hq, Hkv, hd, positions): a cache a row, each row at its own context length. The 27B shape (one row, one
+    # tile, many splits in one call; 13 rows, more than a shared cache's 8), the oracle over 64 rows, every
+    # group-size instance (1, 2, 3->4, 5->6, 6, 8) and head_dim.
+    (24, 4, 256, [0, 37, 4999]),
+    (24, 4, 256, [1500, 3, 700, 1999, 64, 65, 127, 128, 1000, 0, 31, 1234, 1777]),
+    (4, 2, 32, [(t * 389) % 1300 for t in range(64)]),
+    (2, 2, 64, [700, 3]),
+    (6, 2, 128, [300, 2100]),
+    (5, 1, 64, [999, 5, 0]),
+    (6, 3, 64, [10, 500, 80, 1]),
+    (8, 1, 128, [2048, 1, 129, 10]),
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", BATCHED_CASES, ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_T{len(c[3])}")
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_batched_attention_cuda_matches_reference(case, cache_dtype):
+    """attention with caches [T, max_seq, Hkv, hd] against the float64 reference (bound as
+    test_attention_cuda_matches_reference); cache t's rows past positions[t] are NaN, so a row that reads past its
+    own bound fails; out and workspace poisoned."""
+    assert_cuda_kernel("attention")
+    hq, hkv, hd, pos = case
+    T, max_seq = len(pos), max(pos) + 9
+    positions = torch.tensor(pos, dtype=torch.int32)
+    k_cache, v_cache = make_row_caches(positions, max_seq, hkv, hd, cache_dtype, seed=hd + T)
+    q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
+    scale = hd**-0.5
+    expected = attention_expected(q, k_cache, v_cache, positions, scale)
+    out = run_attention_cuda(q.cuda(), k_cache.cuda(), v_cache.cuda(), positions.cuda(), scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-5)
+
+
+@cuda
+@pytest.mark.parametrize("case", BATCHED_CASES[:3] + BATCHED_CASES[-1:],
+                         ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_T{len(c[3])}")
+@pytest.mark.parametrize("lane", ["f32", "int8", "int8x2"])
+def test_batched_attention_gated_cuda_equals_attention_then_gate(case, lane):
+    """Batched rows of any T (13 and 64 here: past the shared cache's limit of 8) through attention_gated: the bits
+    of batched attention followed by attn_output_gate, every output poisoned first, and within the float64
+    reference's bound."""
+    assert_cuda_kernel("attention_gated")
+    hq, hkv, hd, pos = case
+    T, width, max_seq = len(pos), hq * hd, max(pos) + 9
+    positions = torch.tensor(pos, dtype=torch.int32)
+    k_cache, v_cache = make_row_caches(positions, max_seq, hkv, hd, torch.bfloat16, seed=hd + T)
+    q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
+    qgkv, _, _ = make_qgkv(T, hq, hkv, hd, seed=T + 1)
+    args = (q.cuda(), k_cache.cuda(), v_cache.cuda(), positions.cuda(), hd**-0.5)
+
+    def outputs():
+        out = rows_view(torch.full((T, width), float("nan"), device="cuda"))
+        if lane == "f32":
+            return out, None, None, None
+        out_q = torch.full((T, width), 0x7F, dtype=torch.int8, device="cuda")
+        out_q_lo = torch.full((T, width), 0x7F, dtype=torch.int8, device="cuda") if lane == "int8x2" else None
+        return out, out_q, out_q_lo, torch.full((T, width // 32), float("nan"), device="cuda")
+
+    workspace = torch.full((workspace_numel(T, hq, hd, batched=True),), float("nan"), device="cuda")
+    attn = torch.full((T, hq, hd), float("nan"), device="cuda")
+    ops.attention(*args, attn, workspace)
+    unfused = outputs()
+    ops.attn_output_gate(attn, rows_view(qgkv.cuda()), *unfused)
+    workspace.fill_(float("nan"))
+    fused = outputs()
+    ops.attention_gated(*args, rows_view(qgkv.cuda()), workspace, *fused)
+    for name, got, want in zip(("out", "out_q", "out_q_lo", "out_d"), fused, unfused):
+        if want is not None:
+            assert torch.equal(got, want), name
+    expected = torch.empty(T, width, dtype=torch.float64)
+    ref.attention_gated(q.double(), k_cache.double(), v_cache.double(), positions, hd**-0.5, qgkv.double(), None,
+                        expected)
+    torch.testing.assert_close(fused[0].cpu().double(), expected, rtol=0, atol=2e-5)
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 2, 3, 8, 13, 64])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_batched_rows_equal_one_row_calls_bitwise(T, cache_dtype):
+    """The batch-invariance contract: row t of a batched store -> attention -> attention_gated (int8 lane) gives,
+    bit for bit, what T = 1 calls on cache t alone (the shared-cache mode) give: q_out, the whole of cache t,
+    attention's out, the gated out and its quantized words and scales. The 27B shape, each row at its own context
+    length (one row to many splits), qgkv row-strided."""
+    hq, hkv, hd, rd = M27B
+    width, scale, max_seq = hq * hd, hd**-0.5, 1500
+    g = torch.Generator().manual_seed(T)
+    positions = torch.randint(0, max_seq, (T,), generator=g, dtype=torch.int32)
+    positions[0] = max_seq - 1
+    positions = positions.cuda()
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, seed=T)
+    qgkv, q_norm, k_norm = rows_view(qgkv.cuda()), q_norm.cuda(), k_norm.cuda()
+    g_cuda = torch.Generator(device="cuda").manual_seed(T)
+    k0, v0 = (torch.randn(T, max_seq, hkv, hd, generator=g_cuda, device="cuda").to(cache_dtype) for _ in range(2))
+
+    def step(rows, k_cache, v_cache):
+        """The three ops on qgkv's rows `rows` (a slice) and the given caches, every output poisoned first."""
+        n = rows.stop - rows.start
+        nan = lambda *size: torch.full(size, float("nan"), device="cuda")
+        o = dict(q=nan(n, hq, hd), attn=nan(n, hq, hd), out=nan(n, width),
+                 out_q=torch.full((n, width), 0x7F, dtype=torch.int8, device="cuda"), out_d=nan(n, width // 32))
+        batched = k_cache.dim() == 4
+        workspace = nan(workspace_numel(n, hq, hd, batched=batched))
+        ops.attn_qk_norm_rope_store(qgkv[rows], q_norm, k_norm, positions[rows], EPS, THETA, rd, o["q"], k_cache,
+                                    v_cache)
+        ops.attention(o["q"], k_cache, v_cache, positions[rows], scale, o["attn"], workspace)
+        ops.attention_gated(o["q"], k_cache, v_cache, positions[rows], scale, qgkv[rows], workspace, o["out"],
+                            o["out_q"], None, o["out_d"])
+        return o
+
+    k_cache, v_cache = k0.clone(), v0.clone()
+    together = step(slice(0, T), k_cache, v_cache)
+    assert torch.isfinite(together["out"]).all()
+    for t in range(T):
+        k_alone, v_alone = k0[t].clone(), v0[t].clone()
+        alone = step(slice(t, t + 1), k_alone, v_alone)
+        for name, value in alone.items():
+            assert torch.equal(together[name][t : t + 1], value), (t, name)
+        assert torch.equal(k_cache[t], k_alone) and torch.equal(v_cache[t], v_alone), t
+
+
+@cuda
+def test_opcheck_cuda_batched_rows():
+    opcheck_batched_rows("cuda", torch.bfloat16)
+
+
+@cuda
+def test_cuda_per_row_bad_position_flags():
+    assert_cuda_kernel("attn_qk_norm_rope_store")
+    check_per_row_flags("cuda")
+
+
+@cuda
+def test_batched_workspace_rule_is_the_kernels():
+    """workspace_numel(T, ..., batched=True) is the binding's size for caches [T, max_seq, Hkv, hd] at every T
+    (ATTENTION_SPLITS a row, also past SAME_SPLIT_TOKENS): exactly that many floats are taken by attention and
+    attention_gated, one fewer refused."""
+    hq, hkv, hd = 4, 2, 32
+    width = hq * hd
+    for T in (1, 2, SAME_SPLIT_TOKENS, SAME_SPLIT_TOKENS + 1, 64, 65):
+        assert num_splits(T, batched=True) == ATTENTION_SPLITS
+        k_cache, v_cache = (c.view(T, 40, hkv, hd) for c in make_cache(T * 40, hkv, hd, torch.float32, device="cuda"))
+        q = torch.randn(T, hq, hd, device="cuda")
+        positions = torch.arange(T, dtype=torch.int32, device="cuda") % 40
+        qgkv = torch.randn(T, 2 * width + 2 * hkv * hd, device="cuda")
+        out, gated = torch.empty(T, hq, hd, device="cuda"), torch.empty(T, width, device="cuda")
+        needed = workspace_numel(T, hq, hd, batched=True)
+        for numel in (needed, needed - 1):
+            workspace = torch.empty(numel, device="cuda")
+            with pytest.raises(RuntimeError, match="workspace must hold") if numel < needed else nullcontext():
+                ops.attention(q, k_cache, v_cache, positions, 0.1, out, workspace)
+            with pytest.raises(RuntimeError, match="workspace must hold") if numel < needed else nullcontext():
+                ops.attention_gated(q, k_cache, v_cache, positions, 0.1, qgkv, workspace, gated, None, None, None)
+    torch.cuda.synchronize()

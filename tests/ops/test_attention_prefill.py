@@ -300,6 +300,10 @@ def check_bad_inputs():
     progress()
     with pytest.raises(RuntimeError, match="k_cache and v_cache must be contiguous"):
         prefill(q, k_cache.transpose(0, 1).contiguous().transpose(0, 1), v_cache, positions, 0.1, out, ws)
+    progress()  # a cache a row (batched rows) is the decode-step ops' mode only
+    with pytest.raises(RuntimeError, match="attention_prefill: k_cache must be \\[max_seq, Hkv, hd\\]"):
+        prefill(q, k_cache.expand(2, -1, -1, -1).contiguous(), v_cache.expand(2, -1, -1, -1).contiguous(),
+                positions, 0.1, out, ws)
     progress()
     with pytest.raises(RuntimeError, match="Hq must be a multiple of Hkv"):
         prefill(q[:, :3].contiguous(), k_cache, v_cache, positions, 0.1, out[:, :3].contiguous(), ws)

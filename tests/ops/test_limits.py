@@ -42,6 +42,8 @@ def test_what_the_python_side_relies_on():
     assert all(attention.num_splits(t) == limits.ATTENTION_SPLITS
                for t in range(1, limits.ATTENTION_SAME_SPLIT_TOKENS + 1))
     assert attention.num_splits(limits.ATTENTION_SAME_SPLIT_TOKENS + 1) < limits.ATTENTION_SPLITS
+    # Batched rows (a cache a row): every row a sequence's decode step, with its splits, at any T.
+    assert all(attention.num_splits(t, batched=True) == limits.ATTENTION_SPLITS for t in (1, 9, 64, 1000))
     # One error int32 holds both flags: distinct bits.
     assert limits.BAD_POSITION & limits.BAD_TOKEN == 0 and limits.BAD_POSITION and limits.BAD_TOKEN
     # The GEMV's default configs (trip 2, parts 1 or 4: q8_0_gemv_default_config) are compiled.
