@@ -117,3 +117,29 @@ def check_logits_to_keep(logits_to_keep) -> None:
     if not is_int(logits_to_keep) or logits_to_keep < 0:
         raise ValueError(f"logits_to_keep must be an integer >= 0 (0: every row; k: the last k), found "
                          f"{logits_to_keep!r:.40}")
+
+
+def kept_positions(attention_mask, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per row of input_ids, the positions attention_mask keeps (int64): one contiguous run of ones, as left
+    padding (generation) or right padding gives; a ValueError for any other mask. None keeps every position."""
+    batch, length = input_ids.shape
+    if attention_mask is None:
+        return [torch.arange(length)] * batch
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
+        found = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {(batch, length)}, found {found}")
+    mask = attention_mask.cpu()
+    if mask.dtype == torch.bool:
+        mask = mask.long()
+    if mask.is_floating_point() or mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    kept = []
+    for b, row in enumerate(mask):
+        ones = row.nonzero()[:, 0]
+        if ones.numel() == 0:
+            raise ValueError(f"attention_mask row {b} keeps no token")
+        if int(ones[-1] - ones[0]) + 1 != ones.numel():
+            raise ValueError(f"attention_mask row {b} is not one run of ones (padding must be on the left or the "
+                             "right of the tokens)")
+        kept.append(ones)
+    return kept

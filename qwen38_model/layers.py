@@ -69,22 +69,24 @@ class Q8Linear(nn.Module):
         self._product(act, out, scratch)
         return out
 
-    def _gemm(self, rows: int) -> bool:
-        """Whether the int lanes run the GEMM: from INT_GEMM_MIN_ROWS rows, when its 64-wide stage fits K."""
-        return rows >= INT_GEMM_MIN_ROWS and self.in_features % 64 == 0
+    def _gemm(self, rows: int, scratch: Scratch) -> bool:
+        """Whether the int lanes run the GEMM: from INT_GEMM_MIN_ROWS rows, when its 64-wide stage fits K,
+        except in a rowwise scratch (a batched decode step: the GEMM sums a row in another order than the
+        GEMV, so a row's bits would depend on the batch size)."""
+        return rows >= INT_GEMM_MIN_ROWS and self.in_features % 64 == 0 and not scratch.rowwise
 
     def _f32_lane(self, act: Activation, out: torch.Tensor, scratch: Scratch) -> None:
-        if act.x.shape[0] >= F32_GEMM_MIN_ROWS and out.is_cuda:
+        if act.x.shape[0] >= F32_GEMM_MIN_ROWS and out.is_cuda and not scratch.rowwise:
             self._dequantized_matmul(act.x, out, scratch)
         else:
             ops.q8_0_gemv(act.x, self.weight_q, self.weight_d, out)
 
     def _int8_lane(self, act: Activation, out: torch.Tensor, scratch: Scratch) -> None:
-        op = ops.q8_0_gemm_int8 if self._gemm(act.x.shape[0]) else ops.q8_0_gemv_int8
+        op = ops.q8_0_gemm_int8 if self._gemm(act.x.shape[0], scratch) else ops.q8_0_gemv_int8
         op(act.q, act.d, self.weight_q, self.weight_d, out)
 
     def _int8x2_lane(self, act: Activation, out: torch.Tensor, scratch: Scratch) -> None:
-        op = ops.q8_0_gemm_int8x2 if self._gemm(act.x.shape[0]) else ops.q8_0_gemv_int8x2
+        op = ops.q8_0_gemm_int8x2 if self._gemm(act.x.shape[0], scratch) else ops.q8_0_gemv_int8x2
         op(act.q, act.q_lo, act.d, self.weight_q, self.weight_d, out)
 
     def _dequantized_matmul(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
@@ -186,8 +188,9 @@ class GatedDeltaNet(nn.Module):
         x = self.qkvz(act, scratch)
         out = scratch.activation(self, "normed", rows, c.linear_value_dim, self.normed_format)
         # gdn_step and the op sequence below give the same bits for up to GDN_STEP_ROWS rows (both recur token
-        # by token there); gdn_step is one launch instead of four.
-        if rows <= GDN_STEP_ROWS:
+        # by token there); gdn_step is one launch instead of four. A batched state (slots.SlotStates.rows:
+        # recurrent [B, Hv, dv, dk]) is B sequences of one token each: gdn_step's batched-rows mode, any B.
+        if rows <= GDN_STEP_ROWS or state.recurrent.dim() == 4:
             ops.gdn_step(x, self.conv_weight, self.a_neg, self.dt_bias, self.norm_weight, c.rms_norm_eps, state.conv,
                          state.recurrent, *out.outs(), token_conv, token_recurrent)
             return self.out_proj(out, scratch)
@@ -227,14 +230,16 @@ class GatedAttention(nn.Module):
         ops.attn_qk_norm_rope_store(qgkv, self.q_norm, self.k_norm, positions, c.rms_norm_eps, c.rope_theta,
                                     c.rotary_dim, q, cache.k, cache.v, cache.bad_position)
         out = scratch.activation(self, "gated", rows, c.num_attention_heads * c.head_dim, self.gated_format)
-        if rows > SAME_SPLIT_TOKENS:  # a prompt chunk: flash attention on tensor cores, then the gate
+        batched = cache.k.dim() == 4  # slots.SlotStates.rows: row t is sequence t, cache t
+        if rows > SAME_SPLIT_TOKENS and not batched:  # a prompt chunk: flash attention on tensor cores, then the gate
             attn = scratch.empty(self, "attn", q.shape)
             workspace = scratch.empty(self, "prefill_workspace", (prefill_workspace_numel(
                 rows, c.num_attention_heads, c.num_key_value_heads, c.head_dim),))
             ops.attention_prefill(q, cache.k, cache.v, positions, c.head_dim**-0.5, attn, workspace)
             ops.attn_output_gate(attn, qgkv, *out.outs())
         else:  # a decode step or a verify: split-K, each row in the decode step's float order, gate in the combine
-            workspace = scratch.empty(self, "workspace", (workspace_numel(rows, c.num_attention_heads, c.head_dim),))
+            workspace = scratch.empty(self, "workspace", (workspace_numel(rows, c.num_attention_heads, c.head_dim,
+                                                                          batched),))
             ops.attention_gated(q, cache.k, cache.v, positions, c.head_dim**-0.5, qgkv, workspace, *out.outs())
         return self.o_proj(out, scratch)
 

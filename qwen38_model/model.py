@@ -1,7 +1,9 @@
 """Qwen38ForCausalLM: the hybrid GDN + gated-attention stack as an nn.Module, loaded from GGUF or HF."""
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -11,12 +13,13 @@ from torch import nn
 import qwen38_ops
 
 from .arguments import (check_device, check_dtype, check_ids_dtype_holds, check_input_ids, check_logits_to_keep,
-                        check_new_token_bounds, check_seed, check_streamer, check_token_count, stop_string_tuple,
-                        stop_token_ids)
+                        check_new_token_bounds, check_seed, check_streamer, check_token_count, kept_positions,
+                        stop_string_tuple, stop_token_ids)
 from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
 from .checkpoint.layout import MTP_PARTS
 from .config import ATTENTION, Qwen38Config
 from .conversation import Conversation, PrefixCache
+from .engine import BatchEngine, BatchStats, Sequence, run_batch
 from .errors import NonFiniteLogitsError
 from .formats import Activation, lane_format
 from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
@@ -25,7 +28,7 @@ from .mtp import MTPBlock
 from .sampling import SamplingConfig
 from .scratch import Scratch
 from .speculative import SpeculativeEngine, run_speculative
-from .state import Qwen38State, StateSnapshot
+from .state import Qwen38State, StateSnapshot, check_kv_dtype
 
 ops = torch.ops.qwen38
 
@@ -33,6 +36,9 @@ ops = torch.ops.qwen38
 # the 27B shape in the int8 lane, so ~2 GB here); tensor-core GEMM speed saturates far below it
 # (benchmarks/prefill.py measures the chunk sizes).
 PREFILL_CHUNK = 4096
+# The most sequences one generate() call decodes at once (the largest step bucket, engine.BUCKETS); more
+# rows wait for a free slot.
+BATCH_LIMIT = 64
 
 
 def default_kv_dtype(device: torch.device) -> torch.dtype:
@@ -151,9 +157,13 @@ class Qwen38ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: Qwen38State | None = None,
-                logits_to_keep: int = 0, return_mtp_logits: bool = False) -> CausalLMOutput:
+                logits_to_keep: int = 0, return_mtp_logits: bool = False,
+                attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
         """input_ids [B, T]. With a state, the tokens continue it (B must be 1) and the state advances;
         without one, each row is an independent sequence. logits_to_keep=k > 0 keeps the last k rows.
+        attention_mask [B, T] of 0 and 1 (transformers' padding, left or right): each row runs only its kept
+        tokens, as if alone (its logits are that row's run by itself, at the kept positions; padded
+        positions get zeros).
         return_mtp_logits: also out.mtp_logits float32 [B, T-1, V] (the last k rows with logits_to_keep=k):
         row t is the MTP block's logits for token t+2, from the normed hidden at t and token t+1, at
         position t (teacher-forced). A state of a model with the block keeps the block's cache in step with
@@ -164,6 +174,10 @@ class Qwen38ForCausalLM(nn.Module):
             raise ValueError(f"return_mtp_logits must be True or False, found {return_mtp_logits!r:.40}")
         if input_ids.shape[0] != 1 and state is not None:
             raise ValueError(f"a state holds one sequence; input_ids has batch {input_ids.shape[0]}")
+        if attention_mask is not None:
+            if state is not None or return_mtp_logits:
+                raise ValueError("attention_mask is for independent rows: not with a state or return_mtp_logits")
+            return self._forward_padded(input_ids, attention_mask, logits_to_keep)
         if return_mtp_logits and self.mtp is None:
             raise ValueError(f"return_mtp_logits=True but {self.config.source or 'this checkpoint'} has no MTP block "
                              "(a GGUF converted with --no-mtp, or an HF folder without mtp.* tensors)")
@@ -182,6 +196,17 @@ class Qwen38ForCausalLM(nn.Module):
             logits.append(rows)
             mtp_logits.append(mtp_rows)
         return CausalLMOutput(torch.stack(logits), state, torch.stack(mtp_logits) if return_mtp_logits else None)
+
+    def _forward_padded(self, input_ids: torch.Tensor, attention_mask, logits_to_keep: int) -> CausalLMOutput:
+        batch, length = input_ids.shape
+        logits = torch.zeros(batch, length, self.config.vocab_size, device=self.device)
+        for b, kept in enumerate(kept_positions(attention_mask, input_ids)):
+            ids = input_ids[b, kept[0] : kept[-1] + 1].to(self.device, torch.int32)
+            state = self.new_state(ids.shape[0], torch.float32)
+            logits[b, kept[0] : kept[-1] + 1] = self.prefill(ids, state.reserve(ids.shape[0]), state)
+        if 0 < logits_to_keep < length:
+            logits = logits[:, -logits_to_keep:]
+        return CausalLMOutput(logits)
 
     def _prefill_with_mtp(self, ids: torch.Tensor, positions: torch.Tensor, start: int, state: Qwen38State,
                           logits_to_keep: int, return_mtp_logits: bool):
@@ -284,9 +309,12 @@ class Qwen38ForCausalLM(nn.Module):
                  kv_dtype: torch.dtype | None = None, use_graph: bool | None = None,
                  prefill_progress=None, conversation: Conversation | None = None,
                  prefix_cache: PrefixCache | None = None, speculative: str | None = None,
-                 num_draft_tokens: int = 3, draft_vocab_size: int | None = None) -> torch.Tensor:
-        """transformers' generate() for one sequence: returns prompt + new ids [1, T + n] (stop token
-        included). Sampling is reproducible for a seed (or a torch.Generator to draw one from). eos_token_id
+                 num_draft_tokens: int = 3, draft_vocab_size: int | None = None,
+                 attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None,
+                 num_return_sequences: int = 1) -> torch.Tensor:
+        """transformers' generate(): returns prompt + new ids [B, T + n] (stop token included). B > 1 rows,
+        padded as attention_mask says (left or right), or num_return_sequences > 1 samples of each row,
+        decode together (engine.BatchEngine: see _generate_batch); the rest of this is about one sequence. Sampling is reproducible for a seed (or a torch.Generator to draw one from). eos_token_id
         defaults to the checkpoint's; stop_strings need the tokenizer. On CUDA each step is a graph replay
         (use_graph=False for eager launches); statistics of the last call are in self.last_generation_stats.
         kv_dtype: the KV cache's dtype, default default_kv_dtype(the model's device).
@@ -302,10 +330,19 @@ class Qwen38ForCausalLM(nn.Module):
         distribution); the draft count adapts to the acceptance seen so far. draft_vocab_size=n: drafts only
         from token ids below n (a cheaper draft head; the verify still scores every token)."""
         check_input_ids(input_ids, self.config.vocab_size)
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"generate() takes input_ids of shape [1, T] (batched decode is not supported yet), "
-                             f"found {tuple(input_ids.shape)}")
         check_ids_dtype_holds(input_ids.dtype, self.config.vocab_size)
+        check_token_count("num_return_sequences", num_return_sequences, 1)
+        if input_ids.shape[0] > 1 or num_return_sequences > 1 or attention_mask is not None:
+            for name, value in (("streamer", streamer), ("conversation", conversation),
+                                ("prefix_cache", prefix_cache), ("speculative", speculative)):
+                if value is not None:
+                    raise ValueError(f"{name} is for one sequence; with {input_ids.shape[0]} rows x "
+                                     f"num_return_sequences {num_return_sequences} (or an attention_mask) pass none")
+            return self._generate_batch(
+                input_ids, attention_mask, pad_token_id, num_return_sequences, max_new_tokens, max_seq_len, kv_dtype,
+                use_graph, seed, generator, eos_token_id, stop_strings, tokenizer, prefill_progress,
+                SamplingConfig(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                               min_new_tokens))
         check_token_count("max_new_tokens", max_new_tokens, 1)
         if max_seq_len is not None:
             check_token_count("max_seq_len", max_seq_len, 1)
@@ -350,6 +387,79 @@ class Qwen38ForCausalLM(nn.Module):
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
+    def _generate_batch(self, input_ids, attention_mask, pad_token_id, num_return_sequences: int, max_new_tokens: int,
+                        max_seq_len, kv_dtype, use_graph, seed, generator, eos_token_id, stop_strings, tokenizer,
+                        prefill_progress, cfg: SamplingConfig) -> torch.Tensor:
+        """generate() for B rows x num_return_sequences samples: every sequence in a slot of one BatchEngine,
+        decoded together; row b's sample i (sequence j = b * num_return_sequences + i) samples with seed
+        seed + j. The samples of a row share its prompt's state: prefilled once up to the last token, each
+        then restored from it. Per-row stopping; rows that stop early are padded with pad_token_id (default
+        the first eos id) after their stop token, as transformers pads. self.last_generation_stats: a
+        BatchStats (per sequence and in total)."""
+        check_token_count("max_new_tokens", max_new_tokens, 1)
+        check_new_token_bounds(cfg.min_new_tokens, max_new_tokens)
+        check_seed(seed)
+        if max_seq_len is not None:
+            check_token_count("max_seq_len", max_seq_len, 1)
+        if kv_dtype is not None:
+            check_kv_dtype(kv_dtype)
+        eos = stop_token_ids(eos_token_id, self.config.eos_token_ids, self.config.vocab_size)
+        if pad_token_id is None:
+            pad_token_id = eos[0] if eos else 0
+        elif isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
+            raise ValueError(f"pad_token_id must be an integer, found {pad_token_id!r}")
+        stops = stop_string_tuple(stop_strings, tokenizer)
+        cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+        base_seed = resolve_seed(seed, generator)
+        kept = kept_positions(attention_mask, input_ids)
+        prompts = [input_ids[b, k[0] : k[-1] + 1].to(self.device, torch.int32) for b, k in enumerate(kept)]
+        longest = max(p.shape[0] for p in prompts) + max_new_tokens
+        limit = self.config.max_position_embeddings
+        if longest > limit:
+            raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's context of {limit}")
+        kv_dtype = kv_dtype or default_kv_dtype(self.device)
+        count = len(prompts) * num_return_sequences
+        engine = self._batch_engine(min(count, BATCH_LIMIT), max_seq_len or longest, kv_dtype, use_graph)
+        sequences = []
+        for b, prompt in enumerate(prompts):
+            start = self._shared_prompt(prompt, engine) if num_return_sequences > 1 else None
+            for i in range(num_return_sequences):
+                j = b * num_return_sequences + i
+                sequences.append(Sequence(prompt, cfg, (base_seed + j) & 0x7FFFFFFF, max_new_tokens,
+                                          StopCondition(frozenset(eos), stops, tokenizer), start=start))
+        clock = time.perf_counter()
+        run_batch(engine, sequences, PREFILL_CHUNK, prefill_progress)
+        self.last_generation_stats = BatchStats([seq.stats for seq in sequences], time.perf_counter() - clock)
+        if any(seq.nonfinite for seq in sequences):
+            raise NonFiniteLogitsError("the model produced NaN or infinite logits during this generation: the tokens "
+                                       "are meaningless")
+        width = max(len(seq.tokens) for seq in sequences)
+        out = torch.full((count, input_ids.shape[1] + width), pad_token_id, dtype=input_ids.dtype)
+        out[:, : input_ids.shape[1]] = input_ids.cpu().repeat_interleave(num_return_sequences, 0)
+        for j, seq in enumerate(sequences):
+            out[j, input_ids.shape[1] : input_ids.shape[1] + len(seq.tokens)] = torch.tensor(seq.tokens)
+        return out.to(input_ids.device)
+
+    def _shared_prompt(self, prompt: torch.Tensor, engine: BatchEngine) -> StateSnapshot | None:
+        """The state after all of prompt but its last token, for several samples of one prompt to start from
+        (None for a one-token prompt: nothing to share)."""
+        if prompt.shape[0] < 2:
+            return None
+        state = engine.staging
+        state.clear()
+        self.prefill(prompt[:-1], state.reserve(prompt.shape[0] - 1), state, logits_to_keep=1, chunk_size=PREFILL_CHUNK)
+        return state.snapshot()
+
+    def _batch_engine(self, max_batch: int, max_seq_len: int, kv_dtype, use_graph) -> BatchEngine:
+        """The batch engine is kept between calls while it fits (its graphs are captured once); building one
+        frees the single-sequence engine first, and the other way round."""
+        engine = getattr(self, "_batch", None)
+        if (engine is None or engine.max_batch < max_batch or engine.max_seq_len < max_seq_len
+                or engine.kv_dtype != kv_dtype or (use_graph is not None and engine.use_graph != use_graph)):
+            self._batch = self._engine = engine = None
+            engine = self._batch = BatchEngine(self, max_batch, max_seq_len, kv_dtype, use_graph)
+        return engine
+
     @staticmethod
     def _start_snapshot(history: list[int], conversation: Conversation | None,
                         prefix_cache: PrefixCache | None) -> StateSnapshot | None:
@@ -374,7 +484,7 @@ class Qwen38ForCausalLM(nn.Module):
                 or (use_graph is not None and engine.use_graph != use_graph)
                 or getattr(engine, "k_max", 0) != num_draft_tokens
                 or getattr(engine, "draft_vocab_size", None) != draft_vocab_size):
-            self._engine = engine = None  # free the old buffers before allocating the new ones
+            self._engine = self._batch = engine = None  # free the old buffers before allocating the new ones
             if num_draft_tokens:
                 engine = SpeculativeEngine(self, size, kv_dtype, use_graph, num_draft_tokens,
                                            draft_vocab_size=draft_vocab_size)

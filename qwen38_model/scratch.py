@@ -8,7 +8,11 @@ prompt chunk of thousands of tokens fit -- and the decode step touches fewer add
 
 A prompt chunk uses a fresh Scratch or one kept across chunks. The decode step keeps one Scratch for its
 lifetime: the warm-up step allocates every buffer once, and a captured CUDA graph then replays on exactly
-those addresses, with no allocation inside the step."""
+those addresses, with no allocation inside the step.
+
+A decode step over B sequences (engine.BatchEngine) has a Scratch with rowwise=True: its rows are independent
+sequences, and every op runs the form that gives each row the bits of a one-row call (the Q8_0 GEMV at any
+row count, never the GEMM), so a sequence's tokens do not depend on what else is in the batch."""
 from __future__ import annotations
 
 import torch
@@ -17,8 +21,9 @@ from .formats import QK, ActFormat, Activation
 
 
 class Scratch:
-    def __init__(self, device):
+    def __init__(self, device, rowwise: bool = False):
         self.device = torch.device(device)
+        self.rowwise = rowwise
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
         self.frozen = False
 

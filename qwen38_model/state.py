@@ -261,20 +261,27 @@ def available_memory(device: torch.device) -> int | None:
     return int(fields["MemAvailable"].split()[0]) * 1024  # in kB
 
 
+def check_kv_dtype(kv_dtype) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be torch.float32 or torch.bfloat16, found {kv_dtype}")
+
+
 def check_state_size(config: Qwen38Config, max_seq_len: int, device, kv_dtype: torch.dtype, mtp: bool,
-                     name: str = "max_seq_len", spare_rows: int = 0) -> None:
+                     name: str = "max_seq_len", spare_rows: int = 0, sequences: int = 1) -> None:
     """A ValueError, before anything is allocated, for a state longer than the model's context or larger
     than the device's available memory (a too-large allocation would fail deep inside torch, or get the
     process killed on the CPU). name: what the caller calls the length (the CLI: --max-context).
     spare_rows: rows of max_seq_len that only steps in flight past the last kept token write (a speculative
-    engine's); they count for the memory, not against the context."""
+    engine's); they count for the memory, not against the context. sequences: states of that many sequences
+    (slots.SlotStates)."""
     limit = config.max_position_embeddings
     if max_seq_len - spare_rows > limit:
         raise ValueError(f"{name} {max_seq_len - spare_rows} exceeds the model's context of {limit} tokens")
     device = torch.device(device)
-    needed, available = state_bytes(config, max_seq_len, kv_dtype, mtp), available_memory(device)
+    needed, available = sequences * state_bytes(config, max_seq_len, kv_dtype, mtp), available_memory(device)
     if available is not None and needed > available:
-        raise ValueError(f"{name} {max_seq_len}: the state (KV caches and GDN states, KV in {kv_dtype}) needs "
+        of = f"{sequences} sequences' states" if sequences > 1 else "the state"
+        raise ValueError(f"{name} {max_seq_len}: {of} (KV caches and GDN states, KV in {kv_dtype}) needs "
                          f"{needed / 1e9:.2f} GB, {device} has {available / 1e9:.2f} GB available")
 
 
@@ -283,9 +290,36 @@ class Qwen38State:
                  spare_rows: int = 0):
         """mtp: also hold an MTP block's KV cache and hidden carry (the model's new_state says). spare_rows:
         see check_state_size."""
-        if kv_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"kv_dtype must be torch.float32 or torch.bfloat16, found {kv_dtype}")
+        check_kv_dtype(kv_dtype)
         check_state_size(config, max_seq_len, device, kv_dtype, mtp, spare_rows=spare_rows)
+        c = config
+        # Every GDN layer's conv and recurrent state are slices of one tensor each, so that a speculative
+        # accept() is two copies, not two per layer.
+        num_gdn = sum(kind != ATTENTION for kind in c.layer_types)
+        kv_shape = (max_seq_len, c.num_key_value_heads, c.head_dim)
+        self._bind(config, max_seq_len, device,
+                   torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+                   torch.zeros(num_gdn, c.conv_kernel - 1, c.conv_dim, device=device),
+                   torch.zeros(num_gdn, c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim,
+                               device=device),
+                   [(torch.zeros(kv_shape, dtype=kv_dtype, device=device),
+                     torch.zeros(kv_shape, dtype=kv_dtype, device=device))
+                    for _ in range(len(c.layer_types) - num_gdn + mtp)], mtp)
+
+    @classmethod
+    def over(cls, config: Qwen38Config, max_seq_len: int, device_position: torch.Tensor, bad_position: torch.Tensor,
+             gdn_conv: torch.Tensor, gdn_recurrent: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]
+             ) -> "Qwen38State":
+        """A state over tensors someone else holds (slots.SlotStates: one slot's views of batched tensors):
+        device_position and bad_position int32 [1], gdn_conv [num_gdn, K-1, C], gdn_recurrent
+        [num_gdn, Hv, dv, dk], kv: (k, v) [max_seq_len, Hkv, hd] per attention layer. No MTP part."""
+        state = cls.__new__(cls)
+        state._bind(config, max_seq_len, gdn_conv.device, device_position, bad_position, gdn_conv, gdn_recurrent,
+                    kv, mtp=False)
+        return state
+
+    def _bind(self, config, max_seq_len, device, device_position, bad_position, gdn_conv, gdn_recurrent, kv,
+              mtp: bool) -> None:
         self.config = config
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)
@@ -293,31 +327,21 @@ class Qwen38State:
         # advances it on the GPU); the host int mirrors it for capacity checks and snapshots, written by
         # reserve() and restore() and read back by sync_position() once a generation ends.
         self.position = 0
-        self.device_position = torch.zeros(1, dtype=torch.int32, device=device)
-        self.bad_position = torch.zeros(1, dtype=torch.int32, device=device)
-        self.layers: list[KVCache | GDNState] = []
-        c = config
-        # Every GDN layer's conv and recurrent state are slices of one tensor each, so that a speculative
-        # accept() is two copies, not two per layer.
-        num_gdn = sum(kind != ATTENTION for kind in c.layer_types)
-        self.gdn_conv = torch.zeros(num_gdn, c.conv_kernel - 1, c.conv_dim, device=device)
-        self.gdn_recurrent = torch.zeros(num_gdn, c.linear_num_value_heads, c.linear_value_head_dim,
-                                         c.linear_key_head_dim, device=device)
+        self.device_position = device_position
+        self.bad_position = bad_position
+        self.gdn_conv, self.gdn_recurrent = gdn_conv, gdn_recurrent
         self.token_conv = self.token_recurrent = None
-        for kind in c.layer_types:
+        self.layers: list[KVCache | GDNState] = []
+        caches, gdn = iter(kv), iter(zip(gdn_conv, gdn_recurrent))
+        for kind in config.layer_types:
             if kind == ATTENTION:
-                shape = (max_seq_len, c.num_key_value_heads, c.head_dim)
-                self.layers.append(KVCache(torch.zeros(shape, dtype=kv_dtype, device=device),
-                                           torch.zeros(shape, dtype=kv_dtype, device=device), self.bad_position))
+                self.layers.append(KVCache(*next(caches), bad_position))
             else:
-                i = sum(isinstance(layer, GDNState) for layer in self.layers)
-                self.layers.append(GDNState(self.gdn_conv[i], self.gdn_recurrent[i]))
-        shape = (max_seq_len, c.num_key_value_heads, c.head_dim)
-        self.mtp_cache = KVCache(torch.zeros(shape, dtype=kv_dtype, device=device),
-                                 torch.zeros(shape, dtype=kv_dtype, device=device), self.bad_position) if mtp else None
+                self.layers.append(GDNState(*next(gdn)))
+        self.mtp_cache = KVCache(*next(caches), bad_position) if mtp else None
         # The trunk's normed hidden at position - 1, float32 [1, D]: model.forward pairs it with the next
         # call's first token (the pair that straddles two calls).
-        self.mtp_hidden = torch.zeros(1, c.hidden_size, device=device) if mtp else None
+        self.mtp_hidden = torch.zeros(1, config.hidden_size, device=device) if mtp else None
 
     def reserve(self, num_tokens: int) -> torch.Tensor:
         """Positions for the next num_tokens tokens (int32, on the state's device); checks capacity first,
@@ -391,14 +415,17 @@ class Qwen38State:
         self.position = position
         self.device_position.fill_(position)
 
-    def snapshot(self) -> StateSnapshot:
-        """Device-side clones (no host sync): the KV rows written so far and every GDN state."""
+    def snapshot(self, clone: bool = True) -> StateSnapshot:
+        """Device-side clones (no host sync): the KV rows written so far and every GDN state. clone=False:
+        views of this state's own tensors instead, valid until it changes (what restore() into another
+        state copies from: the engine moves a prefilled sequence into its slot so)."""
         n = self.position
+        keep = torch.Tensor.clone if clone else (lambda t: t)
         mtp = None
         if self.mtp_cache is not None:
-            mtp = (self.mtp_cache.k[:n].clone(), self.mtp_cache.v[:n].clone(), self.mtp_hidden.clone())
-        return StateSnapshot(n, [(layer.k[:n].clone(), layer.v[:n].clone()) if isinstance(layer, KVCache)
-                                 else (layer.conv.clone(), layer.recurrent.clone()) for layer in self.layers],
+            mtp = (keep(self.mtp_cache.k[:n]), keep(self.mtp_cache.v[:n]), keep(self.mtp_hidden))
+        return StateSnapshot(n, [(keep(layer.k[:n]), keep(layer.v[:n])) if isinstance(layer, KVCache)
+                                 else (keep(layer.conv), keep(layer.recurrent)) for layer in self.layers],
                              self.config, mtp)
 
     def restore(self, snap: StateSnapshot) -> None:

@@ -1,0 +1,164 @@
+"""Many sequences at once on one GPU: aggregate decode tok/s of the batch engine at B = 1 .. 64 rows.
+
+    python -m benchmarks.batch [--model PATH] [--json PATH] [--batches 1,2,4,8,16,32,64] [--contexts 512,4096]
+
+Without --model the 27B shape with synthetic Q8_0 weights (benchmarks/decode.py). Measured in ONE run:
+- the streaming-read probe (the roofline);
+- per B and context, in both modes of the engine (batch_invariant: the GEMV at every B; else the GEMM
+  from 8 rows): the engine's step as it runs in serving (the bucket's step graph, then each row's
+  greedy selection graph), caches and states filled synthetically at that depth: seconds a step,
+  aggregate and per-sequence tok/s, bytes a step must move (the weights once, each row's GDN state read and
+  written, its KV rows) and their rate over the probe;
+- the token's Q8_0 GEMVs alone at T = 1 .. 64 rows (the rowwise form the batched step runs: every row
+  the bits of a T = 1 call), each against T = 1, beside the int8 tensor-core GEMM at the same T (the
+  prefill's kernel, which does not keep a row's bits across T);
+- end to end: generate() on B random prompts of 128 tokens, 64 new tokens each, every row through the
+  whole engine (prefill included), its aggregate tok/s.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.decode import build_model, fill_caches, q8_linears
+from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, time_graph, write_json
+from qwen38_model.config import GDN
+from qwen38_model.engine import BatchEngine
+from qwen38_model.sampling import SamplingConfig
+
+STEPS = 32
+
+
+def step_bytes(model, rows: int, context: int, kv_bytes: int) -> int:
+    """What a step over `rows` sequences at `context` tokens must move: every matrix once, and per row its GDN
+    recurrent and conv states read and written and its KV rows read."""
+    c = model.config
+    matrices = sum(m.weight_q.numel() + 2 * m.weight_d.numel() for m in q8_linears(model))
+    n_gdn = c.layer_types.count(GDN)
+    gdn = n_gdn * 2 * 4 * (c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim
+                           + (c.conv_kernel - 1) * c.conv_dim)
+    kv = (c.num_layers - n_gdn) * 2 * context * c.num_key_value_heads * c.head_dim * kv_bytes
+    return matrices + rows * (gdn + kv)
+
+
+def time_engine_step(engine: BatchEngine, rows: int, context: int) -> float:
+    """Seconds per step over `rows` active rows at `context` (median of 3 runs of STEPS steps)."""
+    cfg = SamplingConfig()
+    times = []
+    for _ in range(3):
+        for s in range(rows):
+            fill_caches(engine.slots.slot(s), context)
+        engine.slots.positions.fill_(context)
+        engine.tokens.fill_(1)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(STEPS):
+            engine.step_graphs[rows].replay()
+            for s in range(rows):
+                engine.select(s, cfg)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3 / STEPS)
+    times.sort()
+    return times[1]
+
+
+def gemv_rows(model, rows: int) -> dict:
+    """The token's Q8_0 matrices at `rows` rows (int8 lane): the GEMV (rowwise) and the GEMM, each in one graph."""
+    linears = q8_linears(model)
+    widths = {m.in_features for m in linears}
+    x_q = {k: torch.randint(-127, 128, (rows, k), dtype=torch.int8, device="cuda") for k in widths}
+    x_d = {k: (torch.rand(rows, k // 32, device="cuda") * 0.01).half().float() for k in widths}
+    outs = [torch.empty(rows, m.out_features, device="cuda") for m in linears]
+    ops = torch.ops.qwen38
+
+    def chain(op):
+        def token(_):
+            for m, out in zip(linears, outs):
+                op(x_q[m.in_features], x_d[m.in_features], m.weight_q, m.weight_d, out)
+        return time_graph(token, 1)["median_s"]
+
+    result = dict(gemv_s=chain(ops.q8_0_gemv_int8))
+    if rows >= 8:
+        result["gemm_s"] = chain(ops.q8_0_gemm_int8)
+    return result
+
+
+def end_to_end(model, rows: int, max_seq_len: int) -> dict:
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, model.config.vocab_size, (rows, 128), generator=g)
+    model.generate(ids, max_new_tokens=4, max_seq_len=max_seq_len, eos_token_id=[])  # graphs captured
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=64, max_seq_len=max_seq_len, eos_token_id=[])
+    wall = time.perf_counter() - start
+    stats = model.last_generation_stats
+    return dict(wall_s=wall, new_tokens=stats.new_tokens, tok_s=stats.new_tokens / wall)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a real checkpoint instead of the synthetic 27B shape")
+    parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-batch.json)")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="row counts (default: %(default)s)")
+    parser.add_argument("--contexts", default="512,4096", help="cache depths in tokens (default: %(default)s)")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    env = env_info()
+    probe = read_probe_result()
+    roofline = probe["best_gbps"]
+    model = build_model(args.model, "int8")
+    results = dict(env=env, read_probe=probe, steps=STEPS, kv_dtype="bfloat16", engine={}, gemv={}, end_to_end={})
+    rows = []
+    max_seq_len = max(contexts) + STEPS * 3 + 8
+    for invariant in (True, False):
+        engine = BatchEngine(model, max(batches), max_seq_len, torch.bfloat16, use_graph=True,
+                             batch_invariant=invariant)
+        measured = [b for b in batches if invariant or b >= 8]  # below 8 rows both modes run the GEMV
+        start = time.perf_counter()
+        engine.capture(tuple(b for b in engine.buckets if b in measured))
+        results[f"capture_s_invariant_{invariant}"] = time.perf_counter() - start
+        for b in measured:
+            for context in contexts:
+                t = time_engine_step(engine, b, context)
+                moved = step_bytes(model, b, context + STEPS // 2, 2)
+                r = dict(step_s=t, tok_s=b / t, per_sequence_tok_s=1 / t, bytes=moved,
+                         probe_ratio=moved / t / 1e9 / roofline)
+                results["engine"][f"{'invariant' if invariant else 'gemm'}_B{b}_ctx{context}"] = r
+                rows.append(dict(mode="invariant" if invariant else "gemm", B=b, context=context, tok_s=b / t,
+                                 per_seq=1 / t, ms=t * 1e3, GBps=moved / t / 1e9, probe=r["probe_ratio"]))
+        results["memory_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+        del engine
+        torch.cuda.empty_cache()
+    print_table(rows, ["mode", "B", "context", "tok_s", "per_seq", "ms", "GBps", "probe"],
+                title=f"batch decode step on {env.get('gpu')} (read probe {roofline:.0f} GB/s, int8 lane, bf16 KV)")
+    base = None
+    rows = []
+    for t in sorted({1, *batches}):
+        r = gemv_rows(model, t)
+        base = base or r["gemv_s"]
+        r["gemv_vs_t1"] = r["gemv_s"] / base
+        if "gemm_s" in r:
+            r["gemm_vs_t1"] = r["gemm_s"] / base
+        results["gemv"][f"T{t}"] = r
+        rows.append(dict(T=t, gemv_ms=r["gemv_s"] * 1e3, gemv_x=r["gemv_vs_t1"], gemm_ms=r.get("gemm_s", 0) * 1e3,
+                         gemm_x=r.get("gemm_vs_t1", 0.0)))
+    print_table(rows, ["T", "gemv_ms", "gemv_x", "gemm_ms", "gemm_x"],
+                title="the token's Q8_0 matrices at T rows (int8 lane), against the GEMV at T = 1")
+    rows = []
+    for b in batches:
+        r = end_to_end(model, b, 128 + 64 + 8)
+        results["end_to_end"][f"B{b}"] = r
+        rows.append(dict(B=b, tok_s=r["tok_s"], wall_s=r["wall_s"]))
+    print_table(rows, ["B", "tok_s", "wall_s"], title="generate(): B prompts of 128 tokens, 64 new tokens each")
+    results["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    write_json(args.json or default_result_path(env, "batch"), results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

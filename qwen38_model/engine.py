@@ -1,0 +1,391 @@
+"""Many sequences at once: continuous batching over the slots of one SlotStates.
+
+A sequence takes a free slot, is prefilled there on its own (the model's chunked prefill on the slot's
+Qwen38State, in chunks the caller interleaves with decode steps), then decodes with every other active
+sequence in one step over the rows 0..B-1 of the smallest captured bucket B that covers the highest active
+slot. It leaves its slot when the host reads its stop; sequences join and leave between steps, and no graph
+is recaptured for that:
+- the step graph of a bucket (the model's `run` over B rows, rowwise scratch) is captured once, while no
+  sequence is active (its warm-up writes the slots' states), and serves any set of sequences below B;
+- the next-token selection is a graph per (slot, sampling config): select_next_token on that slot's row of
+  the logits, the slot's own sampler state, token and position, so every sequence samples with its own
+  parameters and seed. Rows of free slots, and of sequences that have all their tokens launched, run in
+  the step but select nothing: their position stays where it is (inside the cache), their state is junk
+  that the next prefill into the slot clears.
+Each row gets the bits of a one-row call in every op (slots.py, Scratch.rowwise), and each sequence's
+selection is its own: a sequence's tokens are the same whatever else is in the batch and whenever it joined.
+
+The host never waits for a step before launching the next: each launch copies the tokens (and the error
+flags) into pinned memory, read READ_BEHIND launches later, as in single-sequence decode.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .generation import GenerationStats, StopCondition, keep_only
+from .sampling import SamplerState, SamplingConfig, select_next_token
+from .scratch import Scratch
+from .slots import SlotStates
+from .state import BAD_POSITION, BAD_TOKEN, Qwen38State, StateSnapshot
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # step graphs by row count; the engine's max_batch is always one
+READ_BEHIND = 4  # launches in flight before the host waits for the oldest one's tokens
+
+
+@dataclass
+class Sequence:
+    """One generation: history int32 [T] on the engine's device (the whole sequence so far), its sampling
+    config and seed, and how it stops. start: a snapshot of the history's first start.position tokens
+    (restored instead of prefilled). keep_state: at the end, `snapshot` holds the state after history + the
+    new tokens but the last (what a conversation or a prefix cache continues); snapshot_prompt: also
+    `prompt_snapshot`, the state at the end of the history. on_token(token): called as each token is read."""
+
+    history: torch.Tensor
+    cfg: SamplingConfig
+    seed: int
+    max_new_tokens: int
+    stop: StopCondition
+    start: StateSnapshot | None = None
+    keep_state: bool = False
+    snapshot_prompt: bool = False
+    on_token: object = None
+    # Filled by the engine.
+    slot: int = -1
+    launched: int = 0  # tokens selected on the device so far (the prefill's, then one per step)
+    done: bool = False
+    error: Exception | None = None
+    nonfinite: bool = False
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    snapshot: StateSnapshot | None = None
+    prompt_snapshot: StateSnapshot | None = None
+    _mark: tuple | None = None
+    _admitted_at: float = 0.0
+    _first_token_at: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.stop.tokens
+
+
+class BatchEngine:
+    def __init__(self, model, max_batch: int, max_seq_len: int, kv_dtype: torch.dtype, use_graph: bool | None = None,
+                 name: str = "max_seq_len", batch_invariant: bool = True):
+        """batch_invariant: every row of a step gets the bits of a one-row call (Scratch.rowwise: the Q8_0 GEMV
+        at every row count, in passes of 8 rows from 9). False: the int8 tensor-core GEMM from 8 rows, which
+        sums a row in another order than the GEMV, so a sequence's tokens may change when its batch crosses 8
+        rows; faster from 16 rows (benchmarks/batch.py measures both)."""
+        self.model = model
+        self.batch_invariant = batch_invariant
+        self.device = model.device
+        self.max_batch, self.max_seq_len, self.kv_dtype = max_batch, max_seq_len, kv_dtype
+        self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
+        if self.use_graph and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.slots = SlotStates(model.config, max_batch, max_seq_len, self.device, kv_dtype, name)
+        self.buckets = tuple(b for b in BUCKETS if b < max_batch) + (max_batch,)
+        vocab = model.config.vocab_size
+        self.tokens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+        self.nonfinite = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
+        self.logits = torch.zeros(max_batch, vocab, device=self.device)  # every bucket's step writes its rows here
+        self.samplers = [self._sampler(vocab, self.nonfinite[s : s + 1]) for s in range(max_batch)]
+        self.scratch = {b: Scratch(self.device, rowwise=batch_invariant) for b in self.buckets}
+        self.step_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.select_graphs: dict[tuple[int, SamplingConfig], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None  # the selections' temporaries
+        self.active: list[Sequence | None] = [None] * max_batch
+        self.read_ahead = READ_BEHIND if self.use_graph else 0
+        on_gpu = self.device.type == "cuda"
+        ring = self.read_ahead + 2  # an admission and a step may both launch before the host reads
+        # Per launch: the tokens, the error flags and the samplers' non-finite flags of every slot.
+        self.host_tokens = torch.zeros(ring, max_batch, dtype=torch.int32, pin_memory=on_gpu)
+        self.host_flags = torch.zeros(ring, max_batch, dtype=torch.int32, pin_memory=on_gpu)
+        self.host_nonfinite = torch.zeros(ring, max_batch, dtype=torch.bool, pin_memory=on_gpu)
+        self.launches: deque = deque()  # (ring index, event, [(slot, sequence)]) in launch order
+        self.next_ring = 0
+        self._finished: list[Sequence] = []  # finished while a launch waited for a ring entry (_record)
+        # Where a sequence is prefilled before it moves into its slot (admit says why).
+        self.staging = Qwen38State(model.config, max_seq_len, self.device, kv_dtype)
+
+    @staticmethod
+    def _sampler(vocab: int, nonfinite: torch.Tensor) -> SamplerState:
+        s = SamplerState.empty(vocab, nonfinite.device)
+        s.nonfinite = nonfinite
+        return s
+
+    # --- graphs --------------------------------------------------------------------------------------------
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def run_rows(self, rows: int) -> None:
+        """The model over rows 0..rows-1 (slot b's pending token at its position), logits into self.logits."""
+        s = self.slots
+        logits = self.model.run(self.tokens[:rows], s.positions[:rows], s.rows(rows), self.scratch[rows])
+        self.logits[:rows].copy_(logits)
+
+    def capture(self, buckets=None) -> None:
+        """Capture the step of each bucket (default: all) not captured yet. The warm-up steps write the
+        states of the slots they cover, so no sequence may be active."""
+        todo = [b for b in (buckets or self.buckets) if b not in self.step_graphs]
+        if not todo or not self.use_graph:
+            return
+        if any(self.active):
+            raise RuntimeError("step graphs are captured while no sequence is active (the warm-up writes the slots)")
+        stream = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):  # the warm-up allocates every scratch buffer, off the capture
+            self.tokens.zero_()  # valid inputs for the warm-up: token 0 at position 0 (generation.py says why)
+            self.slots.positions.zero_()
+            for b in todo:
+                self.run_rows(b)
+        stream.wait_stream(side)
+        for b in todo:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.run_rows(b)
+            self.step_graphs[b] = graph
+            self.scratch[b].freeze()
+        self.slots.flags.zero_()
+
+    def select(self, slot: int, cfg: SamplingConfig) -> None:
+        """Slot's next token from its logits row, its position advanced: a replay once captured."""
+        if not self.use_graph:
+            self._select(slot, cfg)
+            return
+        graph = self.select_graphs.get((slot, cfg))
+        if graph is None:
+            graph = self._capture_select(slot, cfg)
+        graph.replay()
+
+    def _select(self, slot: int, cfg: SamplingConfig, sampler=None, token=None, position=None) -> None:
+        select_next_token(self.logits[slot], sampler or self.samplers[slot], cfg,
+                          self.tokens[slot : slot + 1] if token is None else token,
+                          self.slots.positions[slot : slot + 1] if position is None else position)
+
+    def _capture_select(self, slot: int, cfg: SamplingConfig) -> torch.cuda.CUDAGraph:
+        # Warmed up on a throwaway sampler, token and position (it must not advance the slot's), captured with
+        # capture_begin/end on a side stream: torch.cuda.graph's context would synchronize the device and
+        # empty the cache, a stall in the middle of serving.
+        stream = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            dummy = self._sampler(self.model.config.vocab_size, torch.zeros(1, dtype=torch.bool, device=self.device))
+            self._select(slot, cfg, dummy, torch.zeros(1, dtype=torch.int32, device=self.device),
+                         torch.zeros(1, dtype=torch.int32, device=self.device))
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            try:
+                self._select(slot, cfg)
+            finally:
+                graph.capture_end()
+        stream.wait_stream(side)
+        self.select_graphs[(slot, cfg)] = graph
+        return graph
+
+    # --- sequences -----------------------------------------------------------------------------------------
+    def free_slots(self) -> int:
+        return sum(seq is None for seq in self.active)
+
+    def check(self, seq: Sequence) -> None:
+        total = seq.history.shape[0] + seq.max_new_tokens
+        if total > self.max_seq_len:
+            raise ValueError(f"context overflow: {seq.history.shape[0]} prompt tokens + max_new_tokens "
+                             f"{seq.max_new_tokens} > max_seq_len {self.max_seq_len}")
+        if seq.start is not None and seq.start.position >= seq.history.shape[0]:
+            raise ValueError(f"the start snapshot holds {seq.start.position} tokens: the history "
+                             f"({seq.history.shape[0]}) must extend it by at least one token to prefill")
+
+    def admit(self, seq: Sequence, chunk_size: int, progress=None):
+        """Prefill seq, one chunk of chunk_size tokens per next() of this generator (the caller runs decode
+        steps in between), then move it into the lowest free slot with its first token selected: it
+        decodes with the others from the next step on. The prefill runs in a staging state of its own, not
+        in the slot: a step between two chunks runs every row of its bucket, the slot's among them."""
+        self.check(seq)
+        if not self.free_slots():
+            raise RuntimeError("no free slot: admit a sequence when free_slots() > 0")
+        seq._admitted_at = time.perf_counter()
+        staging = self.staging
+        if seq.start is None:
+            staging.clear()
+        else:
+            staging.restore(seq.start)
+        prompt = seq.history[staging.position:]
+        seq.stats = GenerationStats(prompt_tokens=prompt.shape[0], graph=self.use_graph)
+        positions = staging.reserve(prompt.shape[0])
+        for begin in range(0, prompt.shape[0], chunk_size):
+            end = min(begin + chunk_size, prompt.shape[0])
+            logits = self.model.prefill(prompt[begin:end], positions[begin:end], staging, logits_to_keep=1)
+            if progress is not None:
+                progress(end, prompt.shape[0])
+            if end < prompt.shape[0]:
+                yield
+        slot = self.active.index(None)
+        seq.slot, self.active[slot] = slot, seq
+        state = self.slots.slot(slot)
+        state.bad_position.zero_()
+        state.restore(staging.snapshot(clone=False))
+        self.samplers[slot].reset(seq.history, seq.seed, seq.cfg.eos_token_ids)
+        self.logits[slot].copy_(logits[0])
+        state.device_position.fill_(state.position - 1)
+        self._select(slot, seq.cfg)  # eager: a selection outside the steps' graphs, as generation.py's prefill
+        seq.launched = 1
+        if seq.keep_state:
+            seq._mark = state.mark()
+        if seq.snapshot_prompt:
+            seq.prompt_snapshot = state.snapshot()
+        self._record([(slot, seq)])
+
+    def step(self) -> None:
+        """One decode step over every active sequence (a no-op with none)."""
+        top = max((s for s, seq in enumerate(self.active) if seq is not None), default=-1)
+        if top < 0:
+            return
+        rows = self.bucket(top + 1)
+        if not self.use_graph:
+            self.run_rows(rows)
+        elif rows in self.step_graphs:
+            self.step_graphs[rows].replay()
+        else:
+            raise RuntimeError(f"no step graph for {rows} rows: capture() every bucket needed before admitting")
+        selected = []
+        for slot, seq in enumerate(self.active[:rows]):
+            if seq is not None and seq.launched < seq.max_new_tokens:
+                self.select(slot, seq.cfg)
+                seq.launched += 1
+                selected.append((slot, seq))
+        self._record(selected)
+
+    def _record(self, selected: list) -> None:
+        if len(self.launches) == self.host_tokens.shape[0]:
+            self._finished.extend(self.read(wait=True))  # never overwrite a launch's tokens before they are read
+        i = self.next_ring
+        self.next_ring = (i + 1) % self.host_tokens.shape[0]
+        self.host_tokens[i].copy_(self.tokens, non_blocking=True)
+        self.host_flags[i].copy_(self.slots.flags, non_blocking=True)
+        self.host_nonfinite[i].copy_(self.nonfinite, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.launches.append((i, event, selected))
+
+    def read(self, wait: bool) -> list[Sequence]:
+        """Read the launches whose tokens have arrived (all in flight beyond read_ahead, and with wait=True the
+        oldest at least); returns the sequences that finished (since the last call)."""
+        finished, self._finished = self._finished, []
+        while self.launches:
+            i, event, selected = self.launches[0]
+            must = wait or len(self.launches) > self.read_ahead
+            if event is not None and not must and not event.query():
+                break
+            if event is not None:
+                event.synchronize()
+            self.launches.popleft()
+            for slot, seq in selected:
+                if not seq.done and self._deliver(seq, int(self.host_tokens[i, slot]), int(self.host_flags[i, slot]),
+                                                  bool(self.host_nonfinite[i, slot])):
+                    self._finish(seq)
+                    finished.append(seq)
+            wait = False
+        return finished
+
+    def _deliver(self, seq: Sequence, token: int, flag: int, nonfinite: bool) -> bool:
+        """One token of seq read; whether seq is done."""
+        if flag:
+            seq.error = RuntimeError(flag_message(flag, self.model.config.vocab_size, self.max_seq_len))
+            return True
+        seq.nonfinite |= nonfinite
+        if not seq.tokens:  # the prefill's token: time to first token
+            seq._first_token_at = time.perf_counter()
+            seq.stats.prefill_s = seq._first_token_at - seq._admitted_at
+        done = seq.stop.done(token) or len(seq.tokens) >= seq.max_new_tokens
+        if seq.on_token is not None:
+            seq.on_token(token)
+        return done
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.done = True
+        seq.stats.new_tokens = len(seq.tokens)
+        seq.stats.decode_s = time.perf_counter() - seq._first_token_at if seq.tokens else 0.0
+        if seq.keep_state and seq.error is None:
+            # Steps past the stop (read-behind), and steps with nothing left to select, fed junk into the
+            # slot's recurrent states: back to the prompt's end, then the reply's tokens but the last.
+            state = self.slots.slot(seq.slot)
+            keep_only(self.model, state, seq._mark, seq.tokens[:-1])
+            seq.snapshot = state.snapshot()
+        seq._mark = None
+        self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Free seq's slot (done or cancelled): its row runs on in the steps and selects nothing."""
+        seq.done = True
+        if 0 <= seq.slot < self.max_batch and self.active[seq.slot] is seq:
+            self.active[seq.slot] = None
+
+    def drain(self) -> None:
+        """Wait for every launch and drop what is still to be read (after the last sequence finished)."""
+        self.read(wait=True)
+        while self.launches:
+            self.read(wait=True)
+
+
+def flag_message(flag: int, vocab_size: int, max_seq_len: int) -> str:
+    problems = []
+    if flag & BAD_TOKEN:
+        problems.append(f"embedded a token id outside the vocabulary [0, {vocab_size}) (its row is NaN)")
+    if flag & BAD_POSITION:
+        problems.append(f"ran at a position outside the KV cache (0..{max_seq_len - 1}): its attention output is wrong")
+    return f"a step {' and '.join(problems or [f'set the error flag to {flag}'])}"
+
+
+@dataclass
+class BatchStats:
+    """A batched generation's statistics: each sequence's (its prefill_s is its time to first token from its
+    admission) and the aggregate over the whole call's wall time."""
+
+    sequences: list[GenerationStats]
+    wall_s: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.prompt_tokens for s in self.sequences)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(s.new_tokens for s in self.sequences)
+
+    @property
+    def tok_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    def __str__(self) -> str:
+        return (f"{len(self.sequences)} sequences: {self.prompt_tokens} prompt tokens, {self.new_tokens} new tokens in "
+                f"{self.wall_s:.3f} s, {self.tok_s:.1f} tok/s aggregate")
+
+
+def run_batch(engine: BatchEngine, sequences: list[Sequence], chunk_size: int, progress=None) -> None:
+    """Every sequence to its end: admitted as slots free up (each prefill in chunks, decode steps of the
+    others in between), decoded together. Raises the first sequence's error, if any. progress: optional
+    callable(tokens_done, tokens_total) of each prefill."""
+    engine.capture(engine.buckets[: engine.buckets.index(engine.bucket(min(len(sequences), engine.max_batch))) + 1])
+    waiting = deque(sequences)
+    prefilling = None
+    while waiting or prefilling is not None or any(engine.active):
+        if prefilling is None and waiting and engine.free_slots():
+            prefilling = engine.admit(waiting.popleft(), chunk_size, progress)
+        if prefilling is not None:
+            try:
+                next(prefilling)
+            except StopIteration:
+                prefilling = None
+        engine.step()
+        engine.read(wait=not engine.use_graph)
+    engine.drain()
+    for seq in sequences:
+        if seq.error is not None:
+            raise seq.error

@@ -1,0 +1,82 @@
+"""The states of many sequences at once: num_slots slots in stacked tensors, the slot index leading.
+
+Two views of the same memory:
+- slot(s) is sequence s's own Qwen38State (views into the stacked tensors): prefill, snapshot, restore,
+  mark and rewind run on it unchanged, one sequence at a time;
+- rows(B) is the batched state of slots 0..B-1 that one decode step over B rows takes: per attention layer
+  the caches [B, L, Hkv, hd], per GDN layer the states [B, ...], the ops' batched-rows mode (row b is
+  sequence b, with its own cache and state), so B sequences decode in one launch per op.
+Row b of a step is always slot b: a step's graph for B rows serves whichever sequences hold slots below B,
+with no indirection and no recapture when sequences join or leave.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ATTENTION, Qwen38Config
+from .state import GDNState, KVCache, Qwen38State, check_kv_dtype, check_state_size
+
+
+@dataclass
+class BatchRows:
+    """What the model's trunk reads of a state, for B rows that are B sequences."""
+
+    layers: list[KVCache | GDNState]
+    bad_position: torch.Tensor  # int32 [B]: row b's error flag (the ops' per-row flags)
+
+
+class SlotStates:
+    def __init__(self, config: Qwen38Config, num_slots: int, max_seq_len: int, device, kv_dtype: torch.dtype,
+                 name: str = "max_seq_len"):
+        check_kv_dtype(kv_dtype)
+        check_batch_state_size(config, num_slots, max_seq_len, device, kv_dtype, name)
+        c = config
+        self.config, self.num_slots, self.max_seq_len = config, num_slots, max_seq_len
+        self.device = torch.device(device)
+        num_gdn = sum(kind != ATTENTION for kind in c.layer_types)
+        self.positions = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        # [layer, slot, ...]: rows(B) of a layer is one contiguous [B, ...] prefix, slot(s) of a layer one
+        # contiguous [...] block.
+        self.gdn_conv = torch.zeros(num_gdn, num_slots, c.conv_kernel - 1, c.conv_dim, device=device)
+        self.gdn_recurrent = torch.zeros(num_gdn, num_slots, c.linear_num_value_heads, c.linear_value_head_dim,
+                                         c.linear_key_head_dim, device=device)
+        kv_shape = (num_slots, max_seq_len, c.num_key_value_heads, c.head_dim)
+        self.kv = [(torch.zeros(kv_shape, dtype=kv_dtype, device=device),
+                    torch.zeros(kv_shape, dtype=kv_dtype, device=device))
+                   for _ in range(len(c.layer_types) - num_gdn)]
+        self.slots = [Qwen38State.over(config, max_seq_len, self.positions[s : s + 1], self.flags[s : s + 1],
+                                       self.gdn_conv[:, s], self.gdn_recurrent[:, s],
+                                       [(k[s], v[s]) for k, v in self.kv])
+                      for s in range(num_slots)]
+
+    def slot(self, s: int) -> Qwen38State:
+        return self.slots[s]
+
+    def rows(self, num_rows: int) -> BatchRows:
+        flags = self.flags[:num_rows]
+        caches, gdn = iter(self.kv), iter(zip(self.gdn_conv, self.gdn_recurrent))
+        layers = []
+        for kind in self.config.layer_types:
+            if kind == ATTENTION:
+                k, v = next(caches)
+                layers.append(KVCache(k[:num_rows], v[:num_rows], flags))
+            else:
+                conv, recurrent = next(gdn)
+                layers.append(GDNState(conv[:num_rows], recurrent[:num_rows]))
+        return BatchRows(layers, flags)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.gdn_conv, self.gdn_recurrent] + [t for pair in self.kv for t in pair]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def check_batch_state_size(config: Qwen38Config, num_slots: int, max_seq_len: int, device, kv_dtype,
+                           name: str = "max_seq_len") -> None:
+    """check_state_size for num_slots sequences of max_seq_len tokens each, before anything is allocated."""
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"the number of sequences must be an integer >= 1, found {num_slots!r}")
+    check_state_size(config, max_seq_len, device, kv_dtype, mtp=False, name=name, sequences=num_slots)

@@ -1,0 +1,154 @@
+"""Many sequences at once (engine.BatchEngine): every sequence of a batch gets exactly the tokens of its solo
+run, greedy and sampled with its seed, whatever else is in the batch, however padded, and whenever it
+joined; forward() with an attention_mask gives each row the logits of that row alone."""
+import pytest
+import torch
+
+from qwen38_model import Qwen38ForCausalLM
+from qwen38_model.default_model import default_model_path
+from qwen38_model.engine import BatchEngine, Sequence, run_batch
+from qwen38_model.generation import StopCondition
+from qwen38_model.sampling import SamplingConfig
+
+SAMPLED = dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen38ForCausalLM.from_pretrained(default_model_path(), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def cuda_model():
+    return Qwen38ForCausalLM.from_pretrained(default_model_path(), device="cuda")
+
+
+def prompts(model, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in lengths]
+
+
+def solo(model, prompt, **kwargs):
+    return model.generate(prompt[None], **kwargs)[0, prompt.shape[0]:].tolist()
+
+
+def left_padded(rows, pad):
+    width = max(r.shape[0] for r in rows)
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - r.shape[0]:] = r
+        mask[b, width - r.shape[0]:] = 1
+    return ids, mask
+
+
+def new_tokens(out, width, stop_ids, pad):
+    """A row of generate()'s output past the prompt, cut after its first stop token (the rest is padding)."""
+    tokens = out[width:].tolist()
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            assert all(p == pad for p in tokens[i + 1:]), "generate() pads after a row's stop token"
+            return tokens[: i + 1]
+    return tokens
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_batched_generate_rows_equal_their_solo_runs(model, sampling):
+    rows = prompts(model, [5, 9, 2, 7])
+    pad = 0
+    ids, mask = left_padded(rows, pad)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, seed=11, pad_token_id=pad, **sampling)
+    stats = model.last_generation_stats
+    assert len(stats.sequences) == len(rows) and stats.new_tokens == sum(s.new_tokens for s in stats.sequences)
+    stop_ids = set(model.config.eos_token_ids)
+    for j, prompt in enumerate(rows):
+        assert new_tokens(out[j], ids.shape[1], stop_ids, pad) == solo(model, prompt, max_new_tokens=12, seed=11 + j,
+                                                                        **sampling), f"row {j}"
+
+
+def test_num_return_sequences_share_the_prompt_and_sample_with_their_seeds(model):
+    prompt = prompts(model, [6])[0]
+    out = model.generate(prompt[None], max_new_tokens=8, seed=3, num_return_sequences=3, **SAMPLED)
+    assert out.shape[0] == 3
+    stop_ids = set(model.config.eos_token_ids)
+    for i in range(3):
+        assert new_tokens(out[i], 6, stop_ids, model.config.eos_token_ids[0]) == solo(
+            model, prompt, max_new_tokens=8, seed=3 + i, **SAMPLED)
+
+
+def test_sequences_joining_and_leaving_keep_their_tokens(model):
+    """More sequences than slots, different lengths and limits: each waits for a slot, joins while others
+    decode, and still gets its solo tokens."""
+    rows = prompts(model, [3, 8, 5, 2, 6, 4, 7], seed=5)
+    limits = [3, 10, 1, 7, 5, 9, 2]
+    engine = BatchEngine(model, 3, 32, torch.float32)
+    eos = frozenset(model.config.eos_token_ids)
+    sequences = [Sequence(p.to(model.device, torch.int32), SamplingConfig(eos_token_ids=tuple(eos)), 0, n,
+                          StopCondition(eos)) for p, n in zip(rows, limits)]
+    run_batch(engine, sequences, chunk_size=3)
+    for j, (p, n, seq) in enumerate(zip(rows, limits, sequences)):
+        assert seq.tokens == solo(model, p, max_new_tokens=n), f"sequence {j}"
+
+
+def test_forward_with_attention_mask_gives_each_row_its_own_logits(model):
+    rows = prompts(model, [4, 7, 1], seed=2)
+    ids, mask = left_padded(rows, 0)
+    logits = model(ids, attention_mask=mask).logits
+    for b, r in enumerate(rows):
+        alone = model(r[None]).logits[0]
+        torch.testing.assert_close(logits[b, ids.shape[1] - r.shape[0]:], alone, rtol=0, atol=1e-5)
+        assert not logits[b, : ids.shape[1] - r.shape[0]].any()
+    right = torch.zeros_like(ids)
+    right_mask = torch.zeros_like(mask)
+    for b, r in enumerate(rows):
+        right[b, : r.shape[0]], right_mask[b, : r.shape[0]] = r, 1
+    torch.testing.assert_close(model(right, attention_mask=right_mask).logits[1, :7], logits[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask, message", [
+    (torch.tensor([[1, 0, 1]]), "not one run of ones"),
+    (torch.tensor([[0, 0, 0]]), "keeps no token"),
+    (torch.tensor([[1, 2, 1]]), "only 0 and 1"),
+    (torch.tensor([[1, 1]]), "input_ids' shape"),
+])
+def test_bad_attention_masks_are_clear_errors(model, mask, message):
+    with pytest.raises(ValueError, match=message):
+        model(torch.tensor([[1, 2, 3]]), attention_mask=mask)
+
+
+def test_batched_generate_refuses_single_sequence_options(model):
+    with pytest.raises(ValueError, match="streamer is for one sequence"):
+        model.generate(torch.tensor([[1, 2], [3, 4]]), streamer=object())
+    with pytest.raises(ValueError, match="speculative is for one sequence"):
+        model.generate(torch.tensor([[1, 2]]), num_return_sequences=2, speculative="mtp")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_cuda_64_sequences_through_the_graphs_equal_their_solo_runs(cuda_model, sampling):
+    """The batch-invariance contract on the GPU, graphs replayed: 64 sequences of different prompts and
+    lengths, joining at different steps (one admission per step, prefills in chunks), in buckets that
+    change as they come and go; each bitwise equal to its solo run through the single-sequence engine."""
+    model = cuda_model
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(1, 40, (64,), generator=g).tolist()
+    limits = torch.randint(1, 24, (64,), generator=g).tolist()
+    rows = prompts(model, lengths, seed=8)
+    engine = BatchEngine(model, 64, 64, torch.bfloat16)
+    eos = frozenset(model.config.eos_token_ids)
+    cfg = SamplingConfig(eos_token_ids=tuple(eos), **sampling)
+    sequences = [Sequence(p.to("cuda", torch.int32), cfg, 100 + j, n, StopCondition(eos))
+                 for j, (p, n) in enumerate(zip(rows, limits))]
+    run_batch(engine, sequences, chunk_size=16)
+    assert engine.step_graphs, "the steps replayed captured graphs"
+    for j, (p, n, seq) in enumerate(zip(rows, limits, sequences)):
+        assert seq.tokens == solo(model, p, max_new_tokens=n, seed=100 + j, **sampling), f"sequence {j}"
+
+
+@pytest.mark.cuda
+def test_cuda_batched_generate_equals_eager_batched(cuda_model):
+    rows = prompts(cuda_model, [5, 30, 12, 1, 9], seed=3)
+    ids, mask = left_padded(rows, 0)
+    graph = cuda_model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[])
+    eager = cuda_model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[], use_graph=False)
+    assert torch.equal(graph, eager)
