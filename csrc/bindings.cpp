@@ -120,6 +120,8 @@ TORCH_LIBRARY(qwen38, m) {
   // gated_rms_norm(core, z = x[:, C:C+Hv*dv], norm_weight, eps) into out [T, Hv*dv] and its optional quantized
   // lane. Sizes from conv_weight [C, K] and state [Hv, dv, dk]; states and token states as those ops'.
   // Token t's every output is bitwise what that sequence gives as a decode step.
+  // Batched rows: conv_state [T, K-1, C] and state [T, Hv, dv, dk] make row t of x a sequence of its own (one token
+  // on conv_state[t], state[t]; any T; token states None), each row bitwise a one-row call on its own states.
   m.def("gdn_step(Tensor x, Tensor conv_weight, Tensor a_neg, Tensor dt_bias, Tensor norm_weight, float eps, "
         "Tensor(a!) conv_state, Tensor(b!) state, Tensor(c!) out, Tensor(d!)? out_q, Tensor(e!)? out_q_lo, "
         "Tensor(f!)? out_d, Tensor(g!)? token_conv_states=None, Tensor(h!)? token_states=None) -> ()");

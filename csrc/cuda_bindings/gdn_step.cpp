@@ -1,5 +1,7 @@
 // CUDA binding of gdn_step: argument checks, device guard, launch on the current stream. Sizes come from
-// the tensors: conv_weight [C, K], state [Hv, dv, dk], so Hk = (C - Hv*dv) / (2*dk).
+// the tensors: conv_weight [C, K], state [Hv, dv, dk], so Hk = (C - Hv*dv) / (2*dk). The states' rank picks the
+// mode: state [Hv, dv, dk] and conv_state [K-1, C], one sequence of T <= kGdnStepMaxTokens tokens; state
+// [T, Hv, dv, dk] and conv_state [T, K-1, C], batched rows (T sequences of one token, x's row t sequence t).
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -22,13 +24,24 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
   QWEN38_CHECK_ROWS(op, x);
   const at::Device device = x.device();
   const int64_t T = x.size(0);
-  QWEN38_CHECK(T <= kGdnStepMaxTokens, op, ": at most ", kGdnStepMaxTokens, " tokens (x's rows), found ", T,
-              " (prompts run gdn_conv, gdn_gates, gdn_recurrent and gated_rms_norm)");
   check_same_device(op, "state", state, device, "x");
-  QWEN38_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 3, op,
-              ": state must be contiguous float32 [Hv, dv, dk], found ", state.scalar_type(), " ", state.sizes());
+  QWEN38_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && (state.dim() == 3 || state.dim() == 4),
+              op, ": state must be contiguous float32 [Hv, dv, dk], or [T, Hv, dv, dk] with a state a row, found ",
+              state.scalar_type(), " ", state.sizes());
+  const bool batched_rows = state.dim() == 4;
+  if (batched_rows) {
+    QWEN38_CHECK(state.size(0) == T && T <= kGdnStepMaxSeqs, op, ": a 4-D state holds a sequence's state a row: "
+                "[T, Hv, dv, dk] with T = x's rows = ", T, " (at most ", kGdnStepMaxSeqs, "), found ", state.sizes());
+    QWEN38_CHECK(!token_conv_states.has_value() && !token_states.has_value(), op,
+                ": batched rows (state [T, Hv, dv, dk]: T sequences of one token) keep no per-token states: "
+                "token_conv_states and token_states must be None");
+  } else {
+    QWEN38_CHECK(T <= kGdnStepMaxTokens, op, ": at most ", kGdnStepMaxTokens, " tokens (x's rows) of one sequence, "
+                "found ", T, " (prompts run gdn_conv, gdn_gates, gdn_recurrent and gated_rms_norm; sequences of one "
+                "token each: state [T, Hv, dv, dk], conv_state [T, K-1, C])");
+  }
   check_aligned16(op, "state", state, "16-byte loads");
-  const int64_t Hv = state.size(0), dv = state.size(1), dk = state.size(2);
+  const int64_t Hv = state.size(-3), dv = state.size(-2), dk = state.size(-1);
   QWEN38_CHECK(dk > 0 && dk <= kGdnStepMaxHeadDim && dv > 0 && dv <= kGdnStepMaxHeadDim && dv % 4 == 0, op,
               ": the kernel needs dk, dv in [1, ", kGdnStepMaxHeadDim, "] and dv % 4 == 0, found dk ", dk, ", dv ", dv);
   QWEN38_CHECK(conv_weight.dim() == 2, op, ": conv_weight must be [C, K], found ", conv_weight.sizes());
@@ -44,13 +57,23 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
               ", at most ", kGdnStepMaxGroup, " times it (the value heads of a key head run as one cluster)");
   QWEN38_CHECK(x.size(1) == C + Hv * dv + 2 * Hv, op, ": x must be [T, C + Hv*dv + 2*Hv] = [T, ",
               C + Hv * dv + 2 * Hv, "] (q | k | v | z | b | a), found ", x.sizes());
-  check_float_tensor(op, "conv_state", conv_state, {taps - 1, C}, device, "x");
+  if (batched_rows) {
+    check_float_tensor(op, "conv_state", conv_state, {T, taps - 1, C}, device, "x");
+  } else {
+    check_float_tensor(op, "conv_state", conv_state, {taps - 1, C}, device, "x");
+  }
   check_float_tensor(op, "a_neg", a_neg, {Hv}, device, "x");
   check_float_tensor(op, "dt_bias", dt_bias, {Hv}, device, "x");
   check_float_tensor(op, "norm_weight", norm_weight, {dv}, device, "x");
 
   GdnStepArgs a;
-  a.T = (int)T, a.taps = (int)taps, a.Hk = (int)Hk, a.Hv = (int)Hv, a.dk = (int)dk, a.dv = (int)dv;
+  a.T = batched_rows ? 1 : (int)T;  // tokens of each sequence
+  a.taps = (int)taps, a.Hk = (int)Hk, a.Hv = (int)Hv, a.dk = (int)dk, a.dv = (int)dv;
+  if (batched_rows) {
+    a.num_seqs = (int)T;
+    a.conv_state_stride = (taps - 1) * C;
+    a.state_stride = Hv * dv * dk;
+  }
   a.x = x.data_ptr<float>();
   a.x_stride = x.stride(0);
   a.conv_weight = conv_weight.data_ptr<float>();

@@ -22,6 +22,9 @@
 //     memory (distributed shared memory; split_rows is a multiple of 4, so no float4 straddles two blocks),
 //     then the int8 / two-word quantization of the out projection's input.
 //
+// Batched rows (gdn_step.h: num_seqs sequences of one token, each with its own states) add the grid's y, the
+// sequence: its blocks offset x, out and the states to their sequence's and run the T = 1 code unchanged.
+//
 // The blocks of a key head's Hv/Hk value heads form one thread-block cluster (block index = (key_head * group
 // + j) * kSplit + part, value head key_head + j * Hk), and two cluster barriers order what crosses blocks. The
 // first, after the recurrence: every block's reads of the key head's q/k conv state are done (cluster rank 0
@@ -93,7 +96,12 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   const int row_begin = min(dv, part * split_rows), row_end = min(dv, row_begin + split_rows);
   const int C = 2 * Hk * dk + Hv * dv;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* const head_state = a.state + (int64_t)head * dv * dk;
+  // The sequence of this block (blockIdx.y; batched rows: sequence seq is x's and out's row seq, T = 1) and its
+  // states. One sequence of T tokens: seq 0.
+  const int seq = blockIdx.y;
+  const float* const seq_x = a.x + seq * a.x_stride;
+  float* const seq_conv_state = a.conv_state + seq * a.conv_state_stride;
+  float* const head_state = a.state + seq * a.state_stride + (int64_t)head * dv * dk;
 
   bool owns[kChunks];
 #pragma unroll
@@ -114,13 +122,13 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
 
   // ---- 1. gates, z, and the first state rows in flight.
   if (threadIdx.x < T) {
-    const float* ba = a.x + threadIdx.x * a.x_stride + C + Hv * dv;
+    const float* ba = seq_x + threadIdx.x * a.x_stride + C + Hv * dv;
     s_beta[threadIdx.x] = gdn_beta(ba[head]);
     s_decay[threadIdx.x] = gdn_decay(ba[Hv + head], a.a_neg[head], a.dt_bias[head]);
   }
   if (norm_block)
     for (int i = threadIdx.x; i < T * dv; i += kThreads)
-      s_z[i / dv][i % dv] = a.x[(i / dv) * a.x_stride + C + head * dv + i % dv];
+      s_z[i / dv][i % dv] = seq_x[(i / dv) * a.x_stride + C + head * dv + i % dv];
 
   float s[kRows][kChunks][kVec];
   auto load_rows = [&](int first_row) {
@@ -159,9 +167,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
       weight[tap] = active && tap < taps ? a.conv_weight[(int64_t)channel * taps + tap] : 0.0f;
 #pragma unroll
     for (int tap = 0; tap < kMaxTaps - 1; ++tap)
-      window[tap] = active && tap < taps - 1 ? a.conv_state[(int64_t)tap * C + channel] : 0.0f;
+      window[tap] = active && tap < taps - 1 ? seq_conv_state[(int64_t)tap * C + channel] : 0.0f;
 #pragma unroll
-    for (int t = 0; t < kMaxT; ++t) x[t] = active && t < T ? a.x[t * a.x_stride + channel] : 0.0f;
+    for (int t = 0; t < kMaxT; ++t) x[t] = active && t < T ? seq_x[t * a.x_stride + channel] : 0.0f;
     float* const conv_out = which == 0 ? &s_q[0][i] : which == 1 ? &s_k[0][i] : &s_v[0][i];
 #pragma unroll
     for (int t = 0; t < kMaxT; ++t) {
@@ -185,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
     } else if (writes) {  // v channels: only this thread reads or writes them
 #pragma unroll
       for (int tap = 0; tap < kMaxTaps - 1; ++tap)
-        if (tap < taps - 1) a.conv_state[(int64_t)tap * C + channel] = window[tap];
+        if (tap < taps - 1) seq_conv_state[(int64_t)tap * C + channel] = window[tap];
     }
   }
   __syncthreads();
@@ -254,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   if (qk_state_channel >= 0) {
 #pragma unroll
     for (int tap = 0; tap < kMaxTaps - 1; ++tap)
-      if (tap < taps - 1) a.conv_state[(int64_t)tap * C + qk_state_channel] = qk_window[tap];
+      if (tap < taps - 1) seq_conv_state[(int64_t)tap * C + qk_state_channel] = qk_window[tap];
   }
 
   // ---- 4. gated RMSNorm of token `warp`, as norm_quant.cu's GatedRmsNorm: x * rsqrt(mean(x^2) + eps)
@@ -262,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   // fma(w, w, fma(z, z, fma(x, x, y*y))) (nvcc's contraction of x*x + y*y + z*z + w*w there), then the
   // warp butterfly; 1/sqrt rounded twice.
   if (norm_block && warp < T) {
-    const int t = warp;
+    const int t = warp, row = seq + t;  // out's row of token t
     float4 v[kNormItems];
     float ss = 0.0f;
 #pragma unroll
@@ -278,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
     }
     ss = warp_sum(ss);
     const float scale = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)dv), a.eps)));
-    float* const out_row = a.out + t * a.out_stride + head * dv;
+    float* const out_row = a.out + row * a.out_stride + head * dv;
 #pragma unroll
     for (int i = 0; i < kNormItems; ++i) {
       const int e = 4 * (lane + 32 * i);
@@ -298,9 +306,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
       for (int i = 0; i < kNormItems; ++i) {
         if (4 * 32 * i >= dv) break;  // warp-uniform: items no lane holds (the shuffles need the whole warp)
         const int e = 4 * (lane + 32 * i), column = head * dv + e;
-        store_quantized_float4(v[i], e < dv, a.out_q + t * a.out_q_stride + column,
-                               two_word ? a.out_q_lo + t * a.out_q_lo_stride + column : nullptr,
-                               a.out_d + t * a.out_d_stride + column / kQuantBlock);
+        store_quantized_float4(v[i], e < dv, a.out_q + row * a.out_q_stride + column,
+                               two_word ? a.out_q_lo + row * a.out_q_lo_stride + column : nullptr,
+                               a.out_d + row * a.out_d_stride + column / kQuantBlock);
       }
     }
   }
@@ -313,7 +321,7 @@ cudaError_t launch(const GdnStepArgs& a, cudaStream_t stream) {
   const int split = gdn_step_split(a.Hv / a.Hk);
   void (*const kernel)(GdnStepArgs) =
       split == 2 ? gdn_step_kernel<kVec, kChunks, 2> : gdn_step_kernel<kVec, kChunks, 1>;
-  config.gridDim = dim3(a.Hv * split);
+  config.gridDim = dim3(a.Hv * split, a.num_seqs);  // clusters along x only: a sequence's blocks share none
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute attributes[2];
@@ -332,12 +340,14 @@ cudaError_t launch(const GdnStepArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t gdn_step_launch(const GdnStepArgs& args, cudaStream_t stream) {
-  if (args.T <= 0) return cudaSuccess;
+  if (args.T <= 0 || args.num_seqs <= 0) return cudaSuccess;
   const GdnStepArgs& a = args;
-  if (a.T > kGdnStepMaxTokens || a.taps < 2 || a.taps > kGdnMaxConvTaps || a.Hk <= 0 || a.Hv % a.Hk != 0 ||
-      a.Hv / a.Hk > kGdnStepMaxGroup || a.dk <= 0 || a.dk > kGdnStepMaxHeadDim || a.dv <= 0 ||
-      a.dv > kGdnStepMaxHeadDim || a.dv % 4 != 0 || (a.out_q != nullptr && a.dv % kQuantBlock != 0) ||
-      !aligned16(a.state))
+  const bool batched_rows = a.num_seqs > 1;  // one token each, no per-token states
+  if (a.T > kGdnStepMaxTokens || a.num_seqs > kGdnStepMaxSeqs ||
+      (batched_rows && (a.T != 1 || a.token_conv_states != nullptr || a.token_states != nullptr)) || a.taps < 2 ||
+      a.taps > kGdnMaxConvTaps || a.Hk <= 0 || a.Hv % a.Hk != 0 || a.Hv / a.Hk > kGdnStepMaxGroup || a.dk <= 0 ||
+      a.dk > kGdnStepMaxHeadDim || a.dv <= 0 || a.dv > kGdnStepMaxHeadDim || a.dv % 4 != 0 ||
+      (a.out_q != nullptr && a.dv % kQuantBlock != 0) || !aligned16(a.state))
     return cudaErrorInvalidValue;
   GdnStepArgs b = args;
   b.q_scale = 1.0f / sqrtf((float)a.dk);

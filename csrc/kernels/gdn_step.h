@@ -1,7 +1,12 @@
 // One Gated DeltaNet layer's decode step in one kernel: conv (+ state update, SiLU, q/k L2 norm), both
 // gates, the delta-rule recurrence and the gated RMSNorm (+ the out projection's quantized activation), for
-// T <= kGdnStepMaxTokens tokens. Every output is bitwise what gdn_conv -> gdn_gates -> gdn_recurrent (token
-// by token) -> gated_rms_norm write on the same inputs. Layouts are those of csrc/bindings.cpp.
+// T <= kGdnStepMaxTokens tokens of one sequence. Every output is bitwise what gdn_conv -> gdn_gates ->
+// gdn_recurrent (token by token) -> gated_rms_norm write on the same inputs. Layouts are those of
+// csrc/bindings.cpp.
+//
+// Batched rows: num_seqs sequences of one token each (T = 1), x's row s sequence s, with its own conv state and
+// recurrent state (no recurrence across rows), all in one launch: the grid's y is the sequence, and each
+// sequence's blocks run exactly a T = 1 call's code on its rows and states, so row s is bitwise a T = 1 call.
 #pragma once
 #include <cstdint>
 
@@ -14,6 +19,7 @@ namespace qwen38 {
 
 constexpr int kGdnStepMaxHeadDim = 256;  // dk and dv (q, k, v, z and the outputs of a head sit in shared memory)
 constexpr int kGdnStepMaxGroup = 8;      // Hv / Hk: value heads sharing a key head form one thread-block cluster
+constexpr int kGdnStepMaxSeqs = 65535;   // batched rows: sequences in one launch (the grid's y)
 
 struct GdnStepArgs {
   const float* x = nullptr;  // [T, C + Hv*dv + 2*Hv] = [q | k | v | z | b | a], C = 2*Hk*dk + Hv*dv
@@ -23,8 +29,8 @@ struct GdnStepArgs {
   const float* dt_bias = nullptr;      // [Hv]
   const float* norm_weight = nullptr;  // [dv], 16-byte aligned
   float eps = 0.f;
-  float* conv_state = nullptr;  // [taps-1, C], in place
-  float* state = nullptr;       // [Hv, dv, dk], in place, 16-byte aligned
+  float* conv_state = nullptr;  // [taps-1, C] (batched rows: [num_seqs, taps-1, C]), in place
+  float* state = nullptr;       // [Hv, dv, dk] (batched rows: [num_seqs, Hv, dv, dk]), in place, 16-byte aligned
   float* out = nullptr;         // [T, Hv*dv], rows 16-byte aligned
   int64_t out_stride = 0;
   int8_t* out_q = nullptr;  // optional [T, Hv*dv]: int8 lane (or the two-word lane's high word)
@@ -36,12 +42,18 @@ struct GdnStepArgs {
   float* token_conv_states = nullptr;  // optional [T, taps-1, C] contiguous
   float* token_states = nullptr;       // optional [T, Hv, dv, dk] contiguous, 16-byte aligned
   int T = 0, taps = 0, Hk = 0, Hv = 0, dk = 0, dv = 0;
+  // Batched rows: num_seqs sequences of T = 1 token, sequence s reading x's row s and writing out's (and the
+  // quantized outputs') row s, its states at s * conv_state_stride and s * state_stride floats; token_conv_states
+  // and token_states null. One sequence of T tokens: num_seqs = 1 (the strides unused).
+  int num_seqs = 1;
+  int64_t conv_state_stride = 0, state_stride = 0;
   float q_scale = 0.f;  // set by gdn_step_launch: 1/sqrt(dk), computed as gdn_recurrent's launcher does
 };
 
 // cudaErrorInvalidValue for sizes beyond the limits above (taps in [2, kGdnMaxConvTaps], dv % 4 == 0, Hv a
-// multiple of Hk, dv % 32 == 0 with out_q) or a misaligned state; the binding checks them first with clear
-// messages. Launched with PDL when pdl_enabled() (pdl.cuh), as a cluster of a key head's value heads.
+// multiple of Hk, dv % 32 == 0 with out_q; batched rows with T != 1 or per-token states) or a misaligned state;
+// the binding checks them first with clear messages. Launched with PDL when pdl_enabled() (pdl.cuh), as a cluster
+// of a key head's value heads.
 cudaError_t gdn_step_launch(const GdnStepArgs& args, cudaStream_t stream);
 
 }  // namespace qwen38

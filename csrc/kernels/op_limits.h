@@ -27,7 +27,8 @@ constexpr int kAttentionPrefillRows = 64;
 constexpr int kAttentionPrefillTargetBlocks = 264;
 constexpr int kAttentionPrefillMaxSplits = 64;
 
-// gdn_step: the most tokens one call takes (a decode step, or a speculative verify of k + 1 <= 8 tokens).
+// gdn_step: the most tokens of one sequence one call takes (a decode step, or a speculative verify of k + 1 <= 8
+// tokens). Batched rows (a state a row, T sequences of one token) are not limited by it.
 constexpr int kGdnStepMaxTokens = 8;
 
 // The flags the device raises in the state's one error int32 (the host reads it at its next sync):

@@ -1,5 +1,8 @@
 """gdn_step: a GDN layer's decode step between its two projections, composed from the references of the
-ops it fuses (gdn_conv -> gdn_gates -> gdn_recurrent -> gated_rms_norm), which define it."""
+ops it fuses (gdn_conv -> gdn_gates -> gdn_recurrent -> gated_rms_norm), which define it.
+
+Batched rows: with conv_state [T, K-1, C] and state [T, Hv, dv, dk] (one leading dimension more), row t of x is a
+sequence of its own, one token on conv_state[t] and state[t]: by definition T one-row calls."""
 import torch
 
 from .gdn import gdn_conv, gdn_gates, gdn_recurrent
@@ -8,7 +11,17 @@ from .norm_quant import gated_rms_norm
 
 def gdn_step(x, conv_weight, a_neg, dt_bias, norm_weight, eps, conv_state, state, out, out_q=None, out_q_lo=None,
              out_d=None, token_conv_states=None, token_states=None) -> None:
-    """x [T, C + Hv*dv + 2*Hv] = [q | k | v | z | b | a]; sizes from conv_weight [C, K] and state [Hv, dv, dk]."""
+    """x [T, C + Hv*dv + 2*Hv] = [q | k | v | z | b | a]; sizes from conv_weight [C, K] and state [Hv, dv, dk]
+    (or [T, Hv, dv, dk]: batched rows, which keep no per-token states)."""
+    if state.dim() == 4:
+        if token_conv_states is not None or token_states is not None:
+            raise RuntimeError("gdn_step: batched rows (state [T, Hv, dv, dk]: T sequences of one token) keep no "
+                               "per-token states: token_conv_states and token_states must be None")
+        for t in range(x.shape[0]):
+            row = slice(t, t + 1)
+            gdn_step(x[row], conv_weight, a_neg, dt_bias, norm_weight, eps, conv_state[t], state[t], out[row],
+                     *(o if o is None else o[row] for o in (out_q, out_q_lo, out_d)))
+        return
     num_v_heads, dv, dk = state.shape
     channels = conv_weight.shape[0]
     num_k_heads = (channels - num_v_heads * dv) // (2 * dk)

@@ -8,12 +8,21 @@ layout, Hv/Hk from 1 to 8, dv not a multiple of 32), with and without per-token 
 activation lanes, every output poisoned first (NaN; int8 lanes with different values in the two runs) and
 the states inside NaN padding; T tokens == T decode steps; row-strided and misaligned x; one launch; back to
 back on one state and graph replay == eager, with PDL on and off; opcheck; bad arguments raise.
+
+Batched rows (conv_state [T, K-1, C], state [T, Hv, dv, dk]: row t a sequence of its own, one token): on the CPU
+the reference against one-row calls, opcheck, per-token states refused; on CUDA the kernel bit for bit against the
+op sequence run row by row on each row's own states (and near the float64 reference), at the 27B shape and odd
+shapes, in all three lanes, outputs poisoned and the states inside NaN padding, T past MAX_TOKENS; every row bit
+for bit a T = 1 call on its own states for T up to 64; graph replay == eager; bad arguments raise.
 """
+import copy
+
 import pytest
 import torch
 
 import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from qwen38_ops.gdn_step import MAX_TOKENS
+from qwen38_ops.reference import gdn_step as ref
 
 from cuda_helpers import (TORCH_ERROR_CONTROL, assert_cuda_kernel, capture_graph, child_env, cuda, progress,
                           run_in_child)
@@ -36,7 +45,8 @@ class Inputs:
     """A decode step's inputs at one shape, x row-strided with NaN past each row's end (a read beyond x's
     width shows as NaN)."""
 
-    def __init__(self, T, shape, taps=4, device="cuda", seed=0, dtype=torch.float32):
+    def __init__(self, T, shape, taps=4, device="cuda", seed=0, dtype=torch.float32, batched=False):
+        """batched: conv_state [T, taps-1, C] and state [T, Hv, dv, dk], a sequence's states a row."""
         hk, hv, dk, dv = shape
         self.hk, self.hv, self.dk, self.dv, self.taps = hk, hv, dk, dv, taps
         self.C, self.Z = 2 * hk * dk + hv * dv, hv * dv
@@ -51,11 +61,12 @@ class Inputs:
         wide[:, :width] = x
         self.x = wide.to(device=device, dtype=dtype)[:, :width]
         self.conv_weight = (torch.randn(self.C, taps, generator=g, dtype=torch.float64) * 0.5).to(device, dtype)
-        self.conv_state = torch.randn(taps - 1, self.C, generator=g, dtype=torch.float64).to(device, dtype)
+        lead = (T,) if batched else ()
+        self.conv_state = torch.randn(*lead, taps - 1, self.C, generator=g, dtype=torch.float64).to(device, dtype)
         self.a_neg = -torch.exp(torch.randn(hv, generator=g, dtype=torch.float64) - 2).to(device, dtype)
         self.dt_bias = torch.randn(hv, generator=g, dtype=torch.float64).to(device, dtype)
         self.norm_weight = (1 + 0.2 * torch.randn(dv, generator=g, dtype=torch.float64)).to(device, dtype)
-        self.state = (torch.randn(hv, dv, dk, generator=g, dtype=torch.float64) * 0.5).to(device, dtype)
+        self.state = (torch.randn(*lead, hv, dv, dk, generator=g, dtype=torch.float64) * 0.5).to(device, dtype)
         self.device, self.dtype = device, dtype
 
     def outputs(self, T, lane, token_states, poison):
@@ -70,10 +81,16 @@ class Inputs:
             o.update(token_conv_states=full(T, self.taps - 1, self.C), token_states=full(T, self.hv, self.dv, self.dk))
         return o
 
+    def row(self, t):
+        """Row t of batched inputs as one sequence's one-token inputs: x's row t, conv_state[t], state[t] (views)."""
+        one = copy.copy(self)
+        one.x, one.conv_state, one.state = self.x[t : t + 1], self.conv_state[t], self.state[t]
+        return one
 
-def run_step(inp, x, lane, token_states, conv_state=None, state=None):
+
+def run_step(inp, x, lane, token_states, conv_state=None, state=None, poison=-77):
     """gdn_step on copies of the states (or the given ones, in place); returns every output by name."""
-    o = inp.outputs(x.shape[0], lane, token_states, poison=-77)
+    o = inp.outputs(x.shape[0], lane, token_states, poison=poison)
     o.update(conv_state=inp.conv_state.clone() if conv_state is None else conv_state,
              state=inp.state.clone() if state is None else state)
     ops.gdn_step(x, inp.conv_weight, inp.a_neg, inp.dt_bias, inp.norm_weight, EPS, o["conv_state"], o["state"],
@@ -150,6 +167,46 @@ def test_reference_tokens_are_decode_steps():
         torch.testing.assert_close(one["out"][0], whole["out"][t], rtol=1e-6, atol=1e-6)
     assert torch.equal(whole["conv_state"], conv_state)
     torch.testing.assert_close(whole["state"], state, rtol=1e-6, atol=1e-6)
+
+
+def opcheck_batched_rows(device):
+    inp = Inputs(3, SHAPE_ORACLE, device=device, batched=True)
+    for lane in LANES:
+        o = inp.outputs(3, lane, token_states=False, poison=0)
+        args = (inp.x, inp.conv_weight, inp.a_neg, inp.dt_bias, inp.norm_weight, EPS, inp.conv_state.clone(),
+                inp.state.clone(), o["out"], o["out_q"], o["out_q_lo"], o["out_d"], None, None)
+        torch.library.opcheck(ops.gdn_step.default, args)
+
+
+def test_opcheck_cpu_batched_rows():
+    opcheck_batched_rows("cpu")
+
+
+@pytest.mark.parametrize("shape", [SHAPE_ORACLE, (1, 3, 30, 32)])
+@pytest.mark.parametrize("T", [1, 3, MAX_TOKENS + 1])
+@pytest.mark.parametrize("lane", LANES)
+def test_reference_batched_rows_are_one_row_calls(shape, T, lane):
+    """Batched rows (conv_state [T, K-1, C], state [T, Hv, dv, dk]): row t is one token of a sequence of its own,
+    on conv_state[t] and state[t]: its outputs and both new states bit for bit a one-row call's on copies of that
+    row's states, also past MAX_TOKENS rows."""
+    if lane != "f32" and shape[3] % 32:
+        pytest.skip("the quantized lanes need dv % 32 == 0")
+    inp = Inputs(T, shape, device="cpu", seed=T, batched=True)
+    together = run_step(inp, inp.x, lane, token_states=False)
+    for t in range(T):
+        alone = run_step(inp.row(t), inp.x[t : t + 1], lane, token_states=False)
+        for name in ("out", "out_q", "out_q_lo", "out_d"):
+            if alone[name] is not None:
+                assert torch.equal(together[name][t : t + 1], alone[name]), (t, name)
+        assert torch.equal(together["conv_state"][t], alone["conv_state"]), t
+        assert torch.equal(together["state"][t], alone["state"]), t
+    assert torch.isfinite(together["out"]).all() and not torch.equal(together["state"], inp.state)
+
+
+def test_reference_batched_rows_refuse_token_states():
+    inp = Inputs(2, SHAPE_ORACLE, device="cpu", batched=True)
+    with pytest.raises(RuntimeError, match="gdn_step: batched rows .* token_conv_states and token_states must be None"):
+        run_step(inp, inp.x, "f32", token_states=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -338,6 +395,109 @@ def check_back_to_back_and_graph_replay():
     assert_same_bits(verify, run_step(inp, inp.x, "int8x2", True))
 
 
+def check_batched_against_sequence(shape, T, lane, seed):
+    """Batched rows with the states, out and out_d inside NaN padding and every output poisoned: the padding is
+    untouched, and row t is bit for bit the CUDA op sequence run on row t alone, on copies of its own states."""
+    inp = Inputs(T, shape, seed=seed, batched=True)
+    want = [run_sequence(inp.row(t), lane) for t in range(T)]
+    o = inp.outputs(T, lane, token_states=False, poison=-77)
+    views, bufs = dict(out_q=o["out_q"], out_q_lo=o["out_q_lo"], out_d=None), []
+    for name, t in dict(conv_state=inp.conv_state, state=inp.state, out=o["out"], out_d=o["out_d"]).items():
+        if t is not None:
+            views[name], buf = padded(t)
+            bufs.append(buf)
+    ops.gdn_step(inp.x, inp.conv_weight, inp.a_neg, inp.dt_bias, inp.norm_weight, EPS, views["conv_state"],
+                 views["state"], views["out"], views["out_q"], views["out_q_lo"], views["out_d"])
+    for buf in bufs:
+        assert buf[:64].isnan().all() and buf[-64:].isnan().all(), "a write outside an output"
+    for t in range(T):
+        for name in ("out", "out_q", "out_q_lo", "out_d"):
+            if want[t][name] is not None and name in views and views[name] is not None:
+                assert torch.equal(views[name][t : t + 1], want[t][name]), (t, name)
+        assert torch.equal(views["conv_state"][t], want[t]["conv_state"]), t
+        assert torch.equal(views["state"][t], want[t]["state"]), t
+    assert torch.isfinite(views["out"]).all() and torch.isfinite(views["state"]).all()
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 3, MAX_TOKENS + 5])
+@pytest.mark.parametrize("lane", LANES)
+def test_batched_27b_equals_op_sequence_per_row(T, lane):
+    assert_cuda_kernel("gdn_step")
+    check_batched_against_sequence(SHAPE_27B, T, lane, seed=40 + T)
+
+
+@cuda
+@pytest.mark.parametrize("shape", [SHAPE_ORACLE] + SHAPES_ODD)
+@pytest.mark.parametrize("T", [2, 5])
+@pytest.mark.parametrize("lane", LANES)
+def test_batched_odd_shapes_equal_op_sequence_per_row(shape, T, lane):
+    if lane != "f32" and shape[3] % 32:
+        pytest.skip("the quantized lanes need dv % 32 == 0")
+    check_batched_against_sequence(shape, T, lane, seed=sum(shape) + 50 + T)
+
+
+@cuda
+def test_batched_27b_near_float64_reference():
+    """Batched rows against the float64 reference: the new conv states exactly (copies of inputs), the recurrent
+    states within gdn_recurrent's bound (test_gdn.py), out within float32 rounding of the gated norm."""
+    T = 5
+    inp = Inputs(T, SHAPE_27B, seed=9, batched=True)
+    got = run_step(inp, inp.x, "f32", token_states=False)
+    f64 = lambda t: t.cpu().double()
+    conv_state, state, out = f64(inp.conv_state), f64(inp.state), torch.empty(T, inp.Z, dtype=torch.float64)
+    ref.gdn_step(f64(inp.x), f64(inp.conv_weight), f64(inp.a_neg), f64(inp.dt_bias), f64(inp.norm_weight), EPS,
+                 conv_state, state, out)
+    assert torch.equal(f64(got["conv_state"]), conv_state)
+    torch.testing.assert_close(f64(got["state"]), state, rtol=0, atol=2e-5)
+    torch.testing.assert_close(f64(got["out"]), out, rtol=1e-4, atol=1e-4)
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 2, 3, 8, 13, 64])
+def test_batched_rows_equal_one_row_calls_bitwise(T):
+    """The batch-invariance contract: row t of a batched call gives bit for bit what a T = 1 call (one sequence)
+    on copies of row t's own states gives: out and its two-word int8 words and scales (the runs poisoned
+    differently), both new states. The 27B shape, x row-strided."""
+    inp = Inputs(T, SHAPE_27B, seed=30 + T, batched=True)
+    together = run_step(inp, inp.x, "int8x2", token_states=False)
+    for t in range(T):
+        alone = run_step(inp.row(t), inp.x[t : t + 1], "int8x2", token_states=False, poison=77)
+        for name in ("out", "out_q", "out_q_lo", "out_d"):
+            assert torch.equal(together[name][t : t + 1], alone[name]), (t, name)
+        assert torch.equal(together["conv_state"][t], alone["conv_state"]), t
+        assert torch.equal(together["state"][t], alone["state"]), t
+
+
+@cuda
+def test_batched_graph_replay_equals_eager():
+    """A batched step of 13 rows (past MAX_TOKENS) captured once and replayed from the same states: the eager bits."""
+    T = 13
+    inp = Inputs(T, SHAPE_27B, seed=7, batched=True)
+    want = run_step(inp, inp.x, "int8", token_states=False)
+    o = inp.outputs(T, "int8", token_states=False, poison=-77)
+    o.update(conv_state=inp.conv_state.clone(), state=inp.state.clone())
+
+    def step():
+        ops.gdn_step(inp.x, inp.conv_weight, inp.a_neg, inp.dt_bias, inp.norm_weight, EPS, o["conv_state"],
+                     o["state"], o["out"], o["out_q"], None, o["out_d"])
+
+    graph = capture_graph(step)
+    o["conv_state"].copy_(inp.conv_state)
+    o["state"].copy_(inp.state)
+    for name in ("out", "out_d"):
+        o[name].fill_(NAN)
+    o["out_q"].fill_(77)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_bits(o, want)
+
+
+@cuda
+def test_opcheck_cuda_batched_rows():
+    opcheck_batched_rows("cuda")
+
+
 @cuda
 def test_opcheck_cuda():
     inp = Inputs(2, SHAPE_ORACLE)
@@ -351,6 +511,8 @@ def check_bad_inputs():
     """Every wrong argument raises a RuntimeError naming the op and the argument (run in a child process by
     test_bad_inputs_raise)."""
     inp = Inputs(2, SHAPE_ORACLE)
+    batched = Inputs(2, SHAPE_ORACLE, batched=True)
+    no_token_states = dict(token_conv_states=None, token_states=None)
     hk, hv, dk, dv = SHAPE_ORACLE
 
     def call(**changes):
@@ -386,6 +548,16 @@ def check_bad_inputs():
         ("token_states must be", dict(token_states=torch.zeros(2, hv, dk, dv, device="cuda").transpose(2, 3))),
         ("token_states must start 16-byte aligned",
          dict(token_states=torch.zeros(2 * hv * dv * dk + 1, device="cuda")[1:].view(2, hv, dv, dk))),
+        # batched rows: a state a row, one token each, no per-token states
+        ("batched rows .* token_conv_states and token_states must be None",
+         dict(conv_state=batched.conv_state.clone(), state=batched.state.clone())),
+        ("a 4-D state holds a sequence's state a row", dict(conv_state=batched.conv_state[:1].clone(),
+                                                           state=batched.state[:1].clone(), **no_token_states)),
+        ("conv_state must be contiguous float32 \\[2, 3, ", dict(state=batched.state.clone(), **no_token_states)),
+        ("conv_state must be contiguous float32 \\[3, ", dict(conv_state=batched.conv_state.clone(),
+                                                            **no_token_states)),
+        ("state must be contiguous float32 \\[Hv, dv, dk\\], or", dict(state=batched.state[None].clone())),
+        ("state must be contiguous float32", dict(state=batched.state.transpose(0, 1), **no_token_states)),
     ]
     for match, changes in cases:
         progress()
