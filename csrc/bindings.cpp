@@ -87,9 +87,9 @@ TORCH_LIBRARY(qwen38, m) {
         "Tensor(c!)? out_q_lo, Tensor(d!)? out_d) -> ()");
 
   // ---- embedding: out[t] = row token[t] of the table as float32 [T, D]; token int32 [T] on the device.
-  // An id outside [0, V) gets a NaN row and ORs 2 into bad_token (int32 [1], when given; 2 so that it can
-  // share attention's bad_position, which stores 1): the caller reads it at its next sync. The CPU
-  // reference raises a ValueError at once instead.
+  // An id outside [0, V) gets a NaN row and ORs 2 into bad_token (when given: int32 [1], one flag for the rows,
+  // or [T], row t ORing into element t, for batched rows; 2 so that it can share attention's bad_position, which
+  // stores 1): the caller reads it at its next sync. The CPU reference raises a ValueError at once instead.
   // Q8_0 table: int8 quants [V, D] + fp16 scales [V, D/32], D % 32 == 0; the row dequantized.
   m.def("q8_0_embedding(Tensor token, Tensor weight_q, Tensor weight_d, Tensor(a!) out, "
         "Tensor(b!)? bad_token=None) -> ()");

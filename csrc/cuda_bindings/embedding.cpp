@@ -22,14 +22,21 @@ void check_token(const char* op, const at::Tensor& token) {
               text(token.sizes()));
 }
 
-// The flag an out-of-range id raises: int32 [1] on the token's device, or none.
-int32_t* bad_token_ptr(const char* op, const at::Tensor& token, const std::optional<at::Tensor>& bad_token) {
-  if (!bad_token.has_value()) return nullptr;
+// The flag an out-of-range id raises: none, or contiguous int32 on the token's device with 1 element (shared by
+// the rows: row stride 0) or T (row t's own, batched rows: row stride 1).
+struct BadTokenFlag {
+  int32_t* flag = nullptr;
+  int row_stride = 0;
+};
+BadTokenFlag bad_token_flag(const char* op, const at::Tensor& token, const std::optional<at::Tensor>& bad_token) {
+  if (!bad_token.has_value()) return {};
   const at::Tensor& b = *bad_token;
-  QWEN38_CHECK(b.device() == token.device() && b.scalar_type() == at::kInt && b.numel() == 1, op,
-              ": bad_token must be int32 [1] on ", token.device(), ", found ", b.scalar_type(), " ", b.sizes(), " on ",
-              b.device());
-  return b.data_ptr<int32_t>();
+  const int64_t T = token.size(0);
+  QWEN38_CHECK(b.device() == token.device() && b.scalar_type() == at::kInt && b.is_contiguous() &&
+                  (b.numel() == 1 || b.numel() == T),
+              op, ": bad_token must be contiguous int32 with 1 element (shared by the rows) or T = ", T,
+              " (a flag a row) on ", token.device(), ", found ", b.scalar_type(), " ", b.sizes(), " on ", b.device());
+  return {b.data_ptr<int32_t>(), b.numel() == 1 ? 0 : 1};
 }
 
 void q8_0_embedding_cuda(const at::Tensor& token, const at::Tensor& weight_q, const at::Tensor& weight_d,
@@ -70,18 +77,19 @@ void q8_0_embedding_cuda(const at::Tensor& token, const at::Tensor& weight_q, co
   a.T = static_cast<int>(T);
   a.V = static_cast<int>(V);
   a.D = static_cast<int>(D);
-  a.bad_token = bad_token_ptr(op, token, bad_token);
+  const BadTokenFlag flag = bad_token_flag(op, token, bad_token);
+  a.bad_token = flag.flag, a.bad_token_stride = flag.row_stride;
   launch_or_throw(op, q8_0_embedding_launch(a, current_stream()));
 }
 
 template <typename W>
-cudaError_t launch_dense(const at::Tensor& token, const at::Tensor& weight, at::Tensor& out, int32_t* bad) {
+cudaError_t launch_dense(const at::Tensor& token, const at::Tensor& weight, at::Tensor& out, const BadTokenFlag& bad) {
   DenseEmbeddingArgs<W> a;
   a.token = token.data_ptr<int32_t>();
   a.weight = reinterpret_cast<const W*>(weight.data_ptr());
   a.out = out.data_ptr<float>();
   a.out_stride = out.stride(0);
-  a.bad_token = bad;
+  a.bad_token = bad.flag, a.bad_token_stride = bad.row_stride;
   a.T = static_cast<int>(token.size(0));
   a.V = static_cast<int>(weight.size(0));
   a.D = static_cast<int>(weight.size(1));
@@ -106,7 +114,7 @@ void embedding_cuda(const at::Tensor& token, const at::Tensor& weight, at::Tenso
   QWEN38_CHECK_ROWS(op, out);
   QWEN38_CHECK(out.size(0) == T && out.size(1) == D, op, ": out must be [T, D] = [", text(T), ", ", text(D),
               "], found ", text(out.sizes()));
-  int32_t* bad = bad_token_ptr(op, token, bad_token);
+  const BadTokenFlag bad = bad_token_flag(op, token, bad_token);
 
   const c10::cuda::CUDAGuard guard(token.device());
   cudaError_t err;

@@ -12,10 +12,10 @@ constexpr int kThreads = 128;
 
 __device__ __forceinline__ bool bad_id(int tok, int V) { return tok < 0 || tok >= V; }
 
-// One thread of the row's first block raises the flag (an OR: it never clears a condition another kernel
-// flagged in the same int32).
-__device__ __forceinline__ void flag_bad_token(int32_t* bad_token) {
-  if (bad_token != nullptr && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(bad_token, kBadTokenFlag);
+// One thread of row t's first block raises the flag, the rows' shared one or row t's own (`row_offset` =
+// t * bad_token_stride); an OR: it never clears a condition another kernel flagged in the same int32.
+__device__ __forceinline__ void flag_bad_token(int32_t* bad_token, int row_offset) {
+  if (bad_token != nullptr && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(bad_token + row_offset, kBadTokenFlag);
 }
 
 __global__ void __launch_bounds__(kThreads) q8_0_embedding_kernel(const EmbeddingArgs a) {
@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kThreads) q8_0_embedding_kernel(const Embeddin
   if (bad_id(tok, a.V)) {
     const float nan = __int_as_float(0x7fc00000);
     for (int i = 0; i < 4; ++i) out[i] = make_float4(nan, nan, nan, nan);
-    flag_bad_token(a.bad_token);
+    flag_bad_token(a.bad_token, t * a.bad_token_stride);
     return;
   }
   const size_t row = static_cast<size_t>(tok);
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) embedding_kernel(const DenseEmbeddin
   float* out = a.out + static_cast<size_t>(t) * a.out_stride;
   if (bad_id(tok, a.V)) {
     out[j] = __int_as_float(0x7fc00000);
-    flag_bad_token(a.bad_token);
+    flag_bad_token(a.bad_token, t * a.bad_token_stride);
     return;
   }
   out[j] = widen(a.weight[static_cast<size_t>(tok) * a.D + j]);

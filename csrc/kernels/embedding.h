@@ -6,8 +6,9 @@
 //
 // An id outside [0, V) cannot raise from the device without a host sync, and an unchecked one would read
 // before or past the table. Its row is written as NaN instead and, when bad_token is given, kBadTokenFlag
-// is ORed into *bad_token: the host reads that flag at its next sync and raises. The flag can be shared
-// with attention's bad_position (which stores 1), so that one int32 tells both conditions apart.
+// is ORed into bad_token[t * bad_token_stride]: one flag for the rows (stride 0) or, when the T rows are T
+// sequences (batched rows), row t's own flag t (stride 1). The host reads the flag at its next sync and raises.
+// It can be shared with attention's bad_position (which stores 1), so that one int32 tells both conditions apart.
 #pragma once
 #include <cstdint>
 
@@ -25,7 +26,8 @@ struct EmbeddingArgs {
   const __half* weight_d = nullptr;  // [V, D/32]
   float* out = nullptr;              // [T, out_stride], rows 16-byte aligned
   int64_t out_stride = 0;
-  int32_t* bad_token = nullptr;      // int32 [1] or null
+  int32_t* bad_token = nullptr;      // int32 [1] (bad_token_stride 0) or [T] (1), or null
+  int bad_token_stride = 0;
   int T = 0, V = 0, D = 0;
 };
 
@@ -39,7 +41,8 @@ struct DenseEmbeddingArgs {
   const W* weight = nullptr;       // [V, D]
   float* out = nullptr;            // [T, out_stride]
   int64_t out_stride = 0;
-  int32_t* bad_token = nullptr;    // int32 [1] or null
+  int32_t* bad_token = nullptr;    // int32 [1] (bad_token_stride 0) or [T] (1), or null
+  int bad_token_stride = 0;
   int T = 0, V = 0, D = 0;
 };
 

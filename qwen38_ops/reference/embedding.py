@@ -1,8 +1,9 @@
 """Row lookups from an embedding table: Q8_0 (dequantized) or dense (widened to float32).
 
 An id outside [0, V) is a ValueError here, at once: the kernels cannot raise from the device, so they
-write a NaN row and flag bad_token instead, which the caller reads at its next sync (the reference never
-needs the flag). Without the check a negative id would silently read a row from the table's end."""
+write a NaN row and flag bad_token instead (its one element, or row t's element t of T), which the caller reads at
+its next sync (the reference never needs the flag). Without the check a negative id would silently read a row
+from the table's end."""
 import torch
 
 from .q8_gemv import dequantize_q8_0

@@ -7,6 +7,9 @@ scale, a dense one an exact widening, so there is no rounding freedom), outputs 
 sizes and the 27B table [248320, 5120]; out-of-range ids give NaN rows and OR BAD_TOKEN into the flag
 (keeping a condition already flagged), in range ones leave it alone; a captured graph replays bit for bit,
 follows a token changed on the device and flags a bad one at replay; bad arguments raise.
+
+Batched rows (the T rows T sequences): bad_token may have T elements, row t ORing into element t only; opcheck and
+the reference take it on the CPU, the kernels flag per row on CUDA (graph replay too).
 """
 import numpy as np
 import pytest
@@ -50,6 +53,10 @@ def test_opcheck_cpu():
         weight = make_dense_table(10, 33, dtype)
         torch.library.opcheck(ops.embedding.default, (token, weight, torch.empty(3, 33)))
         torch.library.opcheck(ops.embedding.default, (token, weight, torch.empty(3, 33), no_flag()))
+    row_flags = torch.zeros(3, dtype=torch.int32)  # a flag a row (batched rows)
+    torch.library.opcheck(ops.q8_0_embedding.default, (token, weight_q, weight_d, torch.empty(3, 64), row_flags))
+    torch.library.opcheck(ops.embedding.default, (token, make_dense_table(10, 33, torch.float32), torch.empty(3, 33),
+                                                  row_flags))
 
 
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)
@@ -60,6 +67,20 @@ def test_dense_reference_is_the_table_rows(dtype):
     ops.embedding(token, weight, out, flag)
     assert torch.equal(out, weight.float()[token.long()])
     assert int(flag) == 0
+
+
+def test_reference_takes_a_flag_a_row():
+    """The references take bad_token of T elements as of one (they raise for a bad id instead of flagging): the
+    rows and the flags, untouched, as with no flag."""
+    weight_q, weight_d = make_table(12, 64, seed=4)
+    weight = make_dense_table(12, 40, torch.bfloat16, seed=4)
+    token = torch.tensor([11, 0, 5], dtype=torch.int32)
+    flags = torch.tensor([0, 1, 2], dtype=torch.int32)
+    out_q8, out_dense = torch.full((3, 64), float("nan")), torch.full((3, 40), float("nan"))
+    ops.q8_0_embedding(token, weight_q, weight_d, out_q8, flags)
+    ops.embedding(token, weight, out_dense, flags)
+    assert torch.equal(out_q8, expected_rows(token, weight_q, weight_d))
+    assert torch.equal(out_dense, weight.float()[token.long()]) and flags.tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize("bad", BAD_IDS)
@@ -198,6 +219,38 @@ def test_cuda_dense_graph_replay_follows_device_token_and_flags_a_bad_one():
     assert int(flag) == BAD_TOKEN
 
 
+@cuda
+@pytest.mark.parametrize("op", ["q8_0_embedding", "embedding"])
+def test_cuda_per_row_bad_token_flags(op):
+    """bad_token of T elements (batched rows): an id outside [0, V) gives its row NaN and ORs BAD_TOKEN into its
+    own element only, keeping what the element held (1: attention's condition, flagged earlier); in-range rows
+    keep their element as it was and their row is the reference's. Eagerly and replayed from a captured graph."""
+    V, D = 300, 5120
+    weight_q, weight_d = make_table(V, D, device="cuda", seed=8)
+    tables = {"q8_0_embedding": (weight_q, weight_d), "embedding": (make_dense_table(V, D, torch.bfloat16, "cuda", 8),)}
+    token = torch.tensor([0, V - 1, -1, 5, V, 2**31 - 1, 3], dtype=torch.int32, device="cuda")
+    bad = torch.tensor([False, False, True, False, True, True, False])
+    before = [0, 1, 0, 0, 0, 1, 1]
+    expected_flags = [f | (BAD_TOKEN if b else 0) for f, b in zip(before, bad.tolist())]
+    out = torch.full((token.shape[0], D), float("nan"), device="cuda")
+    flags = torch.tensor(before, dtype=torch.int32, device="cuda")
+    run = lambda: getattr(ops, op)(token, *tables[op], out, flags)
+    run()
+    assert flags.tolist() == expected_flags
+    good = out[~bad.cuda()].clone()
+    if op == "q8_0_embedding":
+        assert torch.equal(good.cpu(), expected_rows(token[~bad.cuda()], weight_q, weight_d))
+    else:
+        assert torch.equal(good, tables[op][0][token[~bad.cuda()].long()].float())
+    assert out[bad.cuda()].isnan().all()
+    graph = capture_graph(run)
+    out.fill_(float("nan"))
+    flags.copy_(torch.tensor(before, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert flags.tolist() == expected_flags and torch.equal(out[~bad.cuda()], good) and out[bad.cuda()].isnan().all()
+
+
 def check_bad_arguments():
     """Every wrong argument raises a RuntimeError naming it (run in a child by the test below)."""
     weight_q, weight_d = make_table(10, 64, device="cuda")
@@ -217,8 +270,13 @@ def check_bad_arguments():
         ops.q8_0_embedding(token, weight_q, weight_d, out_unaligned)
     flag_long = torch.zeros(1, dtype=torch.int64, device="cuda")
     for flag in (flag_long, torch.zeros(2, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32)):
-        with pytest.raises(RuntimeError, match="bad_token must be int32 \\[1\\]"):
+        with pytest.raises(RuntimeError, match="bad_token must be contiguous int32 with 1 element"):
             ops.q8_0_embedding(token, weight_q, weight_d, out, flag)
+    token3, out3 = torch.tensor([1, 2, 3], dtype=torch.int32, device="cuda"), torch.empty(3, 64, device="cuda")
+    strided = torch.zeros(6, dtype=torch.int32, device="cuda")[::2]
+    for flag in (torch.zeros(2, dtype=torch.int32, device="cuda"), strided):
+        with pytest.raises(RuntimeError, match="bad_token must be contiguous int32 with 1 element .* or T = 3"):
+            ops.q8_0_embedding(token3, weight_q, weight_d, out3, flag)
 
     weight = make_dense_table(10, 64, torch.bfloat16, device="cuda")
     with pytest.raises(RuntimeError, match="token must be"):
@@ -233,8 +291,10 @@ def check_bad_arguments():
         ops.embedding(token, weight, out_wide)
     with pytest.raises(RuntimeError, match="out must be"):
         ops.embedding(token, weight, out.half())
-    with pytest.raises(RuntimeError, match="bad_token must be int32 \\[1\\]"):
+    with pytest.raises(RuntimeError, match="bad_token must be contiguous int32 with 1 element"):
         ops.embedding(token, weight, out, flag_long)
+    with pytest.raises(RuntimeError, match="bad_token must be contiguous int32 with 1 element .* or T = 3"):
+        ops.embedding(token3, weight, out3, torch.zeros(4, dtype=torch.int32, device="cuda"))
 
 
 @cuda
