@@ -36,6 +36,12 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// int32 -> double by one DADD on the FP64 pipe instead of an I2F.F64 on the quarter-rate conversion pipe
+// (the Q8_0 GEMV's T-row forms' busiest): 2^52 + 2^31 + s is exact in double, and so is the subtraction.
+__device__ __forceinline__ double int_to_double(int s) {
+  return __hiloint2double(0x43300000, s ^ static_cast<int>(0x80000000u)) - 4503601774854144.0;  // 2^52 + 2^31
+}
+
 // The shared-memory (state space .shared) address of a generic pointer into shared memory, for PTX operands.
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

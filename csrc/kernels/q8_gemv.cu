@@ -263,12 +263,6 @@ __device__ __forceinline__ int half_dot(int4 w, const XPiece<ACT, TOKENS>& x, in
   }
 }
 
-// int32 -> double by one DADD on the FP64 pipe instead of an I2F.F64 on the quarter-rate conversion pipe
-// (the T-row forms' busiest): 2^52 + 2^31 + s is exact in double, and so is the subtraction.
-__device__ __forceinline__ double int_to_double(int s) {
-  return __hiloint2double(0x43300000, s ^ static_cast<int>(0x80000000u)) - 4503601774854144.0;  // 2^52 + 2^31
-}
-
 // Adds a block's term, its exact int32 sum s times the two scales, to a double sum: int8 forms d_w * d_x in
 // fp32 (exact: two fp16 values), int8x2 in double (its d_x is a full fp32 value; 35 bits, exact).
 template <Q8Act ACT>
@@ -599,6 +593,9 @@ cudaError_t q8_0_gemv_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t str
   if (args.K <= 0 || args.K % 32 != 0) return cudaErrorInvalidValue;
   Q8GemvConfig cfg = q8_0_gemv_default_config(act, args.N);
   q8_0_gemv_config_from_env(&cfg);
+  if (act == Q8Act::Int8 && args.T >= q8_0_gemv_rows_min_rows() && q8_0_gemv_rows_supported(args, cfg.parts)) {
+    return q8_0_gemv_rows_launch(args, cfg.parts, stream);  // the same bits per row, on the tensor cores
+  }
   switch (act) {
     case Q8Act::F32: return dispatch<Q8Act::F32>(args, cfg, stream);
     case Q8Act::Int8: return dispatch<Q8Act::Int8>(args, cfg, stream);

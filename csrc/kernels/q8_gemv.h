@@ -54,6 +54,15 @@ Q8GemvConfig q8_0_gemv_default_config(Q8Act act, int N);
 // when unset; a malformed value gives a config that is not compiled, so the launch fails and says so.
 bool q8_0_gemv_config_from_env(Q8GemvConfig* cfg);
 
+// The int8 lane from this many rows of x runs q8_gemv_rows.cu's tensor-core form (the same bits per row; it reads
+// the weights once for any T) where q8_0_gemv_rows_supported; QWEN38_Q8_GEMV_ROWS_FROM=n overrides it (a benchmarking
+// knob, read once per process like QWEN38_Q8_GEMV_CONFIG).
+constexpr int kQ8GemvRowsFrom = 2;
+int q8_0_gemv_rows_min_rows();
+// K a multiple of 64 (each weight-scale pair 4-byte aligned), x rows, weights and scales aligned, parts 1 or 4.
+bool q8_0_gemv_rows_supported(const Q8GemvArgs& args, int parts);
+cudaError_t q8_0_gemv_rows_launch(const Q8GemvArgs& args, int parts, cudaStream_t stream);
+
 // Lane `act` with q8_0_gemv_default_config (or the QWEN38_Q8_GEMV_CONFIG override), on `stream`, with PDL when
 // pdl_enabled() (pdl.cuh: the launch may start while the previous kernel on the stream is still draining); no
 // allocation, no host sync. The lane is an argument of its own, not a field of args: args is the kernel's

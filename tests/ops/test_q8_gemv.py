@@ -349,6 +349,34 @@ def test_cuda_rows_bitwise_as_one_row_calls(lane, N, K):
 
 
 @cuda
+@pytest.mark.parametrize("N,K", SHAPES_27B + ODD_SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES_27B + ODD_SHAPES])
+def test_cuda_int8_many_rows_bitwise_as_one_row_calls(N, K):
+    """A batched decode step relies on it: every row of a T-row int8 call, T up to 64 (the tensor-core form of
+    csrc/kernels/q8_gemv_rows.cu where K % 64 == 0, else passes of the T-row forms), eager and replayed in a
+    graph, is bit for bit the T = 1 call on that row, on order-sensitive data; and the T = 1 bits are the
+    kernel-order emulation's."""
+    weights = make_weights(N, K, device="cuda", seed=N + 3 * K)
+    act = make_activation("int8", 64, K, device="cuda", seed=K + 1)
+    if K >= 64:
+        weights, act = order_sensitive("int8", weights, act)
+    singles = torch.cat([run_cuda("int8", tuple(a[t : t + 1] for a in act), *weights) for t in range(64)])
+    assert_int8_emulated(first_rows(act, 9), weights, singles[:9], default_parts("int8", N), sample_rows(N))
+    for T in (2, 9, 16, 17, 33, 64):
+        out = run_cuda("int8", first_rows(act, T), *weights)
+        differ = (out != singles[:T]).any(1).nonzero().flatten().tolist()
+        assert not differ, f"T = {T}: rows {differ} differ from their T = 1 calls"
+    x, x_d = first_rows(act, 40)
+    out = torch.full((40, N), float("nan"), device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.ops.qwen38.q8_0_gemv_int8(x, x_d, *weights, out)  # warm-up outside the capture
+    with torch.cuda.graph(graph):
+        torch.ops.qwen38.q8_0_gemv_int8(x, x_d, *weights, out)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, singles[:40]), "the replayed 40-row call differs from the T = 1 calls"
+
+
+@cuda
 @pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
 def test_cuda_int8_bits_on_random_data(N, K):
     """The int8 lane on the random data of the other tests (no huge blocks), T = 1, 3 and 8: bit for bit its
