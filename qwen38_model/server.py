@@ -1,23 +1,30 @@
 """`qwen38 serve`: an OpenAI-compatible HTTP server (the optional extra `serve`: starlette + uvicorn).
 
-One sequence slot: requests wait FIFO for it in a bounded queue (429 when full); each generation runs in
-a worker thread and streams its tokens back to the event loop. A client that goes away cancels its
-generation at the next token. Prompts share one PrefixCache, so a chat that comes back with its history
-prefills only its new tokens. Sampling fields a request leaves out take the checkpoint's settings, as vLLM
-takes a model's generation config. Every bad request is an OpenAI-style JSON error, never a traceback; a
-field the server does not implement is one, never ignored. A chat reply's `<think>` part is its
-reasoning_content, as vLLM's qwen3 reasoning parser splits it; with `tools`, its `<tool_call>` blocks are
-message.tool_calls, as vLLM's hermes tool parser (the one for Qwen's JSON tool calls) reads them."""
+Continuous batching: one scheduler thread owns a BatchEngine of --max-batch slots and runs all the GPU work;
+requests join the running batch as slots free up (in arrival order, their prompts prefilled in chunks
+between decode steps), each sequence with its own sampling parameters and seed, and leave it at their stop.
+Beyond the slots, requests wait in a bounded queue (429 when full). Tokens stream back to the event loop
+as the scheduler reads them; a client that goes away frees its slot at the scheduler's next iteration.
+Prompts share one PrefixCache, so a chat that comes back with its history prefills only its new tokens.
+Sampling fields a request leaves out take the checkpoint's settings, as vLLM takes a model's generation
+config. Every bad request is an OpenAI-style JSON error, never a traceback; a field the server does not
+implement is one, never ignored. A chat reply's `<think>` part is its reasoning_content, as vLLM's qwen3
+reasoning parser splits it; with `tools`, its `<tool_call>` blocks are message.tool_calls, as vLLM's
+hermes tool parser (the one for Qwen's JSON tool calls) reads them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import math
 import sys
+import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from starlette.applications import Starlette
@@ -27,12 +34,28 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .arguments import SEED_LIMIT
 from .conversation import PrefixCache
-from .errors import Qwen38Error
+from .engine import BatchEngine, Sequence
+from .errors import NonFiniteLogitsError, Qwen38Error
+from .generation import StopCondition, resolve_seed
+from .model import default_kv_dtype
+from .sampling import SamplingConfig
+from .state import StateSnapshot, available_memory, state_bytes
 
 # A request's sampling fields left out take the checkpoint's settings, else these: OpenAI's temperature and
 # top_p, and no top-k, min-p or repetition penalty (the OpenAI API has none of them).
 REQUEST_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+# Prompt tokens of a joining sequence prefilled between two decode steps. One thread runs both, so the
+# decoding streams wait for each chunk: at the 27B shape (README, prompt processing) a 512-token chunk takes
+# ~0.14 s (3567 tok/s) where the default 4096-token chunk takes ~1 s (4061 tok/s), so the others' token gap
+# while a long prompt joins stays ~0.15 s instead of ~1 s, for ~12% of the joining prompt's prefill speed.
+PREFILL_INTERLEAVE = 512
+# --max-batch's default: the slots that fit beside the prefix cache and this headroom (the larger of the
+# two) of the memory left after the weights, at most the largest step bucket (engine.BUCKETS) on CUDA; on
+# the CPU a few (the reference ops run row by row: more rows only share the weight reads).
+HEADROOM_FRACTION, HEADROOM_BYTES = 0.1, 1 << 30
+DEFAULT_BATCH_LIMIT, CPU_BATCH_LIMIT = 64, 4
 
 
 class RequestError(Exception):
@@ -42,7 +65,8 @@ class RequestError(Exception):
 
 
 class Cancelled(Exception):
-    """Raised from the streamer in the worker thread: the client is gone."""
+    """The request was cancelled (the client is gone): what its coroutine gets, and what the streamer of a
+    generate() run raises in the scheduler thread."""
 
 
 # The fields each route reads; any other is a 400 naming it (nothing is silently ignored). NO_OP: fields the
@@ -262,46 +286,402 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    ids: list[int]
-    kwargs: dict
-    loop: asyncio.AbstractEventLoop
-    tokens: asyncio.Queue = field(default_factory=asyncio.Queue)  # ints, then None (or an exception)
-    cancelled: bool = False
-    seen_prompt: bool = False
+    """One request as the scheduler runs it: n sequences (choices) of one prompt. What the scheduler thread
+    tells the request's coroutine arrives in `events`: (i, token) for choice i's next token, (i, None) once
+    sequence i has ended, (-1, exception) when the request failed or was cancelled."""
 
-    def put(self, value: torch.Tensor) -> None:  # the streamer protocol, called in the worker thread
-        if self.cancelled:
+    ids: list[int]
+    kwargs: dict  # Server.generation_kwargs
+    cfg: SamplingConfig
+    seed: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    started: bool = False  # its first sequence began its prefill
+    ended: bool = False  # every sequence is out of the engine (done, stopped or dropped)
+    cached: int | None = None  # prompt tokens restored from the prefix cache, known once admitted
+    # The scheduler thread's own:
+    admitted: int = 0  # choices whose admission has begun (they are admitted in order)
+    sequences: list = field(default_factory=list)  # engine.Sequence per choice, as each is admitted
+    done: set = field(default_factory=set)  # choices whose sequence is out of the engine
+    start: StateSnapshot | None = None  # n > 1: the state after the prompt but its last token, shared
+    prefilled: int = 0  # n > 1: the tokens that shared prefill ran
+
+    @property
+    def n(self) -> int:
+        return self.kwargs["n"]
+
+    def push(self, i: int, value) -> None:
+        """From the scheduler thread: into the request's queue on its event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (i, value))
+        except RuntimeError:  # the event loop is closed (the server shut down): nobody listens any more
+            pass
+
+
+class TokenPusher:
+    """The streamer of a model.generate() run (the speculative path): its tokens to job as choice 0; raises
+    Cancelled at the next token once the request is cancelled."""
+
+    def __init__(self, job: Job):
+        self.job, self.seen_prompt = job, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.job.cancelled:
             raise Cancelled
         if not self.seen_prompt:  # generate() passes the prompt first
             self.seen_prompt = True
             return
         for token in value.reshape(-1).tolist():
-            self.loop.call_soon_threadsafe(self.tokens.put_nowait, token)
+            self.job.push(0, token)
 
     def end(self) -> None:
         pass
 
 
+class Scheduler:
+    """The one thread that runs the model: continuous batching on one BatchEngine. Jobs are submitted from the
+    event loop; the thread admits their sequences into free slots in arrival order (one prefill chunk of a
+    joining sequence between two decode steps), steps every active sequence at once, hands each token to its
+    job as it is read, fills the prefix cache as sequences finish, releases the slots of stopped or cancelled
+    ones at its next iteration, and sleeps while there is nothing to do. With generate_kwargs (the speculative
+    path) it runs one request at a time through model.generate() instead."""
+
+    def __init__(self, model, engine, cache: PrefixCache, tokenizer, max_queue: int, generate_kwargs=None):
+        self.model, self.engine, self.cache, self.tokenizer = model, engine, cache, tokenizer
+        self.max_batch = engine.max_batch if engine is not None else 1
+        self.max_queue, self.generate_kwargs = max_queue, generate_kwargs
+        self.eos = tuple(model.config.eos_token_ids)
+        self.cond = threading.Condition()
+        # Under cond (the event loop's side):
+        self.inbox: deque[Job] = deque()
+        self.stops: list[tuple[Job, int | None]] = []  # (job, choice) to stop, (job, None) to cancel
+        self.claimed = 0  # sequences submitted and not out of the engine yet
+        self.waiting = self.running = 0  # requests not started / started and not ended (the /metrics gauges)
+        self.stopping = False
+        self.cache_state = (0, 0, 0)  # the prefix cache's device bytes, host bytes, entries: read on the event loop
+        # The scheduler thread's own:
+        self.queue: deque[Job] = deque()  # jobs with sequences still to admit, in arrival order
+        self.admitting: tuple | None = None  # (job, choice, generator): the sequence being prefilled
+        self.owners: dict[int, tuple[Job, int]] = {}  # id(sequence) -> its job and choice
+        self.jobs: set[Job] = set()  # every job taken in and not ended
+        self.thread = threading.Thread(target=self.run, name="qwen38-scheduler", daemon=True)
+
+    # --- the event loop's side ----------------------------------------------------------------------------
+    def has_room(self, n: int) -> bool:
+        """Whether n more sequences leave at most max_queue waiting for a slot."""
+        with self.cond:
+            return self.claimed + n - self.max_batch <= self.max_queue
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            self.claimed += job.n
+            self.waiting += 1
+            self.inbox.append(job)
+            self.cond.notify()
+
+    def stop(self, job: Job, choice: int) -> None:
+        """The reply saw choice's stop: its slot is freed at the next iteration (a no-op once it has ended)."""
+        with self.cond:
+            self.stops.append((job, choice))
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone (or the reply is complete): whatever of job is still running is dropped."""
+        with self.cond:
+            job.cancelled = True
+            self.stops.append((job, None))
+            self.cond.notify()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self, timeout: float = 30) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # --- the scheduler thread -----------------------------------------------------------------------------
+    def busy(self) -> bool:
+        if self.engine is None:
+            return bool(self.queue)
+        return bool(self.queue) or self.admitting is not None or any(self.engine.active)
+
+    def run(self) -> None:
+        # Grad mode and the current CUDA device are per thread: as generate() runs (no_grad), on the model's device.
+        device = self.model.device if isinstance(getattr(self.model, "device", None), torch.device) else None
+        on_cuda = device is not None and device.type == "cuda"
+        with torch.no_grad(), torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
+            self.serve()
+
+    def serve(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.stopping or self.inbox or self.stops or self.busy()):
+                    self.cond.wait()  # nothing to run: sleep until a request (or a stop) comes
+                if self.stopping:
+                    return
+                self.queue.extend(self.inbox)
+                self.jobs.update(self.inbox)
+                self.inbox.clear()
+                stops, self.stops = self.stops, []
+            try:
+                for job, choice in stops:
+                    if choice is None:
+                        self.abandon(job, Cancelled())
+                    else:
+                        self.stop_choice(job, choice)
+                if self.engine is None:
+                    self.generate_one()
+                else:
+                    self.tick()
+            except Exception as e:  # a fault of the scheduler itself: every request in it fails, serving goes on
+                for job in list(self.jobs):
+                    self.abandon(job, e)
+
+    def tick(self) -> None:
+        """One iteration: a prefill chunk of the sequence joining (the next waiting one, when a slot is free),
+        one decode step of every active sequence, their tokens read."""
+        engine = self.engine
+        if self.admitting is None and self.queue and engine.free_slots():
+            job = self.queue[0]
+            i = job.admitted
+            job.admitted += 1
+            if i == 0:
+                job.started = True
+                with self.cond:
+                    self.waiting -= 1
+                    self.running += 1
+            if i + 1 == job.n:
+                self.queue.popleft()
+            self.admitting = (job, i, self.admission(job, i))
+        if self.admitting is not None:
+            job, i, admission = self.admitting
+            try:
+                next(admission)
+            except StopIteration:
+                self.admitting = None
+                if i == 0:
+                    job.cached = len(job.ids) - job.prefilled - job.sequences[0].stats.prompt_tokens
+            except Exception as e:  # this request's fault (or its prefill's): the others go on
+                self.admitting = None
+                self.abandon(job, e)
+        try:
+            engine.step()
+            finished = engine.read(wait=not engine.use_graph)
+        except Exception as e:  # a step runs every row: all the active sequences' tokens are in doubt
+            for job in {id(j): j for j, _ in self.owners.values()}.values():
+                self.abandon(job, e)
+            return
+        for seq in finished:
+            self.finished(seq)
+        if self.admitting is None and not any(engine.active):
+            engine.drain()  # the launches still in flight belong to sequences already done
+
+    def admission(self, job: Job, i: int):
+        """Choice i of job into a slot, one prefill chunk per next(); for n > 1 the first also prefills the
+        shared prompt."""
+        if i == 0 and job.n > 1:
+            yield from self.share_prompt(job)
+        seq = Sequence(torch.tensor(job.ids, dtype=torch.int32, device=self.engine.device), job.cfg,
+                       (job.seed + i) % SEED_LIMIT, job.kwargs["max_new_tokens"],
+                       StopCondition(frozenset(self.eos), tuple(job.kwargs.get("stop_strings") or ()), self.tokenizer),
+                       start=job.start if job.n > 1 else self.cache.longest(job.ids), keep_state=True,
+                       snapshot_prompt=i == 0, on_token=partial(job.push, i))
+        job.sequences.append(seq)
+        self.owners[id(seq)] = (job, i)
+        yield from self.engine.admit(seq, PREFILL_INTERLEAVE)
+
+    def share_prompt(self, job: Job):
+        """The state after the prompt but its last token, for the n sequences of job to start from (as
+        generate(num_return_sequences=) shares it): from the prefix cache, else prefilled in the engine's
+        staging state in chunks (no admission is under way: it is free), one per next()."""
+        ids = job.ids
+        cached = self.cache.longest(ids)  # a proper prefix: at most ids[:-1]
+        if len(ids) < 2 or (cached is not None and cached.position == len(ids) - 1):
+            job.start = cached
+            return
+        staging = self.engine.staging
+        if cached is None:
+            staging.clear()
+        else:
+            staging.restore(cached)
+        rest = torch.tensor(ids[staging.position : -1], dtype=torch.int32, device=self.engine.device)
+        positions = staging.reserve(rest.shape[0])
+        for begin in range(0, rest.shape[0], PREFILL_INTERLEAVE):
+            end = min(begin + PREFILL_INTERLEAVE, rest.shape[0])
+            self.model.prefill(rest[begin:end], positions[begin:end], staging, logits_to_keep=1)
+            if end < rest.shape[0]:
+                yield
+        job.prefilled, job.start = rest.shape[0], staging.snapshot()
+
+    def finished(self, seq: Sequence) -> None:
+        """seq ended in the engine (its stop, max_tokens or an error): the prefix cache gets the states at the
+        end of its prompt and of its reply, as generate(prefix_cache=) puts them."""
+        job, i = self.owners.pop(id(seq))
+        if seq.error is not None:
+            self.abandon(job, seq.error)
+            return
+        if seq.nonfinite:
+            self.abandon(job, NonFiniteLogitsError("the model produced NaN or infinite logits during this generation: "
+                                                   "the tokens are meaningless"))
+            return
+        if seq.prompt_snapshot is not None:
+            self.cache.put(job.ids, seq.prompt_snapshot)
+        if seq.snapshot is not None:
+            self.cache.put(job.ids + seq.tokens, seq.snapshot)
+        self.cache_state = (self.cache.nbytes, self.cache.host_nbytes, len(self.cache.entries))
+        seq.prompt_snapshot = seq.snapshot = None
+        self.sequence_ended(job, i)
+        job.push(i, None)
+
+    def stop_choice(self, job: Job, i: int) -> None:
+        """The reply saw choice i's stop before the engine did (a stop string it decodes otherwise): its slot
+        is freed; the reply has its text, so nothing is cached of it. (Once the engine has ended it, its end was
+        pushed already.)"""
+        if job.ended or i in job.done or i >= len(job.sequences):  # (the reply has tokens of admitted ones only)
+            return
+        self.release(job, i)
+        self.sequence_ended(job, i)
+        job.push(i, None)
+
+    def release(self, job: Job, i: int) -> None:
+        seq = job.sequences[i]
+        self.owners.pop(id(seq), None)
+        self.engine.release(seq)
+
+    def sequence_ended(self, job: Job, i: int) -> None:
+        job.done.add(i)
+        with self.cond:
+            self.claimed -= 1
+            if len(job.done) == job.n:
+                self.end_job(job)
+
+    def end_job(self, job: Job) -> None:
+        """(under cond, in the scheduler thread) job's counts out of the gauges: before its last event is pushed,
+        so that a client that has its answer sees /metrics without it."""
+        job.ended = True
+        self.jobs.discard(job)
+        if job.started:
+            self.running -= 1
+        else:
+            self.waiting -= 1
+
+    def abandon(self, job: Job, reason: Exception) -> None:
+        """Every sequence of job still running is released, the rest never admitted; the request gets reason."""
+        if job.ended:
+            return
+        if self.admitting is not None and self.admitting[0] is job:
+            self.admitting[2].close()  # mid-prefill: the staging state is cleared by the next admission
+            self.admitting = None
+        if job in self.queue:
+            self.queue.remove(job)
+        left = [i for i in range(job.n) if i not in job.done]
+        for i in left:
+            if i < len(job.sequences):
+                self.release(job, i)
+        job.done.update(left)
+        with self.cond:
+            self.claimed -= len(left)
+            self.end_job(job)
+        job.push(-1, reason)
+
+    def generate_one(self) -> None:
+        """The speculative path: the next request through model.generate() (one sequence, the prefix cache
+        shared), its tokens streamed; a cancelled request stops at its next token."""
+        if not self.queue:
+            return
+        job = self.queue.popleft()
+        job.started = True
+        with self.cond:
+            self.waiting -= 1
+            self.running += 1
+        kwargs = {k: v for k, v in job.kwargs.items() if k not in ("n", "seed")}
+        try:
+            self.model.generate(torch.tensor([job.ids]), streamer=TokenPusher(job), prefix_cache=self.cache,
+                                seed=job.seed, tokenizer=self.tokenizer, **kwargs, **self.generate_kwargs)
+        except Exception as e:  # Cancelled included
+            self.abandon(job, e)
+            return
+        # One sequence at a time in this thread: the model's statistics are this request's.
+        job.cached = len(job.ids) - self.model.last_generation_stats.prompt_tokens
+        self.cache_state = (self.cache.nbytes, self.cache.host_nbytes, len(self.cache.entries))
+        self.sequence_ended(job, 0)
+        job.push(0, None)
+
+
+def default_max_batch(model, max_context: int, kv_dtype: torch.dtype, cache_bytes: int) -> int:
+    """As many slots of max_context tokens as the device's available memory holds beside the prefix cache's
+    budget and some headroom (scratch, graphs), at most DEFAULT_BATCH_LIMIT (on the CPU CPU_BATCH_LIMIT: the
+    reference ops gain nothing from many rows). A slot counts its state, and what each active sequence holds
+    besides for the prefix cache: the snapshot at its prompt's end (at most a state) and the mark its reply is
+    rewound to (the GDN states). One more state than the slots is the engine's staging state, where a sequence
+    is prefilled before it moves into its slot."""
+    limit = DEFAULT_BATCH_LIMIT if model.device.type == "cuda" else CPU_BATCH_LIMIT
+    available = available_memory(model.device)
+    if available is None:
+        return limit
+    budget = available - cache_bytes - max(int(available * HEADROOM_FRACTION), HEADROOM_BYTES)
+    state = state_bytes(model.config, max_context, kv_dtype, mtp=False)
+    per_slot = 2 * state + state_bytes(model.config, 0, kv_dtype, mtp=False)
+    return max(1, min(limit, (budget - state) // per_slot))
+
+
 class Server:
     def __init__(self, model, tokenizer, model_name: str, max_context: int, max_queue: int, cache_bytes: int,
                  sampling: dict | None = None, api_key: str | None = None, allowed_origins=(), log=None,
-                 **engine_kwargs):
+                 max_batch: int | None = None, kv_dtype: torch.dtype | None = None, use_graph: bool | None = None,
+                 speculative: str | None = None, num_draft_tokens: int = 3, draft_vocab_size: int | None = None,
+                 engine=None):
         """sampling: the checkpoint's settings (sampling_defaults.checkpoint_sampling, checked), over
         REQUEST_DEFAULTS; api_key: every route but /health and /metrics needs it; allowed_origins: the CORS
-        origins ("*": any); log: where one line per request goes (stderr); engine_kwargs (kv_dtype, use_graph) go to
-        every generate()."""
+        origins ("*": any); log: where one line per request goes (stderr). max_batch: the BatchEngine's slots
+        (sequences decoded at once; default default_max_batch), each of max_context tokens, KV in kv_dtype
+        (default: the model's device's), use_graph as generate() takes it; its step graphs are captured here,
+        before serving. speculative="mtp" (num_draft_tokens, draft_vocab_size as generate() takes them): one
+        sequence at a time through generate() instead (max_batch 1). engine: a ready engine (tests). With
+        neither a model nor an engine nothing runs (the request checks only)."""
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.api_key, self.allowed_origins, self.log = api_key, list(allowed_origins), log or sys.stderr
         self.sampling = {**REQUEST_DEFAULTS, **(sampling or {})}
-        self.engine_kwargs = engine_kwargs
         self.max_context, self.max_queue = max_context, max_queue
         self.cache = PrefixCache(cache_bytes)
-        self.slot = asyncio.Lock()  # FIFO: asyncio wakes its waiters in arrival order
-        self.waiting = 0
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.eos_ids = tuple(model.config.eos_token_ids) if model is not None else ()
+        self.eos = frozenset(self.eos_ids)
+        self.scheduler = None
+        if speculative is not None:
+            if max_batch not in (None, 1):
+                raise ValueError(f"speculative decoding runs one sequence at a time: max_batch must be 1 with it, "
+                                 f"found {max_batch}")
+            self.scheduler = Scheduler(model, None, self.cache, tokenizer, max_queue, dict(
+                max_seq_len=max_context, kv_dtype=kv_dtype, use_graph=use_graph, speculative=speculative,
+                num_draft_tokens=num_draft_tokens, draft_vocab_size=draft_vocab_size))
+        elif engine is not None or model is not None:
+            if engine is None:
+                kv_dtype = kv_dtype or default_kv_dtype(model.device)
+                if max_batch is None:
+                    max_batch = default_max_batch(model, max_context, kv_dtype, cache_bytes)
+                engine = BatchEngine(model, max_batch, max_context, kv_dtype, use_graph, name="--max-context")
+                with torch.no_grad():
+                    engine.capture()  # every bucket's step graph (CUDA), while no sequence is active
+            self.scheduler = Scheduler(model, engine, self.cache, tokenizer, max_queue)
+        if self.scheduler is not None:
+            self.scheduler.start()
+
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch if self.scheduler is not None else 1
+
+    def close(self) -> None:
+        """Stops the scheduler thread (after uvicorn has stopped: no request is in flight any more)."""
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     def app(self) -> Starlette:
         middleware = []  # the first is the outermost: CORS answers a preflight (no key) before ApiKey
@@ -364,12 +744,20 @@ class Server:
     async def internal_error(self, request: Request, exc) -> JSONResponse:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
+    def gauges(self) -> tuple[int, int, tuple[int, int, int]]:
+        """The scheduler's requests running and waiting, and its prefix cache's (device bytes, host bytes,
+        entries), as the scheduler thread last wrote them."""
+        s = self.scheduler
+        return (0, 0, (0, 0, 0)) if s is None else (s.running, s.waiting, s.cache_state)
+
     async def health(self, request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "waiting": self.waiting, "cached_prefixes": len(self.cache.entries)})
+        running, waiting, (_, _, entries) = self.gauges()
+        return JSONResponse({"status": "ok", "running": running, "waiting": waiting, "slots": self.max_batch,
+                             "cached_prefixes": entries})
 
     async def metrics_text(self, request: Request) -> Response:
-        text = self.metrics.text(self.model_name, int(self.slot.locked()), self.waiting,
-                                 {"device": self.cache.nbytes, "host": self.cache.host_nbytes})
+        running, waiting, (device, host, _) = self.gauges()
+        text = self.metrics.text(self.model_name, running, waiting, {"device": device, "host": host})
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: Request) -> JSONResponse:
@@ -388,16 +776,20 @@ class Server:
             self.check_fields(body, chat)
             ids = self.prompt_ids(body, chat)
             kwargs = self.generation_kwargs(body, len(ids))
+            cfg = self.sampling_config(kwargs)
         except RequestError as e:
             self.log.write(f"- POST {request.url.path} {e.status}: {e}\n")
             return error_response(e.status, str(e), e.param, e.code)
-        if self.waiting >= self.max_queue and self.slot.locked():
-            self.log.write(f"- POST {request.url.path} 429: {self.waiting} waiting\n")
-            busy = error_response(429, f"the server is busy: {self.waiting} requests already wait for the one "
-                                       "sequence slot", code="queue_full")
+        if self.scheduler is None:
+            return error_response(503, "this server has no model to run")
+        if not self.scheduler.has_room(kwargs["n"]):
+            waiting = self.scheduler.waiting
+            self.log.write(f"- POST {request.url.path} 429: {waiting} waiting\n")
+            busy = error_response(429, f"the server is busy: {waiting} requests already wait for one of its "
+                                       f"{self.max_batch} sequence slots", code="queue_full")
             busy.headers["Retry-After"] = "1"
             return busy
-        job = Job(ids, kwargs, asyncio.get_running_loop())
+        job = Job(ids, kwargs, cfg, resolve_seed(kwargs["seed"], None), asyncio.get_running_loop())
         reply = Reply(self, job, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
                       parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none")
@@ -445,7 +837,7 @@ class Server:
                 return prompt
             if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
                 raise RequestError(400, f"prompt: {len(prompt)} prompts in one request are not supported yet "
-                                        "(one sequence slot): send one prompt a request", "prompt")
+                                        "send one prompt a request", "prompt")
             if not isinstance(prompt, str) or not prompt:
                 raise RequestError(400, "prompt must be a non-empty string, a list of token ids, or a list of "
                                         "one of them", "prompt")
@@ -497,8 +889,8 @@ class Server:
             raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
 
     def generation_kwargs(self, body: dict, prompt_tokens: int) -> dict:
-        """The request's sampling parameters as generate()'s arguments (temperature 0: greedy); those it
-        leaves out from self.sampling."""
+        """The request's generation parameters as generate()'s arguments (temperature 0: greedy; sampling
+        fields it leaves out from self.sampling), and n, its number of choices."""
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 256))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError(400, f"max_tokens must be an integer >= 1, found {max_tokens!r}", "max_tokens")
@@ -519,16 +911,22 @@ class Server:
                       repetition_penalty=number(body, "repetition_penalty", defaults["repetition_penalty"], 0.0,
                                                 math.inf),
                       presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
-                      min_new_tokens=integer(body, "min_tokens", 0), max_seq_len=self.max_context,
-                      tokenizer=self.tokenizer, **self.engine_kwargs)
+                      min_new_tokens=integer(body, "min_tokens", 0))
         for name in ("top_p", "repetition_penalty"):
             if kwargs[name] <= 0:
                 raise RequestError(400, f"{name} must be > 0", name)
-        if body.get("n", 1) not in (None, 1):
-            raise RequestError(400, "n must be 1 (one sequence slot)", "n")
+        if kwargs["min_new_tokens"] > max_tokens:
+            raise RequestError(400, f"min_tokens {kwargs['min_new_tokens']} must be <= max_tokens {max_tokens}",
+                               "min_tokens")
+        n = body.get("n")
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_batch:
+            raise RequestError(400, f"n must be an integer in [1, {self.max_batch}] (the sequences this server "
+                                    f"decodes at once), found {n!r}", "n")
+        kwargs["n"] = n
         seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError(400, f"seed must be an integer, found {seed!r}", "seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
+            raise RequestError(400, f"seed must be an integer in [0, {SEED_LIMIT - 1}], found {seed!r}", "seed")
         kwargs["seed"] = seed
         stop = body.get("stop")
         if stop is not None:
@@ -538,118 +936,37 @@ class Server:
             kwargs["stop_strings"] = stop
         return kwargs
 
-    def run(self, job: Job) -> None:
-        """In the worker thread: the generation, its tokens pushed to job.tokens, then None (or the error)."""
+    def sampling_config(self, kwargs: dict) -> SamplingConfig:
+        """generation_kwargs' sampling fields as the engine's per-sequence SamplingConfig (as generate() builds
+        it, the checkpoint's end tokens among them)."""
         try:
-            self.model.generate(torch.tensor([job.ids]), streamer=job, prefix_cache=self.cache, **job.kwargs)
-            outcome = None
-        except Exception as e:  # delivered to the request's coroutine, which answers or ends the stream
-            outcome = e
-        job.loop.call_soon_threadsafe(job.tokens.put_nowait, outcome)
+            return SamplingConfig(kwargs["do_sample"], kwargs["temperature"], kwargs["top_k"], kwargs["top_p"],
+                                  kwargs["min_p"], kwargs["repetition_penalty"], kwargs["presence_penalty"],
+                                  kwargs["min_new_tokens"], self.eos_ids)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
 
+class Choice:
+    """One choice of a reply (one sequence): its text so far, what of it was sent, how it finished, and, in a
+    chat, the splits of its text into reasoning, content and tool calls."""
 
-class Reply:
-    """One request's answer: the whole JSON body, or its server-sent events."""
-
-    def __init__(self, server: Server, job: Job, request: Request, chat: bool, stream: bool,
-                 include_usage: bool = False, parse_tools: bool = False):
-        self.server, self.job, self.request, self.chat, self.stream = server, job, request, chat, stream
-        self.include_usage = include_usage
+    def __init__(self, index: int, reply: "Reply", opened: bool, parse_tools: bool):
+        self.index, self.chat = index, reply.chat
+        self.stop_strings = reply.job.kwargs.get("stop_strings") or []
+        self.decoder = reply.server.tokenizer.stream_decoder(skip_special_tokens=True)
+        self.text, self.sent, self.count, self.finish = "", 0, 0, "length"
+        self.thinking = ThinkingSplit(opened) if self.chat else None
         self.tool_split = ToolCallSplit() if parse_tools else None  # tools given, tool_choice not "none"
         self.role_sent = False  # streamed chat: the first chunk's delta carries the role
-        if chat:  # the prompt ends inside <think> (the template's thinking on): the reply starts reasoning
-            tail = server.tokenizer.decode(job.ids[-16:])
-            self.thinking = ThinkingSplit(tail.rfind(THINK_START) > tail.rfind(THINK_END))
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.stop_strings = job.kwargs.get("stop_strings") or []
-        self.decoder = server.tokenizer.stream_decoder(skip_special_tokens=True)
-        self.text, self.sent, self.count, self.finish = "", 0, 0, "length"
-        self.started, self.first_token, self.last_token, self.gaps = time.monotonic(), None, None, []
+        self.last_token = None
 
-    async def tokens(self):
-        """Waits for the slot, runs the job, yields its text pieces; the finish reason is set at the end."""
-        server = self.server
-        server.waiting += 1
-        try:
-            await server.slot.acquire()
-        finally:
-            server.waiting -= 1
-        worker, done = None, False
-        watcher = asyncio.create_task(self.watch_disconnect())
-        try:
-            worker = asyncio.get_running_loop().run_in_executor(None, server.run, self.job)
-            while (token := await self.job.tokens.get()) is not None:
-                if isinstance(token, Exception):
-                    raise token
-                self.count += 1
-                arrived = time.monotonic()
-                if self.first_token is None:
-                    self.first_token = arrived
-                else:
-                    self.gaps.append(arrived - self.last_token)
-                self.last_token = arrived
-                self.text += self.decoder.feed(token)
-                if token in server.model.config.eos_token_ids or self.stopped():
-                    self.finish = "stop"
-                if piece := self.ready():
-                    yield piece
-            done = True
-            self.text += self.decoder.flush()
-            if piece := self.ready(final=True):
-                yield piece
-        finally:
-            watcher.cancel()
-            self.job.cancelled = True  # a generation still running stops at its next token
-            self.write_log(self.finish if done else "ended early (cancelled or failed)")
-            self.record(worker is not None)
-            # The slot is free once the worker is done. No await here: a task cancelled by the ASGI stack
-            # (the client left) is cancelled again at every await of its cleanup.
-            if worker is None:
-                server.slot.release()
-            else:
-                worker.add_done_callback(lambda _: server.slot.release())
-
-    async def watch_disconnect(self) -> None:
-        """The body has been read: the next ASGI message is the client going away (the server's writes to
-        a closed connection may not fail, so this is what notices)."""
-        while (await self.request.receive())["type"] != "http.disconnect":
-            pass
-        self.job.cancelled = True
-
-    def write_log(self, finish: str) -> None:
-        """One line on the server's log: id, route, tokens in (cached) and out, time to first token, tok/s."""
-        now, path = time.monotonic(), self.request.url.path
-        prompt = len(self.job.ids)
-        try:
-            cached = f"{prompt - self.server.model.last_generation_stats.prompt_tokens} cached"
-        except AttributeError:
-            cached = "? cached"
-        if self.first_token is None:
-            timing = "no token"
-        else:
-            rate = (self.count - 1) / (now - self.first_token) if self.count > 1 and now > self.first_token else 0.0
-            timing = f"TTFT {self.first_token - self.started:.3f} s, {rate:.1f} tok/s"
-        self.server.log.write(f"{self.id} POST {path}: {prompt} tokens in ({cached}), {self.count} out, {timing}, "
-                              f"{finish}\n")
-        self.server.log.flush()
-
-    def record(self, ran: bool) -> None:
-        """The request into the server's metrics (as vLLM: every request that ran, finished or not)."""
-        if not ran:
-            return
-        metrics, now, prompt = self.server.metrics, time.monotonic(), len(self.job.ids)
-        metrics.prompt_tokens += prompt
-        metrics.generation_tokens += self.count
-        metrics.cache_queries += prompt
-        try:
-            metrics.cache_hits += prompt - self.server.model.last_generation_stats.prompt_tokens
-        except AttributeError:
-            pass
-        metrics.e2e.observe(now - self.started)
-        if self.first_token is not None:
-            metrics.ttft.observe(self.first_token - self.started)
-        for gap in self.gaps:
-            metrics.itl.observe(gap)
+    def feed(self, token: int, eos) -> bool:
+        """One token of the sequence; whether the choice stops at it (an end token, or a stop string)."""
+        self.count += 1
+        self.text += self.decoder.feed(token)
+        if token in eos or self.stopped():
+            self.finish = "stop"
+        return self.finish == "stop"
 
     def stopped(self) -> bool:
         cut = min((self.text.find(s) for s in self.stop_strings if s in self.text), default=-1)
@@ -664,17 +981,11 @@ class Reply:
         piece, self.sent = self.text[self.sent:end], end
         return piece
 
-    def usage(self) -> dict:
-        prompt = len(self.job.ids)
-        stats = self.server.model.last_generation_stats
-        return {"prompt_tokens": prompt, "completion_tokens": self.count, "total_tokens": prompt + self.count,
-                "prompt_tokens_details": {"cached_tokens": prompt - stats.prompt_tokens}}
-
     def choice(self, text: str, finish, delta: bool) -> dict | None:
         """The choice for text (all of it, or a streamed piece); a streamed chat piece the thinking split
         holds back entirely is None (no chunk)."""
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish}
         reasoning, text = self.thinking.feed(text, final=finish is not None)
         calls = []
         if self.tool_split is not None:
@@ -687,7 +998,7 @@ class Reply:
                 message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
-            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            return {"index": self.index, "message": message, "logprobs": None, "finish_reason": finish}
         content = {} if self.role_sent else {"role": "assistant"}
         if reasoning:
             content["reasoning_content"] = reasoning
@@ -698,7 +1009,117 @@ class Reply:
         if finish is None and not reasoning and not text and not calls and self.role_sent:
             return None
         self.role_sent = True
-        return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+        return {"index": self.index, "delta": content, "logprobs": None, "finish_reason": finish}
+
+
+class Reply:
+    """One request's answer: the whole JSON body, or its server-sent events; one Choice per sequence."""
+
+    def __init__(self, server: Server, job: Job, request: Request, chat: bool, stream: bool,
+                 include_usage: bool = False, parse_tools: bool = False):
+        self.server, self.job, self.request, self.chat, self.stream = server, job, request, chat, stream
+        self.include_usage = include_usage
+        opened = False
+        if chat:  # the prompt ends inside <think> (the template's thinking on): the reply starts reasoning
+            tail = server.tokenizer.decode(job.ids[-16:])
+            opened = tail.rfind(THINK_START) > tail.rfind(THINK_END)
+        self.choices = [Choice(i, self, opened, parse_tools) for i in range(job.n)]
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.started, self.first_token, self.gaps = time.monotonic(), None, []
+
+    @property
+    def count(self) -> int:
+        return sum(c.count for c in self.choices)
+
+    async def tokens(self):
+        """Submits the job; yields (choice index, text piece) as its tokens arrive and (index, None) once that
+        choice's sequence has ended (its finish reason set). Each choice ends when the scheduler says so, after
+        the prefix cache and the gauges have it: at its end token, max_tokens, the stop string the engine sees, or
+        a stop string the reply sees first, which has the scheduler free its slot. Whatever is left of the job
+        when this ends (the client gone) is dropped."""
+        server, job = self.server, self.job
+        server.scheduler.submit(job)
+        watcher = asyncio.create_task(self.watch_disconnect())
+        done = False
+        try:
+            running = set(range(job.n))
+            while running:
+                i, value = await job.events.get()
+                if isinstance(value, BaseException):
+                    raise value
+                choice = self.choices[i]
+                if value is None:
+                    if choice.finish != "stop":
+                        choice.text += choice.decoder.flush()
+                    running.discard(i)
+                    if piece := choice.ready(final=True):
+                        yield i, piece
+                    yield i, None
+                    continue
+                if choice.finish == "stop":  # what the engine read past a stop the reply saw first
+                    continue
+                arrived = time.monotonic()
+                if self.first_token is None:
+                    self.first_token = arrived
+                if choice.last_token is not None:
+                    self.gaps.append(arrived - choice.last_token)
+                choice.last_token = arrived
+                if choice.feed(value, server.eos):
+                    server.scheduler.stop(job, i)  # a no-op when the engine ended it at the same token
+                if piece := choice.ready():
+                    yield i, piece
+            done = True
+        finally:
+            watcher.cancel()
+            server.scheduler.cancel(job)  # no await here: a task cancelled by the ASGI stack (the client left)
+            # is cancelled again at every await of its cleanup
+            self.write_log(", ".join(c.finish for c in self.choices) if done else "ended early (cancelled or failed)")
+            self.record(job.started)
+
+    async def watch_disconnect(self) -> None:
+        """The body has been read: the next ASGI message is the client going away (the server's writes to
+        a closed connection may not fail, so this is what notices)."""
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        self.server.scheduler.cancel(self.job)  # its slots are freed at the scheduler's next iteration
+
+    def cached(self) -> int:
+        return self.job.cached or 0
+
+    def write_log(self, finish: str) -> None:
+        """One line on the server's log: id, route, tokens in (cached) and out, time to first token, tok/s."""
+        now, path = time.monotonic(), self.request.url.path
+        prompt, count = len(self.job.ids), self.count
+        cached = "? cached" if self.job.cached is None else f"{self.job.cached} cached"
+        if self.first_token is None:
+            timing = "no token"
+        else:
+            rate = (count - 1) / (now - self.first_token) if count > 1 and now > self.first_token else 0.0
+            timing = f"TTFT {self.first_token - self.started:.3f} s, {rate:.1f} tok/s"
+        choices = f" x {self.job.n} choices" if self.job.n > 1 else ""
+        self.server.log.write(f"{self.id} POST {path}: {prompt} tokens in ({cached}){choices}, {count} out, {timing}, "
+                              f"{finish}\n")
+        self.server.log.flush()
+
+    def record(self, ran: bool) -> None:
+        """The request into the server's metrics (as vLLM: every request that ran, finished or not)."""
+        if not ran:
+            return
+        metrics, now, prompt = self.server.metrics, time.monotonic(), len(self.job.ids)
+        metrics.prompt_tokens += prompt
+        metrics.generation_tokens += self.count
+        metrics.cache_queries += prompt
+        metrics.cache_hits += self.cached()
+        metrics.e2e.observe(now - self.started)
+        if self.first_token is not None:
+            metrics.ttft.observe(self.first_token - self.started)
+        for gap in self.gaps:
+            metrics.itl.observe(gap)
+
+    def usage(self) -> dict:
+        prompt, count = len(self.job.ids), self.count
+        return {"prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count,
+                "prompt_tokens_details": {"cached_tokens": self.cached()}}
 
     def body(self, choices: list, usage: dict | None = None) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -714,17 +1135,18 @@ class Reply:
                 pass
         except Exception as e:  # the generation failed: the answer says why, the server goes on
             return error_response(*failure(e))
-        return JSONResponse(self.body([self.choice(self.text, self.finish, delta=False)], self.usage()))
+        return JSONResponse(self.body([c.choice(c.text, c.finish, delta=False) for c in self.choices], self.usage()))
 
     async def events(self):
         try:
-            async for piece in self.tokens():
-                if choice := self.choice(piece, None, delta=True):
-                    yield sse(self.body([choice]))
+            async for i, piece in self.tokens():
+                choice = self.choices[i]
+                # A choice's last chunk carries its finish reason (and what the splits held back).
+                if chunk := choice.choice(piece or "", choice.finish if piece is None else None, delta=True):
+                    yield sse(self.body([chunk]))
         except Exception as e:  # mid-stream: the error is the last event
             yield sse(json.loads(error_response(*failure(e)).body))
             return
-        yield sse(self.body([self.choice("", self.finish, delta=True)]))
         if self.include_usage:  # as OpenAI: a last chunk with no choices and the usage, only when asked
             yield sse(self.body([], self.usage()))
         yield "data: [DONE]\n\n"

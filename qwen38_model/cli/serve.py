@@ -9,7 +9,8 @@ import socket
 import sys
 
 from ..sampling_defaults import check_settings
-from .options import KV_DTYPES, HelpFormatter, add_model_argument, add_runtime_options, check_sampling
+from ..state import available_memory, state_bytes
+from .options import KV_DTYPES, HelpFormatter, add_model_argument, add_runtime_options, check_sampling, kv_dtype
 from .source import check_max_context, load_model, open_source
 
 SHUTDOWN_GRACE_S = 5  # on SIGTERM, what requests in flight get to finish before they are cancelled
@@ -20,9 +21,11 @@ def add_parser(sub) -> None:
     v = sub.add_parser("serve", help=f"an OpenAI-compatible HTTP server (needs starlette and uvicorn: {SERVE_HINT})",
                        formatter_class=HelpFormatter,
                        description="/v1/chat/completions and /v1/completions (stream: true as server-sent events), "
-                                   "/v1/models, /health, /tokenize, /detokenize. One sequence slot: requests wait "
-                                   "FIFO; beyond --max-queue "
-                                   "waiting they are answered 429. A prefix cache spares re-reading shared history. "
+                                   "/v1/models, /health, /metrics, /tokenize, /detokenize. Continuous batching: up "
+                                   "to --max-batch sequences decode together, each with its own sampling settings, "
+                                   "requests joining and leaving between steps; the rest wait in arrival order, and "
+                                   "beyond --max-queue waiting they are answered 429. A prefix cache spares "
+                                   "re-reading shared history. "
                                    "Sampling fields a request leaves out take the checkpoint's settings "
                                    "(generation_config.json; a GGUF: its general.sampling.* keys), as vLLM does. "
                                    f"Needs starlette and uvicorn: {SERVE_HINT}")
@@ -31,7 +34,11 @@ def add_parser(sub) -> None:
     v.add_argument("--port", type=int, default=8000, help="port to listen on (1 to 65535)")
     v.add_argument("--max-context", type=int, default=8192, metavar="N", help="KV cache size in tokens: prompt + "
                    "max_tokens of a request must fit")
-    v.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait for the slot")
+    v.add_argument("--max-batch", type=int, metavar="N", help="sequence slots: the sequences decoded at once, each "
+                   "holding --max-context tokens of state (default: as many as fit the device's memory beside the "
+                   "prefix cache, at most 64; 4 on the CPU; 1 with --speculative, which decodes one at a time)")
+    v.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait for a slot (a "
+                   "request of n choices counts n)")
     v.add_argument("--cache-gb", type=float, default=4.0, metavar="GB", help="prefix cache budget")
     v.add_argument("--served-model-name", metavar="NAME", help="the model name of /v1/models and the one requests "
                    "may name (another is a 404 model_not_found); default: the checkpoint's file name")
@@ -48,13 +55,18 @@ def run(args: argparse.Namespace) -> None:
     try:
         import uvicorn
 
-        from ..server import REQUEST_DEFAULTS, Server
+        from ..server import REQUEST_DEFAULTS, Server, default_max_batch
     except ImportError as e:
         raise ValueError(f"serve needs starlette and uvicorn: {SERVE_HINT} ({e})") from None
     for name in ("max_context", "max_queue"):
         if getattr(args, name) < (0 if name == "max_queue" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}, "
                              f"found {getattr(args, name)}")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, found {args.max_batch}")
+    if args.speculative and args.max_batch not in (None, 1):
+        raise ValueError(f"--speculative decodes one sequence at a time: --max-batch must be 1 with it, found "
+                         f"{args.max_batch}")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], found {args.port}")
     if not args.cache_gb > 0:
@@ -71,26 +83,55 @@ def run(args: argparse.Namespace) -> None:
     sampling = check_settings(source.sampling(), lambda k: f"{k} in the checkpoint {source.path}")
     check_sampling({**REQUEST_DEFAULTS, **sampling})  # in range, before the load
     check_max_context(args, source, source.device)
+    check_max_batch(args, source.config(), source.device)
     with listening_socket(args.host, args.port) as sock:  # before the load: a port in use fails at once
         model = load_model(args, source)
         check_max_context(args, source, model.device, model)
+        cache_bytes = int(args.cache_gb * 1e9)
+        if args.speculative:
+            max_batch = 1
+        elif args.max_batch is None:
+            max_batch = default_max_batch(model, args.max_context, kv_dtype(args, model.device), cache_bytes)
+        else:
+            max_batch = args.max_batch
+            check_max_batch(args, model.config, model.device)  # the weights now take their share
         name = args.served_model_name or source.path.name
-        server = Server(model, source.tokenizer, name, args.max_context, args.max_queue, int(args.cache_gb * 1e9),
+        server = Server(model, source.tokenizer, name, args.max_context, args.max_queue, cache_bytes,
                         sampling=sampling, api_key=args.api_key,
                         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
-                        kv_dtype=KV_DTYPES.get(args.kv_dtype),
+                        max_batch=None if args.speculative else max_batch, kv_dtype=KV_DTYPES.get(args.kv_dtype),
                         use_graph=False if args.eager else None, speculative=args.speculative,
                         num_draft_tokens=args.num_draft_tokens, draft_vocab_size=args.draft_vocab)
         if sampling:
             settings = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
             sys.stderr.write(f"sampling fields a request leaves out: the checkpoint's {settings}\n")
-        sys.stderr.write(f"serving {name} on http://{args.host}:{args.port}/v1\n")
+        slots = "one sequence at a time (speculative)" if args.speculative else \
+            f"{max_batch} sequence slot{'s' if max_batch > 1 else ''} of {args.max_context} tokens"
+        sys.stderr.write(f"serving {name} on http://{args.host}:{args.port}/v1: {slots}\n")
         # SIGTERM: uvicorn stops accepting, gives requests in flight SHUTDOWN_GRACE_S to finish, then cancels
-        # them (a generation stops at its next token), and raises the signal again once it has restored the
+        # them (their slots are freed at the scheduler's next iteration), and raises the signal again once it has restored the
         # handler it found: this one, so that the process exits 0 rather than being killed by its default.
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
-        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning",
-                                      timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run(sockets=[sock])
+        try:
+            uvicorn.Server(uvicorn.Config(server.app(), log_level="warning",
+                                          timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run(sockets=[sock])
+        finally:
+            server.close()
+
+
+def check_max_batch(args: argparse.Namespace, config, device) -> None:
+    """--max-batch slots of --max-context tokens (and the engine's staging state, where a sequence is prefilled
+    before it takes its slot) within the device's available memory: one line naming the option, before anything
+    is allocated. Called before the load (the whole memory) and after (what the weights leave)."""
+    if args.max_batch is None or args.speculative:
+        return
+    dtype = kv_dtype(args, device)
+    needed = (args.max_batch + 1) * state_bytes(config, args.max_context, dtype, mtp=False)
+    available = available_memory(device)
+    if available is not None and needed > available:
+        raise ValueError(f"--max-batch {args.max_batch}: {args.max_batch} slots of --max-context {args.max_context} "
+                         f"tokens (KV caches and GDN states, KV in {dtype}, and a staging state) need "
+                         f"{needed / 1e9:.2f} GB, {device} has {available / 1e9:.2f} GB available")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

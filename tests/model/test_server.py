@@ -1,7 +1,8 @@
 """`serve` with the official openai client on the built-in default model (CPU): chat and completions,
-streamed and not, the prefix cache across requests, malformed requests answered as JSON errors, the
-bounded FIFO queue (429) and a client that goes away cancelling its generation. On the GPU (`-m cuda`): 100
-sequential streamed requests leave the GPU memory where it was."""
+streamed and not, the prefix cache across requests, malformed requests answered as JSON errors; continuous
+batching: concurrent clients (greedy and sampled side by side) each get the text of their solo run, n choices,
+a client that goes away freeing its slot, the bounded queue (429) beyond the slots. On the GPU (`-m cuda`):
+100 sequential streamed requests leave the GPU memory where it was."""
 import contextlib
 import http.client
 import json
@@ -22,6 +23,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 MODEL = "model-q8_0.gguf"  # the served name: the built-in model's file name
+SLOTS = 4  # the module server's --max-batch
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def server():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "qwen38_model", "serve", "--port", str(port),
-                                "--max-queue", "1"], stderr=subprocess.PIPE, text=True)
+                                "--max-batch", str(SLOTS), "--max-queue", "1"], stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -59,25 +61,53 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-class ScriptedModel:
-    """Stands in for the model in an in-process server: its "generation" is the tokens of `reply`, so that a test
-    can serve a reply that holds </think> or <tool_call> blocks (the built-in model's random text never does)."""
-    config = types.SimpleNamespace(eos_token_ids=[])
+class ScriptedEngine:
+    """Stands in for the model and its BatchEngine in an in-process server (one slot): each sequence's
+    "generation" is the tokens of `reply`, so that a test can serve a reply that holds </think> or <tool_call>
+    blocks (the built-in model's random text never does). It sends no end token."""
+    config = types.SimpleNamespace(eos_token_ids=[])  # what the server reads of the model
+    max_batch, device, use_graph = 1, torch.device("cpu"), False
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.reply = tokenizer, ""
+        self.tokenizer, self.reply, self.active, self.script = tokenizer, "", [None], iter(())
 
-    def generate(self, ids, streamer, **kwargs):
-        self.last_generation_stats = types.SimpleNamespace(prompt_tokens=ids.shape[1])
-        streamer.put(ids)
-        for token in self.tokenizer.encode(self.reply):
-            streamer.put(torch.tensor([token]))
+    def free_slots(self) -> int:
+        return self.active.count(None)
+
+    def admit(self, seq, chunk_size):
+        from qwen38_model.generation import GenerationStats
+
+        seq.stats = GenerationStats(prompt_tokens=seq.history.shape[0])
+        seq.slot, self.active[0], self.script = 0, seq, iter(self.tokenizer.encode(self.reply))
+        yield from ()
+
+    def step(self) -> None:
+        pass
+
+    def read(self, wait: bool) -> list:
+        seq = self.active[0]
+        token = next(self.script, None) if seq is not None else None
+        if token is not None:
+            seq.stop.tokens.append(token)
+            seq.on_token(token)
+        elif seq is not None:  # the script is over: the sequence ends
+            self.release(seq)
+            return [seq]
+        return []
+
+    def release(self, seq) -> None:
+        seq.done = True
+        if self.active[0] is seq:
+            self.active[0] = None
+
+    def drain(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
 def in_process(server):
     """The server on a free port in a thread of this process (so that the test can read its state and its
-    model's); yields its URL, stops it after."""
+    model's); yields its URL, stops it (and its scheduler thread) after."""
     import uvicorn
 
     with socket.socket() as s:
@@ -95,6 +125,7 @@ def in_process(server):
     finally:
         listener.should_exit = True
         thread.join(timeout=30)
+        server.close()
 
 
 
@@ -129,7 +160,7 @@ def test_bad_requests_are_json_errors(client, server):
              (b'{"messages": "hi"}', "messages must be"), (b'{"messages": [{"role": "user", "content": "x"}], '
                                                            b'"max_tokens": 0}', "max_tokens"),
              (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
-             (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n must be 1"),
+             (b'{"messages": [{"role": "user", "content": "x"}], "n": 99}', f"n must be an integer in [1, {SLOTS}]"),
              (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs is not supported")]
     # A completion's logprobs=0 asks for the sampled token's logprob (not implemented): a 400, not false.
     status, answer = post(server + "/v1/completions", b'{"prompt": "x", "logprobs": 0}')
@@ -144,29 +175,190 @@ def test_bad_requests_are_json_errors(client, server):
     assert client.completions.create(model=MODEL, prompt="still alive", max_tokens=2).usage.completion_tokens >= 1
 
 
-def test_queue_is_bounded_and_a_dropped_client_cancels(client, server):
+def hold_slot(server: str) -> http.client.HTTPConnection:
+    """A streamed 6000-token completion that holds a slot once its first event has come (close it to go away)."""
     host, port = server.removeprefix("http://").split(":")
-    long = http.client.HTTPConnection(host, int(port), timeout=120)
-    long.request("POST", "/v1/completions", json.dumps({"prompt": "Once", "max_tokens": 6000, "min_tokens": 6000,
-                                                         "stream": True}), {"Content-Type": "application/json"})
-    response = long.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data: ")  # it holds the slot now
+    connection = http.client.HTTPConnection(host, int(port), timeout=120)
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": "Once", "max_tokens": 6000, "min_tokens": 6000,
+                                                               "stream": True}), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # it holds a slot now
+    connection.held = response
+    return connection
+
+
+def go_away(connection: http.client.HTTPConnection) -> None:
+    connection.held.close()
+    connection.close()
+
+
+def wait_for(server: str, what: str, value: int, timeout: float = 30) -> None:
+    """Until /health's `what` (running or waiting) is value."""
+    deadline = time.monotonic() + timeout
+    while (found := json.loads(urllib.request.urlopen(server + "/health").read())[what]) != value:
+        assert time.monotonic() < deadline, (what, found, value)
+        time.sleep(0.05)
+
+
+def test_queue_is_bounded_beyond_the_slots(client, server):
+    """Every slot held: one request waits (--max-queue 1), the next is a 429 with Retry-After; a slot freed by a
+    client going away serves the waiting one."""
+    assert json.loads(urllib.request.urlopen(server + "/health").read())["slots"] == SLOTS
+    held = [hold_slot(server) for _ in range(SLOTS)]
+    wait_for(server, "running", SLOTS)
     waiting = {}
     thread = threading.Thread(target=lambda: waiting.update(
         r=client.completions.create(model=MODEL, prompt="Queued", max_tokens=3)))
     thread.start()
-    deadline = time.monotonic() + 30
-    while json.loads(urllib.request.urlopen(server + "/health").read())["waiting"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(server, "waiting", 1)
     with pytest.raises(openai.RateLimitError) as busy:
         client.completions.create(model=MODEL, prompt="One too many", max_tokens=3)
     assert busy.value.response.headers["retry-after"] == "1"
     start = time.monotonic()
-    response.close()
-    long.close()  # the client goes away: its 6000-token generation stops, the queued request runs
+    go_away(held[0])  # its 6000-token generation stops, the queued request takes the slot
     thread.join(timeout=60)
     assert waiting["r"].usage.completion_tokens >= 1 and time.monotonic() - start < 20
+    for connection in held[1:]:
+        go_away(connection)
+    wait_for(server, "running", 0)
+
+
+def test_a_client_that_goes_away_frees_its_slot(client, server):
+    """A disconnected stream leaves the batch at the scheduler's next iteration (/metrics running drops), the
+    others decoding on; the freed slot serves the next request at once."""
+    held = [hold_slot(server) for _ in range(SLOTS)]
+    wait_for(server, "running", SLOTS)
+    go_away(held.pop())
+    deadline = time.monotonic() + 20
+    while scrape(server)["vllm:num_requests_running", frozenset()] != SLOTS - 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    served = client.completions.create(model=MODEL, prompt="Next in line", max_tokens=3)
+    assert served.usage.completion_tokens >= 1
+    assert scrape(server)["vllm:num_requests_waiting", frozenset()] == 0
+    for connection in held:  # the others still stream: an event comes after the blank line ending the last read
+        assert connection.held.readline() == b"\n" and connection.held.readline().startswith(b"data: ")
+    for connection in held:
+        go_away(connection)
+    wait_for(server, "running", 0)
+
+
+def streamed_text(client, prompt: str, **kwargs) -> tuple[str, float, float]:
+    """A streamed completion's text, and when its first and last chunks came."""
+    text, times = "", []
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, stream=True, **kwargs):
+        times.append(time.monotonic())
+        text += "".join(c.text for c in chunk.choices)
+    return text, times[0], times[-1]
+
+
+def concurrently(calls: list) -> list:
+    """Each call in a thread of its own, all released at once; their results in order."""
+    results, start = [None] * len(calls), threading.Barrier(len(calls))
+
+    def run(i):
+        start.wait()
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return results
+
+
+def overlapped(windows: list[tuple[float, float]]) -> bool:
+    """Whether some two of the (first chunk, last chunk) windows overlap: two streams open at once."""
+    windows = sorted(windows)
+    return any(later[0] < earlier[1] for earlier, later in zip(windows, windows[1:]))
+
+
+# Each of its own first word, so that no request restores another's prefix (each prefills from scratch, alone or
+# beside the others); one is longer than the server's prefill chunk (512 tokens): it joins in chunks while the
+# others decode. One more request than slots: the last waits and joins when a slot frees up.
+CONCURRENT = [("Alpha beta gamma", 24), ("Bright stars over the quiet harbor tonight", 12),
+              ("Dear diary, " + "today was long. " * 60, 16), ("Every morning the baker", 20), ("Fog rolls in", 8)]
+
+
+def test_concurrent_streams_each_get_their_solo_text(client):
+    """Continuous batching is batch-invariant: SLOTS + 1 clients streaming at once, greedy, each get exactly the
+    text their request gets alone."""
+    assert len(CONCURRENT) == SLOTS + 1
+    solo = [streamed_text(client, prompt, max_tokens=n, temperature=0)[0] for prompt, n in CONCURRENT]
+    together = concurrently([lambda p=p, n=n: streamed_text(client, p, max_tokens=n, temperature=0)
+                             for p, n in CONCURRENT])
+    assert [text for text, _, _ in together] == solo
+    assert overlapped([(first, last) for _, first, last in together])
+
+
+def test_each_request_samples_with_its_own_settings_in_one_batch(client):
+    """A seeded sampled request beside greedy ones (one with a repetition penalty, one with min_tokens) in one
+    batch: each gets its solo text, the sampled one its seed's."""
+    requests = [("Golden fields of wheat", dict(temperature=0.9, top_p=0.95, seed=5, max_tokens=20,
+                                                      extra_body={"top_k": 40})),
+                ("Harbor lights at dusk", dict(temperature=0, max_tokens=20)),
+                ("Icicles on the eaves", dict(temperature=0, max_tokens=16,
+                                              extra_body={"repetition_penalty": 1.3})),
+                ("Jasmine in the garden", dict(temperature=0, max_tokens=12, extra_body={"min_tokens": 12}))]
+    solo = [streamed_text(client, prompt, **kwargs)[0] for prompt, kwargs in requests]
+    together = concurrently([lambda p=p, k=k: streamed_text(client, p, **k) for p, k in requests])
+    assert [text for text, _, _ in together] == solo
+    other_seed = streamed_text(client, requests[0][0], **{**requests[0][1], "seed": 6})[0]
+    assert other_seed != solo[0]  # the seed is what the sampled text depends on
+
+
+def test_n_choices_share_the_prompt_and_sample_with_their_seeds(client):
+    """n choices (index 0..n-1) decode together from one prefill of the prompt; choice i samples with seed + i,
+    so it is the text of a lone request with that seed. Streamed, each choice's deltas (the role first) join to
+    its whole answer."""
+    args = dict(model=MODEL, prompt="Kites above the dunes", max_tokens=10, temperature=0.9,
+                extra_body={"top_k": 40})
+    whole = client.completions.create(n=3, seed=3, **args)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    alone = [client.completions.create(seed=3 + i, **args) for i in range(3)]
+    assert [(c.text, c.finish_reason) for c in whole.choices] == \
+        [(a.choices[0].text, a.choices[0].finish_reason) for a in alone]
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Lanterns, please!"}], max_tokens=10,
+                temperature=0.9, seed=8, n=2)
+    answer = client.chat.completions.create(**chat)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**chat, stream=True) if c.choices]
+    assert all(len(c.choices) == 1 for c in client.chat.completions.create(**chat, stream=True) if c.choices)
+    for i, choice in enumerate(answer.choices):
+        mine = [c for c in chunks if c.index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == choice.finish_reason
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert "".join(getattr(c.delta, "reasoning_content", None) or "" for c in mine) == \
+            choice.message.reasoning_content
+
+
+def test_speculative_serves_one_sequence_at_a_time(client):
+    """--speculative mtp: requests run one at a time through generate() (greedy: the batch engine's text, which
+    the module server gives); n > 1 is a 400 there."""
+    from qwen38_model import Qwen38ForCausalLM
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.server import Server
+    from qwen38_model.tokenizer import load_tokenizer
+
+    path = default_model_path()
+    model = Qwen38ForCausalLM.from_pretrained(path, device="cpu")
+    server = Server(model, load_tokenizer(path), MODEL, max_context=512, max_queue=2, cache_bytes=1 << 26,
+                    speculative="mtp", num_draft_tokens=2, log=sys.stdout)
+    args = dict(model=MODEL, prompt="Marbles rolling downhill", max_tokens=12, temperature=0)
+    expected = client.completions.create(**args)
+    with in_process(server) as url:
+        speculative = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        answer = speculative.completions.create(**args)
+        assert answer.choices[0].text == expected.choices[0].text
+        assert "".join(c.choices[0].text for c in speculative.completions.create(**args, stream=True)
+                       if c.choices) == expected.choices[0].text
+        longer = speculative.completions.create(**{**args, "prompt": args["prompt"] + " and away"})
+        assert longer.usage.prompt_tokens_details.cached_tokens >= answer.usage.prompt_tokens - 1  # the prefix cache
+        with pytest.raises(openai.BadRequestError) as several:
+            speculative.completions.create(**args, n=2)
+        assert several.value.param == "n"
 
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*)\} (\S+)$')
@@ -246,6 +438,32 @@ def test_serve_mistakes_are_one_line_before_the_load(capsys):
                              "100000000"], capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr.strip()) == \
         (2, "error: --max-context 100000000 exceeds the model's context of 262144 tokens"), result.stderr
+
+
+def test_max_batch_sets_the_slots_and_a_mistake_is_one_line(capsys, built_servers):
+    """--max-batch N: the engine's N slots (default on the CPU: 4); one that does not fit the memory, 0, or more
+    than 1 with --speculative is one line before the load (exit 2)."""
+    from qwen38_model import cli
+
+    servers, port = built_servers
+
+    def error(*args) -> tuple[int, str]:
+        code = cli.main(["serve", "--port", port, "--device", "cpu", *args])
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and len(err.splitlines()) == 1, err
+        return code, err
+
+    code, err = error("--max-batch", "1000000")
+    assert code == 2 and err.startswith("error: --max-batch 1000000: 1000000 slots of --max-context 8192 tokens "), err
+    assert err.endswith(" GB available"), err
+    assert error("--max-batch", "0") == (2, "error: --max-batch must be >= 1, found 0")
+    assert error("--speculative", "mtp", "--max-batch", "2") == \
+        (2, "error: --speculative decodes one sequence at a time: --max-batch must be 1 with it, found 2")
+    assert not servers
+    assert cli.main(["serve", "--port", port, "--device", "cpu", "--max-batch", "2", "--max-context", "256"]) == 0
+    assert servers[-1].max_batch == 2 and "2 sequence slots of 256 tokens" in capsys.readouterr().err
+    assert cli.main(["serve", "--port", port, "--device", "cpu", "--max-context", "256"]) == 0
+    assert servers[-1].max_batch == 4
 
 
 def test_fields_a_request_leaves_out_take_the_checkpoint_settings():
@@ -494,8 +712,9 @@ def test_thinking_goes_to_reasoning_content():
     from qwen38_model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
-    model = ScriptedModel(tokenizer)
-    server = Server(model, tokenizer, "scripted", max_context=512, max_queue=1, cache_bytes=1 << 20, log=sys.stdout)
+    model = ScriptedEngine(tokenizer)
+    server = Server(model, tokenizer, "scripted", max_context=512, max_queue=1, cache_bytes=1 << 20, log=sys.stdout,
+                    engine=model)
     with in_process(server) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         args = dict(model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
@@ -529,8 +748,9 @@ def test_tool_calls_parsed_from_the_reply():
     from qwen38_model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
-    model = ScriptedModel(tokenizer)
-    server = Server(model, tokenizer, "scripted", max_context=1024, max_queue=1, cache_bytes=1 << 20, log=sys.stdout)
+    model = ScriptedEngine(tokenizer)
+    server = Server(model, tokenizer, "scripted", max_context=1024, max_queue=1, cache_bytes=1 << 20, log=sys.stdout,
+                    engine=model)
     with in_process(server) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -627,5 +847,5 @@ def test_gpu_100_streamed_requests_leak_nothing():
         for i in range(100):
             streamed_chat(i)
             assert server.cache.nbytes <= server.cache.max_bytes
-        assert model.last_generation_stats.graph
+        assert server.scheduler.engine.use_graph and server.scheduler.engine.step_graphs
         assert allocated_without_cache() == before
