@@ -21,7 +21,7 @@ flags) into pinned memory, read READ_BEHIND launches later, as in single-sequenc
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +34,9 @@ from .state import BAD_POSITION, BAD_TOKEN, Qwen38State, StateSnapshot
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # step graphs by row count; the engine's max_batch is always one
 READ_BEHIND = 4  # launches in flight before the host waits for the oldest one's tokens
+# Selection graphs kept per slot (least recently used evicted): a server's clients may send any sampling
+# settings, and each graph holds its capture's memory.
+SELECT_GRAPHS_PER_SLOT = 4
 
 
 @dataclass
@@ -94,7 +97,7 @@ class BatchEngine:
         self.samplers = [self._sampler(vocab, self.nonfinite[s : s + 1]) for s in range(max_batch)]
         self.scratch = {b: Scratch(self.device, rowwise=batch_invariant) for b in self.buckets}
         self.step_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.select_graphs: dict[tuple[int, SamplingConfig], torch.cuda.CUDAGraph] = {}
+        self.select_graphs: OrderedDict[tuple[int, SamplingConfig], torch.cuda.CUDAGraph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None  # the selections' temporaries
         self.active: list[Sequence | None] = [None] * max_batch
         self.read_ahead = READ_BEHIND if self.use_graph else 0
@@ -159,6 +162,7 @@ class BatchEngine:
         graph = self.select_graphs.get((slot, cfg))
         if graph is None:
             graph = self._capture_select(slot, cfg)
+        self.select_graphs.move_to_end((slot, cfg))
         graph.replay()
 
     def _select(self, slot: int, cfg: SamplingConfig, sampler=None, token=None, position=None) -> None:
@@ -184,6 +188,12 @@ class BatchEngine:
             finally:
                 graph.capture_end()
         stream.wait_stream(side)
+        mine = [key for key in self.select_graphs if key[0] == slot]
+        if len(mine) >= SELECT_GRAPHS_PER_SLOT:
+            # Replays already launched keep their graph's executable alive until the device is done with it
+            # (graph destruction waits); the pool's memory is reused by the next capture.
+            torch.cuda.current_stream(self.device).synchronize()
+            del self.select_graphs[mine[0]]
         self.select_graphs[(slot, cfg)] = graph
         return graph
 
