@@ -59,7 +59,7 @@ bool q8_0_gemv_config_from_env(Q8GemvConfig* cfg);
 // knob, read once per process like QWEN38_Q8_GEMV_CONFIG).
 constexpr int kQ8GemvRowsFrom = 2;
 int q8_0_gemv_rows_min_rows();
-// K a multiple of 64 (each weight-scale pair 4-byte aligned), x rows, weights and scales aligned, parts 1 or 4.
+// K a multiple of 512 (whole pieces, 16-byte scale copies), x rows, weights and scales 16-byte aligned, parts 1 or 4.
 bool q8_0_gemv_rows_supported(const Q8GemvArgs& args, int parts);
 cudaError_t q8_0_gemv_rows_launch(const Q8GemvArgs& args, int parts, cudaStream_t stream);
 

@@ -10,16 +10,16 @@
 //   per block and output one int -> double conversion (a DADD, int_to_double) and one DFMA, as in the GEMV.
 // - The GEMV's order (q8_gemv.cu): block b of a row goes to partial sum ("chain") b mod (16 * PARTS), each chain
 //   summed in block order; then for each part q the 16 chains 16q + m are added by the xor butterfly over m
-//   (m with m ^ 8, then ^ 4, ^ 2, ^ 1), and the parts in order. Warp w of the 16 here owns the chains 16q + w:
-//   it walks blocks w, w + 16, w + 32, .., block w + 16 i adding into its chain of part i % PARTS, so each
-//   chain is summed in the GEMV's order by one thread per output, with exactly the GEMV's arithmetic
+//   (m with m ^ 8, then ^ 4, ^ 2, ^ 1), and the parts in order. A block of 16 warps takes the rows' 512-byte
+//   pieces in turn; warp w computes block w of every piece, piece p adding into its chain of part p % PARTS, so
+//   each chain is summed in the GEMV's order by one thread per output, with exactly the GEMV's arithmetic
 //   (fma(int_to_double(s), double(wd * xd), acc), wd * xd in fp32). At the end the warps' chains meet in
 //   shared memory and one thread per output adds them in the GEMV's butterfly and part order.
-// - A warp's blocks are 32 bytes of each of 16 rows every 512 bytes: its own cp.async ring of kDepth stages
-//   (weights, their scales, the 8 * NT rows of x and their scales), no block-wide barrier in the main loop;
-//   the 16 warps of a block together read every byte of their 16 rows.
-// - The int32 dot of a block does not depend on the order of its 32 products, so a thread takes 8 contiguous
-//   bytes of a row (one 8-byte shared load) as the k-halves the fragment layout puts 16 apart, in A and B alike.
+// - Loads: the whole block copies a piece of its 16 weight rows (8 KB, 512 contiguous bytes a row, as the GEMV
+//   reads them: a first version in which each warp fetched only its own 32 bytes of every piece streamed at a
+//   quarter of the probe), the same piece of its rows of x, and their scales, into a kStages cp.async ring;
+//   rows past N and rows of x past T are zero-filled, not read (a clamped row repeated the same addresses).
+//   Fragments come from shared memory by ldmatrix, rows padded by 16 bytes (conflict-free, as q8_gemm.cu).
 // - Tile: 16 weight rows x 8 * NT rows of x a block (NT = 2 for PARTS = 1, 1 for PARTS = 4: the chains a thread
 //   holds are PARTS * NT * 4 doubles); more rows of x run in more blocks, x fastest, so the blocks that share a
 //   weight tile run together and read it from HBM once.
@@ -33,22 +33,21 @@
 namespace qwen38 {
 namespace {
 
-constexpr int kRowWarps = 16;  // one warp per chain of a part
+constexpr int kRowWarps = 16;  // one warp per chain of a part: warp w computes block w of every piece
 constexpr int kRowsThreads = kRowWarps * 32;
-constexpr int kDepth = 4;  // stages in flight per warp: 3 x 512 bytes of weights a warp, 48 KB an SM at 2 blocks
+constexpr int kStages = 4;     // pieces in flight: 3 x 8 KB of weights a block, 48 KB an SM at 2 blocks
+constexpr int kPitch = 512 + 16;  // a row's piece in shared memory, padded: ldmatrix phases hit distinct banks
 
 template <int NT>
 struct RowsStage {
   static constexpr int kCols = 8 * NT;
-  static constexpr int kWeightBytes = 16 * 32;
-  static constexpr int kXOffset = kWeightBytes;
-  static constexpr int kWdOffset = kXOffset + kCols * 32;  // 16 x u32: the fp16 scales of blocks b & ~1, b | 1
-  static constexpr int kXdOffset = kWdOffset + 16 * 4;
-  static constexpr int kBytes = kXdOffset + kCols * 4;
-  static constexpr int kWarpBytes = kDepth * kBytes;
-  static constexpr int kSharedBytes = kRowWarps * kWarpBytes;
+  static constexpr int kXOffset = 16 * kPitch;
+  static constexpr int kWdOffset = kXOffset + kCols * kPitch;  // [16 rows][16 blocks] fp16
+  static constexpr int kXdOffset = kWdOffset + 16 * 16 * 2;    // [kCols][16 blocks] float
+  static constexpr int kBytes = kXdOffset + kCols * 16 * 4;
+  static constexpr int kSharedBytes = kStages * kBytes;
   static constexpr int kPartialBytes = kRowWarps * 16 * kCols * 8;  // the chains at the end, over the ring
-  static_assert(kPartialBytes <= kSharedBytes, "the partials reuse the rings");
+  static_assert(kPartialBytes <= kSharedBytes, "the partials reuse the ring");
   static_assert(kBytes % 16 == 0, "stages stay 16-byte aligned");
 };
 
@@ -64,29 +63,36 @@ __global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q
   using S = RowsStage<NT>;
   extern __shared__ __align__(16) unsigned char smem[];
   pdl_allow_successor();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = lane >> 2, quad = lane & 3;
   const int row0 = blockIdx.y * 16, col0 = blockIdx.x * S::kCols;
   const int blocks = a.K >> 5;
-  const int own = (blocks - warp + kRowWarps - 1) / kRowWarps;  // blocks warp, warp + 16, .. below `blocks`
-  unsigned char* ring = smem + warp * S::kWarpBytes;
+  const int pieces = blocks >> 4;  // K % 512 == 0 (q8_0_gemv_rows_supported)
 
-  // This lane's copies into a stage: A (16 rows x 32 bytes) as 32 16-byte halves, lane l -> row l / 2; the x rows
-  // likewise (lanes below 2 * kCols); the weight scales of 16 rows (lanes < 16) and the x scales (lanes < kCols).
-  const int copy_row = lane >> 1, copy_half = lane & 1;
-  const int8_t* w_src = a.weight_q + static_cast<size_t>(min(row0 + copy_row, a.N - 1)) * a.K + 16 * copy_half;
+  // This thread's copies into a stage (16 bytes each): weight row tid / 32, bytes 16 (tid % 32) of the piece;
+  // x row tid / 32 likewise (threads below 32 kCols); the 32 scale bytes of weight row tid (tid < 16) and the 64
+  // of x row tid - 16 as four copies (16 <= tid < 16 + 4 kCols).
+  const int copy_row = tid >> 5, copy_chunk = tid & 31;
+  const bool w_in = row0 + copy_row < a.N, x_in = col0 + copy_row < a.T && copy_row < S::kCols;
+  const int8_t* w_src = a.weight_q + static_cast<size_t>(w_in ? row0 + copy_row : 0) * a.K + 16 * copy_chunk;
   const int8_t* x_src = static_cast<const int8_t*>(a.x) +
-                        static_cast<size_t>(min(col0 + (lane >> 1) % S::kCols, a.T - 1)) * a.x_stride + 16 * copy_half;
-  const __half* wd_src = a.weight_d + static_cast<size_t>(min(row0 + (lane & 15), a.N - 1)) * blocks;
-  const float* xd_src = a.x_d + static_cast<size_t>(min(col0 + lane % S::kCols, a.T - 1)) * a.x_d_stride;
-  auto issue = [&](int i) {  // own block i into its stage (a commit group either way: the count stays uniform)
-    if (i < own) {
-      const int b = warp + kRowWarps * i;
-      unsigned char* s = ring + (i % kDepth) * S::kBytes;
-      cp_async<16>(s + 16 * lane, w_src + 32 * b, true);
-      if (lane < 2 * S::kCols) cp_async<16>(s + S::kXOffset + 16 * lane, x_src + 32 * b, true);
-      if (lane < 16) cp_async<4>(s + S::kWdOffset + 4 * lane, wd_src + (b & ~1), true);
-      if (lane < S::kCols) cp_async<4>(s + S::kXdOffset + 4 * lane, xd_src + b, true);
+                        static_cast<size_t>(x_in ? col0 + copy_row : 0) * a.x_stride + 16 * copy_chunk;
+  const int scale_row = tid < 16 ? tid : (tid - 16) >> 2;
+  const bool wd_copy = tid < 16, xd_copy = tid >= 16 && tid < 16 + 4 * S::kCols;
+  const bool wd_in = wd_copy && row0 + scale_row < a.N, xd_in = xd_copy && col0 + scale_row < a.T;
+  const __half* wd_src = a.weight_d + static_cast<size_t>(wd_in ? row0 + scale_row : 0) * blocks;
+  const float* xd_src = a.x_d + static_cast<size_t>(xd_in ? col0 + scale_row : 0) * a.x_d_stride + 4 * ((tid - 16) & 3);
+  auto issue = [&](int p) {  // piece p into its stage (a commit group either way: the count stays uniform)
+    if (p < pieces) {
+      unsigned char* s = smem + (p % kStages) * S::kBytes;
+      cp_async<16>(s + copy_row * kPitch + 16 * copy_chunk, w_src + 512 * p, w_in);
+      if (copy_row < S::kCols) cp_async<16>(s + S::kXOffset + copy_row * kPitch + 16 * copy_chunk, x_src + 512 * p, x_in);
+      // Scales: 16 blocks a piece (K % 512 == 0: pieces are whole), 32 bytes a weight row, 64 a row of x.
+      if (wd_copy) {
+        cp_async<16>(s + S::kWdOffset + 32 * tid, wd_src + 16 * p, wd_in);
+        cp_async<16>(s + S::kWdOffset + 32 * tid + 16, wd_src + 16 * p + 8, wd_in);
+      }
+      if (xd_copy) cp_async<16>(s + S::kXdOffset + 16 * (tid - 16), xd_src + 16 * p, xd_in);
     }
     cp_async_commit();
   };
@@ -99,47 +105,47 @@ __global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[q][j][e] = 0.0;
 
+  // ldmatrix row addresses of this lane (q8_gemm.cu's A and B patterns): A = the 16 weight rows (matrices rows
+  // 0-7 / 8-15 x bytes 0-15 / 16-31 of block `warp`), B = 16 rows of x as two n8 tiles.
+  const int a_off = (lane & 15) * kPitch + warp * 32 + (lane >> 4) * 16;
+  const int b_off = S::kXOffset + ((lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0)) * kPitch + warp * 32 +
+                    ((lane >> 3) & 1) * 16;
+
   pdl_wait_for_predecessor();  // x, x_d and out may belong to the predecessor
 #pragma unroll
-  for (int i = 0; i < kDepth - 1; ++i) issue(i);
-  for (int i0 = 0; i0 < own; i0 += PARTS) {
+  for (int p = 0; p < kStages - 1; ++p) issue(p);
+  for (int p0 = 0; p0 < pieces; p0 += PARTS) {
 #pragma unroll
     for (int u = 0; u < PARTS; ++u) {
-      const int i = i0 + u;
-      if (i >= own) break;  // warp-uniform
-      issue(i + kDepth - 1);
-      cp_async_wait<kDepth - 1>();
-      __syncwarp();
-      const unsigned char* s = ring + (i % kDepth) * S::kBytes;
-      const int b = warp + kRowWarps * i;
-      const uint2 lo = *reinterpret_cast<const uint2*>(s + group * 32 + 8 * quad);
-      const uint2 hi = *reinterpret_cast<const uint2*>(s + (group + 8) * 32 + 8 * quad);
-      const uint32_t frag_a[4] = {lo.x, hi.x, lo.y, hi.y};
-      const uint32_t wd_pair_lo = reinterpret_cast<const uint32_t*>(s + S::kWdOffset)[group];
-      const uint32_t wd_pair_hi = reinterpret_cast<const uint32_t*>(s + S::kWdOffset)[group + 8];
-      const int shift = (b & 1) * 16;
-      const float wd_lo = __half2float(__ushort_as_half(static_cast<unsigned short>(wd_pair_lo >> shift)));
-      const float wd_hi = __half2float(__ushort_as_half(static_cast<unsigned short>(wd_pair_hi >> shift)));
+      const int p = p0 + u;
+      if (p >= pieces) break;  // block-uniform
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // piece p landed for every thread; every warp is done with piece p - 1's stage
+      issue(p + kStages - 1);
+      const unsigned char* s = smem + (p % kStages) * S::kBytes;
+      uint32_t frag_a[4];
+      ldmatrix_x4(frag_a, s + a_off);
+      uint32_t frag_b[4];  // NT == 1: matrices 2 and 3 repeat 0 and 1 (rows 0-7)
+      ldmatrix_x4(frag_b, s + b_off);
+      const __half* wd = reinterpret_cast<const __half*>(s + S::kWdOffset);
       const float* xd = reinterpret_cast<const float*>(s + S::kXdOffset);
+      const float wd_lo = __half2float(wd[group * 16 + warp]), wd_hi = __half2float(wd[(group + 8) * 16 + warp]);
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        const uint2 xv = *reinterpret_cast<const uint2*>(s + S::kXOffset + (8 * j + group) * 32 + 8 * quad);
-        const uint32_t frag_b[2] = {xv.x, xv.y};
+        const uint32_t b[2] = {frag_b[2 * j], frag_b[2 * j + 1]};
         int c[4];
-        mma_s8(c, frag_a, frag_b);
-        const float xd0 = xd[8 * j + 2 * quad], xd1 = xd[8 * j + 2 * quad + 1];
+        mma_s8(c, frag_a, b);
+        const float xd0 = xd[(8 * j + 2 * quad) * 16 + warp], xd1 = xd[(8 * j + 2 * quad + 1) * 16 + warp];
         // c0, c1: weight row `group`, x rows 2 quad, 2 quad + 1; c2, c3: weight row group + 8.
         acc[u][j][0] = fma(int_to_double(c[0]), static_cast<double>(wd_lo * xd0), acc[u][j][0]);
         acc[u][j][1] = fma(int_to_double(c[1]), static_cast<double>(wd_lo * xd1), acc[u][j][1]);
         acc[u][j][2] = fma(int_to_double(c[2]), static_cast<double>(wd_hi * xd0), acc[u][j][2]);
         acc[u][j][3] = fma(int_to_double(c[3]), static_cast<double>(wd_hi * xd1), acc[u][j][3]);
       }
-      __syncwarp();  // the stage is refilled by the next issue
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // every ring drained: the partials take their place
-
+  __syncthreads();  // the ring drained and read: the partials take its place
   // partial[chain warp][weight row][x row]; one thread per output adds the 16 chains of a part in the GEMV's
   // butterfly order (m + (m ^ 8), then ^ 4, ^ 2, ^ 1; float addition commutes, so each pair is the GEMV's), then
   // the parts in order.
@@ -199,8 +205,8 @@ int q8_0_gemv_rows_min_rows() {
 
 bool q8_0_gemv_rows_supported(const Q8GemvArgs& a, int parts) {
   const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
-  return (parts == 1 || parts == 4) && a.K % 64 == 0 && a.x_stride % 16 == 0 && aligned(a.weight_q, 16) &&
-         aligned(a.x, 16) && aligned(a.weight_d, 4);
+  return (parts == 1 || parts == 4) && a.K % 512 == 0 && a.x_stride % 16 == 0 && a.x_d_stride % 4 == 0 &&
+         aligned(a.weight_q, 16) && aligned(a.x, 16) && aligned(a.weight_d, 16) && aligned(a.x_d, 16);
 }
 
 cudaError_t q8_0_gemv_rows_launch(const Q8GemvArgs& a, int parts, cudaStream_t stream) {

@@ -352,7 +352,7 @@ def test_cuda_rows_bitwise_as_one_row_calls(lane, N, K):
 @pytest.mark.parametrize("N,K", SHAPES_27B + ODD_SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES_27B + ODD_SHAPES])
 def test_cuda_int8_many_rows_bitwise_as_one_row_calls(N, K):
     """A batched decode step relies on it: every row of a T-row int8 call, T up to 64 (the tensor-core form of
-    csrc/kernels/q8_gemv_rows.cu where K % 64 == 0, else passes of the T-row forms), eager and replayed in a
+    csrc/kernels/q8_gemv_rows.cu where K % 512 == 0, else passes of the T-row forms), eager and replayed in a
     graph, is bit for bit the T = 1 call on that row, on order-sensitive data; and the T = 1 bits are the
     kernel-order emulation's."""
     weights = make_weights(N, K, device="cuda", seed=N + 3 * K)
