@@ -123,10 +123,12 @@ __device__ __forceinline__ void load_row_elems(const CacheT* row, int lane_in_ro
     load_vec_as_float<CacheT, Tile::kVecElems>(row + Tile::dim(j, lane_in_row), out + j * Tile::kVecElems);
 }
 
+// Rows [first_row, end_row) of a tile of the cache's head `cache_head`: rows of num_kv_heads heads of kHeadDim
+// values, (row, cache_head) at (row * num_kv_heads + cache_head) * kHeadDim elements from k_cache/v_cache.
 template <typename Tile, typename CacheT, int kHeadDim>
 __device__ __forceinline__ void issue_tile(CacheT* stage_k, CacheT* stage_v, const CacheT* k_cache,
                                            const CacheT* v_cache, int first_row, int end_row, int num_kv_heads,
-                                           int kv_head) {
+                                           int64_t cache_head) {
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
 #pragma unroll
   for (int c = threadIdx.x; c < kChunks; c += kAttnThreads) {
@@ -134,7 +136,7 @@ __device__ __forceinline__ void issue_tile(CacheT* stage_k, CacheT* stage_v, con
     const int col = (c - local_row * Tile::kChunksPerRow) * Tile::kVecElems;
     const int row = first_row + local_row;
     const bool fill = row < end_row;
-    const int64_t src = ((int64_t)(fill ? row : 0) * num_kv_heads + kv_head) * kHeadDim + col;
+    const int64_t src = ((int64_t)(fill ? row : 0) * num_kv_heads + cache_head) * kHeadDim + col;
     const int dst = local_row * kHeadDim + col;
     cp_async<16>(stage_k + dst, k_cache + src, fill);
     cp_async<16>(stage_v + dst, v_cache + src, fill);
@@ -159,8 +161,10 @@ attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k
   const int ctx = context_length(positions, t, max_seq);
   const SplitRange range = split_range(ctx, num_splits, Tile::kRows);
   if (split >= range.active_splits) return;  // block-uniform, before any barrier
-  k_cache += t * cache_row_stride;  // token t's own cache in batched rows; the shared one at stride 0
-  v_cache += t * cache_row_stride;
+  // kv_head of token t's own cache in batched rows (of the shared one at stride 0) as one head index from the
+  // caches' start: t * max_seq * Hkv + kv_head. Folded into the index issue_tile forms anyway; as a pointer offset
+  // of its own it cost an add per 16-byte copy.
+  const int64_t cache_head = t * (cache_row_stride / kHeadDim) + kv_head;
   const int begin = split * range.rows_per_split;
   const int end = min(begin + range.rows_per_split, ctx);
   const int num_tiles = (end - begin + Tile::kRows - 1) / Tile::kRows;
@@ -178,7 +182,7 @@ attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_tiles)
       issue_tile<Tile, CacheT, kHeadDim>(stage_k(s), stage_v(s), k_cache, v_cache, begin + s * Tile::kRows, end,
-                                         num_kv_heads, kv_head);
+                                         num_kv_heads, cache_head);
     cp_async_commit();
   }
 
@@ -216,7 +220,7 @@ attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k
     const int next = tile + kStages - 1;
     if (next < num_tiles)
       issue_tile<Tile, CacheT, kHeadDim>(stage_k(next % kStages), stage_v(next % kStages), k_cache, v_cache,
-                                         begin + next * Tile::kRows, end, num_kv_heads, kv_head);
+                                         begin + next * Tile::kRows, end, num_kv_heads, cache_head);
     cp_async_commit();
 
     const CacheT* tk = stage_k(tile % kStages);
