@@ -69,11 +69,7 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
   GdnStepArgs a;
   a.T = batched_rows ? 1 : (int)T;  // tokens of each sequence
   a.taps = (int)taps, a.Hk = (int)Hk, a.Hv = (int)Hv, a.dk = (int)dk, a.dv = (int)dv;
-  if (batched_rows) {
-    a.num_seqs = (int)T;
-    a.conv_state_stride = (taps - 1) * C;
-    a.state_stride = Hv * dv * dk;
-  }
+  if (batched_rows) a.num_seqs = (int)T;
   a.x = x.data_ptr<float>();
   a.x_stride = x.stride(0);
   a.conv_weight = conv_weight.data_ptr<float>();

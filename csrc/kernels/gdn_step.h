@@ -43,10 +43,9 @@ struct GdnStepArgs {
   float* token_states = nullptr;       // optional [T, Hv, dv, dk] contiguous, 16-byte aligned
   int T = 0, taps = 0, Hk = 0, Hv = 0, dk = 0, dv = 0;
   // Batched rows: num_seqs sequences of T = 1 token, sequence s reading x's row s and writing out's (and the
-  // quantized outputs') row s, its states at s * conv_state_stride and s * state_stride floats; token_conv_states
-  // and token_states null. One sequence of T tokens: num_seqs = 1 (the strides unused).
+  // quantized outputs') row s, its states conv_state[s] and state[s] (contiguous [num_seqs, ...]);
+  // token_conv_states and token_states null. One sequence of T tokens: num_seqs = 1.
   int num_seqs = 1;
-  int64_t conv_state_stride = 0, state_stride = 0;
   float q_scale = 0.f;  // set by gdn_step_launch: 1/sqrt(dk), computed as gdn_recurrent's launcher does
 };
 
