@@ -265,6 +265,24 @@ def run_store_cuda(qgkv, q_norm, k_norm, positions, rd, k_cache, v_cache, hq):
     return q_out, k_cache, v_cache
 
 
+def store_against_reference(qgkv, q_norm, k_norm, positions, rd, k_cache, v_cache, hq, cache_dtype):
+    """attn_qk_norm_rope_store on the GPU (caches float64 on the CPU, stored in cache_dtype there) and the float64
+    reference on the same inputs: checks q (bound 5e-5; float32 angles at small positions are within 4e-6 rad)
+    and returns the caches stored, the expected ones and the bound for a stored k (one bf16 rounding on a bf16
+    cache)."""
+    T, hd = positions.shape[0], k_cache.shape[-1]
+    exp_q = torch.empty(T, hq, hd, dtype=torch.float64)
+    exp_k, exp_v = k_cache.clone(), v_cache.clone()
+    ref.attn_qk_norm_rope_store(qgkv.double(), q_norm.double(), k_norm.double(), positions, EPS, THETA, rd, exp_q,
+                                exp_k, exp_v)
+    q_out, k_out, v_out = run_store_cuda(rows_view(qgkv.cuda()), q_norm.cuda(), k_norm.cuda(), positions.cuda(), rd,
+                                         k_cache.to(cache_dtype).cuda(), v_cache.to(cache_dtype).cuda(), hq)
+    assert torch.isfinite(q_out).all()
+    torch.testing.assert_close(q_out.cpu().double(), exp_q, rtol=0, atol=5e-5)
+    tol = dict(rtol=0, atol=5e-5) if cache_dtype == torch.float32 else dict(rtol=2**-8, atol=1e-6)
+    return k_out, v_out, exp_k, exp_v, tol
+
+
 @cuda
 @pytest.mark.parametrize("shape", [ORACLE, M27B, (6, 3, 64, 64), (4, 1, 128, 32), (2, 2, 80, 0)])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
@@ -279,18 +297,8 @@ def test_qk_norm_rope_store_cuda_float64(shape, cache_dtype, T):
     qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, seed=T + hd)
     positions = torch.tensor([5, 63, 0, 17][:T], dtype=torch.int32)
     k_cache, v_cache = make_cache(max_seq, hkv, hd, torch.float64, poison_from=0)  # all NaN
-    exp_q = torch.empty(T, hq, hd, dtype=torch.float64)
-    exp_k, exp_v = k_cache.clone(), v_cache.clone()
-    ref.attn_qk_norm_rope_store(qgkv.double(), q_norm.double(), k_norm.double(), positions, EPS, THETA, rd, exp_q,
-                                exp_k, exp_v)
-    q_out, k_out, v_out = run_store_cuda(rows_view(qgkv.cuda()), q_norm.cuda(), k_norm.cuda(), positions.cuda(), rd,
-                                         k_cache.to(cache_dtype).cuda(), v_cache.to(cache_dtype).cuda(), hq)
-    assert torch.isfinite(q_out).all()
-    torch.testing.assert_close(q_out.cpu().double(), exp_q, rtol=0, atol=5e-5)
-    if cache_dtype == torch.float32:
-        tol = dict(rtol=0, atol=5e-5)
-    else:
-        tol = dict(rtol=2**-8, atol=1e-6)
+    k_out, v_out, exp_k, exp_v, tol = store_against_reference(qgkv, q_norm, k_norm, positions, rd, k_cache, v_cache,
+                                                             hq, cache_dtype)
     written = positions.long()
     untouched = torch.ones(max_seq, dtype=torch.bool)
     untouched[written] = False
@@ -371,6 +379,18 @@ ATTENTION_CASES = [
 ]
 
 
+def check_attention_against_reference(k_cache, v_cache, positions, num_heads):
+    """attention on random queries against the float64 reference over the same cache values (a bf16 cache is
+    exact in float64): bound 2e-5 absolute (outputs are convex combinations of N(0,1) values, float32 softmax)."""
+    T, hd = positions.shape[0], k_cache.shape[-1]
+    q = torch.randn(T, num_heads, hd, generator=torch.Generator().manual_seed(T)) * 1.5
+    scale = hd**-0.5
+    expected = attention_expected(q, k_cache, v_cache, positions, scale)
+    out = run_attention_cuda(q.cuda(), k_cache.cuda(), v_cache.cuda(), positions.cuda(), scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-5)
+
+
 @cuda
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_T{c[3]}_p{c[4][-1]}")
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
@@ -383,12 +403,7 @@ def test_attention_cuda_matches_reference(case, cache_dtype):
     max_seq = max(pos) + 9
     positions = torch.tensor(pos, dtype=torch.int32)
     k_cache, v_cache = make_cache(max_seq, hkv, hd, cache_dtype, seed=hd + T, poison_from=max(pos) + 1)
-    q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
-    scale = hd**-0.5
-    expected = attention_expected(q, k_cache, v_cache, positions, scale)
-    out = run_attention_cuda(q.cuda(), k_cache.cuda(), v_cache.cuda(), positions.cuda(), scale)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-5)
+    check_attention_against_reference(k_cache, v_cache, positions, hq)
 
 
 @cuda
@@ -525,22 +540,12 @@ GATED_CASES = [  # (Hq, Hkv, hd, T, last position): the 27B shape (decode, verif
 ]
 
 
-@cuda
-@pytest.mark.parametrize("case", GATED_CASES, ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_T{c[3]}_p{c[4]}")
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-@pytest.mark.parametrize("lane", ["f32", "int8", "int8x2"])
-def test_attention_gated_cuda_equals_attention_then_gate(case, cache_dtype, lane):
-    """The gate applied in the combine gives the bits of attention followed by attn_output_gate (same float
-    expressions, same order), every output poisoned first; and the float output is within the float64
-    reference's bound."""
-    assert_cuda_kernel("attention_gated")
-    hq, hkv, hd, T, last = case
+def check_gated_equals_unfused(q, k_cache, v_cache, positions, qgkv, lane, batched):
+    """attention_gated (outputs poisoned first) gives the bits of attention followed by attn_output_gate, and
+    its float output is within the float64 reference's bound. batched: caches [T, max_seq, Hkv, hd], else one
+    shared cache."""
+    T, hq, hd = q.shape
     width = hq * hd
-    max_seq = last + 9
-    positions = torch.arange(last - T + 1, last + 1, dtype=torch.int32)
-    k_cache, v_cache = make_cache(max_seq, hkv, hd, cache_dtype, seed=hd + T, poison_from=last + 1)
-    q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
-    qgkv, _, _ = make_qgkv(T, hq, hkv, hd, seed=T + 1)
     args = (q.cuda(), k_cache.cuda(), v_cache.cuda(), positions.cuda(), hd**-0.5)
 
     def outputs():
@@ -551,7 +556,7 @@ def test_attention_gated_cuda_equals_attention_then_gate(case, cache_dtype, lane
         out_q_lo = torch.full((T, width), 0x7F, dtype=torch.int8, device="cuda") if lane == "int8x2" else None
         return out, out_q, out_q_lo, torch.full((T, width // 32), float("nan"), device="cuda")
 
-    workspace = torch.full((workspace_numel(T, hq, hd),), float("nan"), device="cuda")
+    workspace = torch.full((workspace_numel(T, hq, hd, batched=batched),), float("nan"), device="cuda")
     attn = torch.full((T, hq, hd), float("nan"), device="cuda")
     ops.attention(*args, attn, workspace)
     unfused = outputs()
@@ -566,6 +571,24 @@ def test_attention_gated_cuda_equals_attention_then_gate(case, cache_dtype, lane
     ref.attention_gated(q.double(), k_cache.double(), v_cache.double(), positions, hd**-0.5, qgkv.double(), None,
                         expected)
     torch.testing.assert_close(fused[0].cpu().double(), expected, rtol=0, atol=2e-5)
+
+
+@cuda
+@pytest.mark.parametrize("case", GATED_CASES, ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_T{c[3]}_p{c[4]}")
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("lane", ["f32", "int8", "int8x2"])
+def test_attention_gated_cuda_equals_attention_then_gate(case, cache_dtype, lane):
+    """The gate applied in the combine gives the bits of attention followed by attn_output_gate (same float
+    expressions, same order), every output poisoned first; and the float output is within the float64
+    reference's bound."""
+    assert_cuda_kernel("attention_gated")
+    hq, hkv, hd, T, last = case
+    max_seq = last + 9
+    positions = torch.arange(last - T + 1, last + 1, dtype=torch.int32)
+    k_cache, v_cache = make_cache(max_seq, hkv, hd, cache_dtype, seed=hd + T, poison_from=last + 1)
+    q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
+    qgkv, _, _ = make_qgkv(T, hq, hkv, hd, seed=T + 1)
+    check_gated_equals_unfused(q, k_cache, v_cache, positions, qgkv, lane, batched=False)
 
 
 @cuda
@@ -792,15 +815,8 @@ def test_batched_store_cuda_float64(shape, cache_dtype, T):
     positions = torch.randint(0, max_seq, (T,), generator=torch.Generator().manual_seed(T), dtype=torch.int32)
     k_cache = torch.full((T, max_seq, hkv, hd), float("nan"), dtype=torch.float64)
     v_cache = torch.full_like(k_cache, float("nan"))
-    exp_q = torch.empty(T, hq, hd, dtype=torch.float64)
-    exp_k, exp_v = k_cache.clone(), v_cache.clone()
-    ref.attn_qk_norm_rope_store(qgkv.double(), q_norm.double(), k_norm.double(), positions, EPS, THETA, rd, exp_q,
-                                exp_k, exp_v)
-    q_out, k_out, v_out = run_store_cuda(rows_view(qgkv.cuda()), q_norm.cuda(), k_norm.cuda(), positions.cuda(), rd,
-                                         k_cache.to(cache_dtype).cuda(), v_cache.to(cache_dtype).cuda(), hq)
-    assert torch.isfinite(q_out).all()
-    torch.testing.assert_close(q_out.cpu().double(), exp_q, rtol=0, atol=5e-5)
-    tol = dict(rtol=0, atol=5e-5) if cache_dtype == torch.float32 else dict(rtol=2**-8, atol=1e-6)
+    k_out, v_out, exp_k, exp_v, tol = store_against_reference(qgkv, q_norm, k_norm, positions, rd, k_cache, v_cache,
+                                                             hq, cache_dtype)
     written = torch.zeros(T, max_seq, dtype=torch.bool)
     written[torch.arange(T), positions.long()] = True
     k_out, v_out = k_out.cpu().double(), v_out.cpu().double()
@@ -836,12 +852,7 @@ def test_batched_attention_cuda_matches_reference(case, cache_dtype):
     T, max_seq = len(pos), max(pos) + 9
     positions = torch.tensor(pos, dtype=torch.int32)
     k_cache, v_cache = make_row_caches(positions, max_seq, hkv, hd, cache_dtype, seed=hd + T)
-    q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
-    scale = hd**-0.5
-    expected = attention_expected(q, k_cache, v_cache, positions, scale)
-    out = run_attention_cuda(q.cuda(), k_cache.cuda(), v_cache.cuda(), positions.cuda(), scale)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-5)
+    check_attention_against_reference(k_cache, v_cache, positions, hq)
 
 
 @cuda
@@ -854,36 +865,12 @@ def test_batched_attention_gated_cuda_equals_attention_then_gate(case, lane):
     reference's bound."""
     assert_cuda_kernel("attention_gated")
     hq, hkv, hd, pos = case
-    T, width, max_seq = len(pos), hq * hd, max(pos) + 9
+    T, max_seq = len(pos), max(pos) + 9
     positions = torch.tensor(pos, dtype=torch.int32)
     k_cache, v_cache = make_row_caches(positions, max_seq, hkv, hd, torch.bfloat16, seed=hd + T)
     q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
     qgkv, _, _ = make_qgkv(T, hq, hkv, hd, seed=T + 1)
-    args = (q.cuda(), k_cache.cuda(), v_cache.cuda(), positions.cuda(), hd**-0.5)
-
-    def outputs():
-        out = rows_view(torch.full((T, width), float("nan"), device="cuda"))
-        if lane == "f32":
-            return out, None, None, None
-        out_q = torch.full((T, width), 0x7F, dtype=torch.int8, device="cuda")
-        out_q_lo = torch.full((T, width), 0x7F, dtype=torch.int8, device="cuda") if lane == "int8x2" else None
-        return out, out_q, out_q_lo, torch.full((T, width // 32), float("nan"), device="cuda")
-
-    workspace = torch.full((workspace_numel(T, hq, hd, batched=True),), float("nan"), device="cuda")
-    attn = torch.full((T, hq, hd), float("nan"), device="cuda")
-    ops.attention(*args, attn, workspace)
-    unfused = outputs()
-    ops.attn_output_gate(attn, rows_view(qgkv.cuda()), *unfused)
-    workspace.fill_(float("nan"))
-    fused = outputs()
-    ops.attention_gated(*args, rows_view(qgkv.cuda()), workspace, *fused)
-    for name, got, want in zip(("out", "out_q", "out_q_lo", "out_d"), fused, unfused):
-        if want is not None:
-            assert torch.equal(got, want), name
-    expected = torch.empty(T, width, dtype=torch.float64)
-    ref.attention_gated(q.double(), k_cache.double(), v_cache.double(), positions, hd**-0.5, qgkv.double(), None,
-                        expected)
-    torch.testing.assert_close(fused[0].cpu().double(), expected, rtol=0, atol=2e-5)
+    check_gated_equals_unfused(q, k_cache, v_cache, positions, qgkv, lane, batched=True)
 
 
 @cuda
