@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import chat_page
 from .arguments import SEED_LIMIT
 from .conversation import PrefixCache
 from .engine import BatchEngine, Sequence
@@ -193,7 +194,7 @@ def error_response(status: int, message: str, param=None, code=None) -> JSONResp
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
-OPEN_PATHS = ("/health", "/metrics")  # no key needed (vLLM: /metrics unauthenticated)
+OPEN_PATHS = ("/health", "/metrics", "/")  # no key needed (vLLM: /metrics unauthenticated; /: chat_page.py says why)
 
 
 class Histogram:
@@ -691,6 +692,7 @@ class Server:
         if self.api_key:
             middleware.append(Middleware(ApiKey, key=self.api_key))
         return Starlette(routes=[
+            chat_page.route(),  # GET /: the web chat page
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
