@@ -16,7 +16,11 @@ Each row gets the bits of a one-row call in every op (slots.py, Scratch.rowwise)
 selection is its own: a sequence's tokens are the same whatever else is in the batch and whenever it joined.
 
 The host never waits for a step before launching the next: each launch copies the tokens (and the error
-flags) into pinned memory, read READ_BEHIND launches later, as in single-sequence decode.
+flags) into pinned memory, read READ_BEHIND launches later, as in single-sequence decode. A sequence whose
+config asks for logprobs (cfg.logprobs) has its selection write the chosen token's log-probability and the
+TOP_LOGPROBS alternatives into its slot's rows of device buffers (sampling.write_logprobs: raw logits, before
+any processor), copied in the same ring, only by launches that selected such a sequence; a logit bias
+(cfg.logit_bias, the map in Sequence.logit_bias) is written into the slot's sampler at admission.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .generation import GenerationStats, StopCondition, keep_only
-from .sampling import SamplerState, SamplingConfig, select_next_token
+from .sampling import TOP_LOGPROBS, SamplerState, SamplingConfig, check_logit_bias, select_next_token
 from .scratch import Scratch
 from .slots import SlotStates
 from .state import BAD_POSITION, BAD_TOKEN, Qwen38State, StateSnapshot
@@ -40,12 +44,23 @@ SELECT_GRAPHS_PER_SLOT = 4
 
 
 @dataclass
+class TokenLogprobs:
+    """A token's log-probability under the raw logits it was chosen from, and the most likely tokens' (id,
+    log-probability), most likely first (min(V, TOP_LOGPROBS) of them)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Sequence:
     """One generation: history int32 [T] on the engine's device (the whole sequence so far), its sampling
     config and seed, and how it stops. start: a snapshot of the history's first start.position tokens
     (restored instead of prefilled). keep_state: at the end, `snapshot` holds the state after history + the
     new tokens but the last (what a conversation or a prefix cache continues); snapshot_prompt: also
-    `prompt_snapshot`, the state at the end of the history. on_token(token): called as each token is read."""
+    `prompt_snapshot`, the state at the end of the history. on_token(token): called as each token is read;
+    with cfg.logprobs on_token(token, TokenLogprobs), and `logprobs` holds them in order. logit_bias: the
+    {token id: bias} map cfg.logit_bias says there is (added to the raw logits before every processor)."""
 
     history: torch.Tensor
     cfg: SamplingConfig
@@ -56,6 +71,7 @@ class Sequence:
     keep_state: bool = False
     snapshot_prompt: bool = False
     on_token: object = None
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine.
     slot: int = -1
     launched: int = 0  # tokens selected on the device so far (the prefill's, then one per step)
@@ -65,6 +81,7 @@ class Sequence:
     stats: GenerationStats = field(default_factory=GenerationStats)
     snapshot: StateSnapshot | None = None
     prompt_snapshot: StateSnapshot | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # with cfg.logprobs: one per token read
     _mark: tuple | None = None
     _admitted_at: float = 0.0
     _first_token_at: float = 0.0
@@ -94,7 +111,11 @@ class BatchEngine:
         self.tokens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
         self.nonfinite = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
         self.logits = torch.zeros(max_batch, vocab, device=self.device)  # every bucket's step writes its rows here
-        self.samplers = [self._sampler(vocab, self.nonfinite[s : s + 1]) for s in range(max_batch)]
+        # Each slot's logprob outputs (cfg.logprobs selections write them; the ring copies them).
+        self.logprob = torch.zeros(max_batch, device=self.device)
+        self.top_ids = torch.zeros(max_batch, TOP_LOGPROBS, dtype=torch.int32, device=self.device)
+        self.top_logprobs = torch.zeros(max_batch, TOP_LOGPROBS, device=self.device)
+        self.samplers = [self._sampler(vocab, s) for s in range(max_batch)]
         self.scratch = {b: Scratch(self.device, rowwise=batch_invariant) for b in self.buckets}
         self.step_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.select_graphs: OrderedDict[tuple[int, SamplingConfig], torch.cuda.CUDAGraph] = OrderedDict()
@@ -107,16 +128,24 @@ class BatchEngine:
         self.host_tokens = torch.zeros(ring, max_batch, dtype=torch.int32, pin_memory=on_gpu)
         self.host_flags = torch.zeros(ring, max_batch, dtype=torch.int32, pin_memory=on_gpu)
         self.host_nonfinite = torch.zeros(ring, max_batch, dtype=torch.bool, pin_memory=on_gpu)
+        # And the logprob outputs, copied only by launches that selected a sequence asking for them.
+        self.host_logprob = torch.zeros(ring, max_batch, pin_memory=on_gpu)
+        self.host_top_ids = torch.zeros(ring, max_batch, TOP_LOGPROBS, dtype=torch.int32, pin_memory=on_gpu)
+        self.host_top_logprobs = torch.zeros(ring, max_batch, TOP_LOGPROBS, pin_memory=on_gpu)
         self.launches: deque = deque()  # (ring index, event, [(slot, sequence)]) in launch order
         self.next_ring = 0
         self._finished: list[Sequence] = []  # finished while a launch waited for a ring entry (_record)
         # Where a sequence is prefilled before it moves into its slot (admit says why).
         self.staging = Qwen38State(model.config, max_seq_len, self.device, kv_dtype)
 
-    @staticmethod
-    def _sampler(vocab: int, nonfinite: torch.Tensor) -> SamplerState:
-        s = SamplerState.empty(vocab, nonfinite.device)
-        s.nonfinite = nonfinite
+    def _sampler(self, vocab: int, slot: int | None = None) -> SamplerState:
+        """A sampler state; a slot's writes its non-finite flag and logprob outputs into the engine's rows
+        (the ring copies them), a throwaway one (slot None: a capture's warm-up) into its own."""
+        s = SamplerState.empty(vocab, self.device)
+        if slot is not None:
+            s.nonfinite = self.nonfinite[slot : slot + 1]
+            s.logprob = self.logprob[slot : slot + 1]
+            s.top_ids, s.top_logprobs = self.top_ids[slot], self.top_logprobs[slot]
         return s
 
     # --- graphs --------------------------------------------------------------------------------------------
@@ -178,7 +207,7 @@ class BatchEngine:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
         with torch.cuda.stream(side):
-            dummy = self._sampler(self.model.config.vocab_size, torch.zeros(1, dtype=torch.bool, device=self.device))
+            dummy = self._sampler(self.model.config.vocab_size)
             self._select(slot, cfg, dummy, torch.zeros(1, dtype=torch.int32, device=self.device),
                          torch.zeros(1, dtype=torch.int32, device=self.device))
             graph = torch.cuda.CUDAGraph()
@@ -209,6 +238,10 @@ class BatchEngine:
         if seq.start is not None and seq.start.position >= seq.history.shape[0]:
             raise ValueError(f"the start snapshot holds {seq.start.position} tokens: the history "
                              f"({seq.history.shape[0]}) must extend it by at least one token to prefill")
+        bias = check_logit_bias(seq.logit_bias, self.model.config.vocab_size)
+        if (bias is not None) != seq.cfg.logit_bias:
+            raise ValueError("a sequence's logit_bias map and its config's logit_bias flag go together: "
+                             f"found a {'map' if bias else 'no map'} with cfg.logit_bias={seq.cfg.logit_bias}")
 
     def admit(self, seq: Sequence, chunk_size: int, progress=None):
         """Prefill seq, one chunk of chunk_size tokens per next() of this generator (the caller runs decode
@@ -240,6 +273,8 @@ class BatchEngine:
         state.bad_position.zero_()
         state.restore(staging.snapshot(clone=False))
         self.samplers[slot].reset(seq.history, seq.seed, seq.cfg.eos_token_ids)
+        if seq.cfg.logit_bias:
+            self.samplers[slot].set_logit_bias(check_logit_bias(seq.logit_bias, self.model.config.vocab_size))
         self.logits[slot].copy_(logits[0])
         state.device_position.fill_(state.position - 1)
         self._select(slot, seq.cfg)  # eager: a selection outside the steps' graphs, as generation.py's prefill
@@ -278,6 +313,10 @@ class BatchEngine:
         self.host_tokens[i].copy_(self.tokens, non_blocking=True)
         self.host_flags[i].copy_(self.slots.flags, non_blocking=True)
         self.host_nonfinite[i].copy_(self.nonfinite, non_blocking=True)
+        if any(seq.cfg.logprobs for _, seq in selected):
+            self.host_logprob[i].copy_(self.logprob, non_blocking=True)
+            self.host_top_ids[i].copy_(self.top_ids, non_blocking=True)
+            self.host_top_logprobs[i].copy_(self.top_logprobs, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -298,14 +337,21 @@ class BatchEngine:
             self.launches.popleft()
             for slot, seq in selected:
                 if not seq.done and self._deliver(seq, int(self.host_tokens[i, slot]), int(self.host_flags[i, slot]),
-                                                  bool(self.host_nonfinite[i, slot])):
+                                                  bool(self.host_nonfinite[i, slot]),
+                                                  self._logprobs(i, slot) if seq.cfg.logprobs else None):
                     self._finish(seq)
                     finished.append(seq)
             wait = False
         return finished
 
-    def _deliver(self, seq: Sequence, token: int, flag: int, nonfinite: bool) -> bool:
-        """One token of seq read; whether seq is done."""
+    def _logprobs(self, i: int, slot: int) -> TokenLogprobs:
+        k = min(TOP_LOGPROBS, self.model.config.vocab_size)
+        return TokenLogprobs(float(self.host_logprob[i, slot]),
+                             list(zip(self.host_top_ids[i, slot, :k].tolist(), self.host_top_logprobs[i, slot, :k].tolist())))
+
+    def _deliver(self, seq: Sequence, token: int, flag: int, nonfinite: bool,
+                 logprobs: TokenLogprobs | None = None) -> bool:
+        """One token of seq read (with its logprobs when seq asks for them); whether seq is done."""
         if flag:
             seq.error = RuntimeError(flag_message(flag, self.model.config.vocab_size, self.max_seq_len))
             return True
@@ -314,8 +360,13 @@ class BatchEngine:
             seq._first_token_at = time.perf_counter()
             seq.stats.prefill_s = seq._first_token_at - seq._admitted_at
         done = seq.stop.done(token) or len(seq.tokens) >= seq.max_new_tokens
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
         if seq.on_token is not None:
-            seq.on_token(token)
+            if logprobs is None:
+                seq.on_token(token)
+            else:
+                seq.on_token(token, logprobs)
         return done
 
     def _finish(self, seq: Sequence) -> None:

@@ -25,7 +25,7 @@ from .formats import Activation, lane_format
 from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
 from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, embed_into, make_linear
 from .mtp import MTPBlock
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, check_logit_bias
 from .scratch import Scratch
 from .speculative import SpeculativeEngine, run_speculative
 from .state import Qwen38State, StateSnapshot, check_kv_dtype
@@ -311,7 +311,8 @@ class Qwen38ForCausalLM(nn.Module):
                  prefix_cache: PrefixCache | None = None, speculative: str | None = None,
                  num_draft_tokens: int = 3, draft_vocab_size: int | None = None,
                  attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None,
-                 num_return_sequences: int = 1) -> torch.Tensor:
+                 num_return_sequences: int = 1, frequency_penalty: float = 0.0,
+                 logit_bias: dict[int, float] | None = None) -> torch.Tensor:
         """transformers' generate(): returns prompt + new ids [B, T + n] (stop token included). B > 1 rows,
         padded as attention_mask says (left or right), or num_return_sequences > 1 samples of each row,
         decode together (engine.BatchEngine: see _generate_batch); the rest of this is about one sequence. Sampling is reproducible for a seed (or a torch.Generator to draw one from). eos_token_id
@@ -328,8 +329,11 @@ class Qwen38ForCausalLM(nn.Module):
         the tokens prefilled). speculative="mtp": the checkpoint's MTP block drafts up to num_draft_tokens
         tokens per step and one pass verifies them (greedy: the same tokens as without; sampling: the same
         distribution); the draft count adapts to the acceptance seen so far. draft_vocab_size=n: drafts only
-        from token ids below n (a cheaper draft head; the verify still scores every token)."""
+        from token ids below n (a cheaper draft head; the verify still scores every token).
+        frequency_penalty (vLLM / OpenAI): subtract it times each token's count among the generated tokens.
+        logit_bias {token id: bias}: added to the logits before every processor (vLLM / OpenAI)."""
         check_input_ids(input_ids, self.config.vocab_size)
+        bias = check_logit_bias(logit_bias, self.config.vocab_size)
         check_ids_dtype_holds(input_ids.dtype, self.config.vocab_size)
         check_token_count("num_return_sequences", num_return_sequences, 1)
         if input_ids.shape[0] > 1 or num_return_sequences > 1 or attention_mask is not None:
@@ -342,7 +346,8 @@ class Qwen38ForCausalLM(nn.Module):
                 input_ids, attention_mask, pad_token_id, num_return_sequences, max_new_tokens, max_seq_len, kv_dtype,
                 use_graph, seed, generator, eos_token_id, stop_strings, tokenizer, prefill_progress,
                 SamplingConfig(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
-                               min_new_tokens))
+                               min_new_tokens, frequency_penalty=frequency_penalty, logit_bias=bias is not None),
+                logit_bias=bias)
         check_token_count("max_new_tokens", max_new_tokens, 1)
         if max_seq_len is not None:
             check_token_count("max_seq_len", max_seq_len, 1)
@@ -352,7 +357,7 @@ class Qwen38ForCausalLM(nn.Module):
         eos = stop_token_ids(eos_token_id, self.config.eos_token_ids, self.config.vocab_size)
         stops = stop_string_tuple(stop_strings, tokenizer)
         cfg = SamplingConfig(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
-                             min_new_tokens, eos)
+                             min_new_tokens, eos, frequency_penalty=frequency_penalty, logit_bias=bias is not None)
         history = (conversation.tokens if conversation is not None else []) + input_ids[0].tolist()
         start = self._start_snapshot(history, conversation, prefix_cache)
         if speculative not in (None, "mtp"):
@@ -360,6 +365,8 @@ class Qwen38ForCausalLM(nn.Module):
         engine = self._decode_engine(len(history) + max_new_tokens, max_seq_len,
                                      kv_dtype or default_kv_dtype(self.device), use_graph,
                                      num_draft_tokens if speculative else 0, draft_vocab_size)
+        if bias is not None:
+            engine.sampler.set_logit_bias(bias)  # read by cfg.logit_bias selections; reset() leaves it
         if streamer is not None:
             streamer.put(input_ids.cpu())
         keep_state = conversation is not None or prefix_cache is not None
@@ -389,7 +396,7 @@ class Qwen38ForCausalLM(nn.Module):
 
     def _generate_batch(self, input_ids, attention_mask, pad_token_id, num_return_sequences: int, max_new_tokens: int,
                         max_seq_len, kv_dtype, use_graph, seed, generator, eos_token_id, stop_strings, tokenizer,
-                        prefill_progress, cfg: SamplingConfig) -> torch.Tensor:
+                        prefill_progress, cfg: SamplingConfig, logit_bias=None) -> torch.Tensor:
         """generate() for B rows x num_return_sequences samples: every sequence in a slot of one BatchEngine,
         decoded together; row b's sample i (sequence j = b * num_return_sequences + i) samples with seed
         seed + j. The samples of a row share its prompt's state: prefilled once up to the last token, each
@@ -426,7 +433,8 @@ class Qwen38ForCausalLM(nn.Module):
             for i in range(num_return_sequences):
                 j = b * num_return_sequences + i
                 sequences.append(Sequence(prompt, cfg, (base_seed + j) & 0x7FFFFFFF, max_new_tokens,
-                                          StopCondition(frozenset(eos), stops, tokenizer), start=start))
+                                          StopCondition(frozenset(eos), stops, tokenizer), start=start,
+                                          logit_bias=logit_bias))
         clock = time.perf_counter()
         run_batch(engine, sequences, PREFILL_CHUNK, prefill_progress)
         self.last_generation_stats = BatchStats([seq.stats for seq in sequences], time.perf_counter() - clock)

@@ -3,9 +3,17 @@ speculative form, which selects up to k+1 tokens from the verify pass's logits a
 
 Everything here is torch ops on device tensors with no host synchronisation, so it runs inside the
 captured decode graph. The order is transformers' (generation/utils.py, _get_logits_processor):
-repetition penalty, [presence penalty], min_new_tokens, then, when sampling, temperature, top-k, top-p,
-min-p. presence_penalty is not a transformers processor: it follows vLLM / OpenAI (subtract the penalty
-once from every token generated so far) and sits beside the repetition penalty.
+[logit bias], repetition penalty, [frequency penalty, presence penalty], min_new_tokens, then, when sampling,
+temperature, top-k, top-p, min-p. The bracketed ones are not transformers processors; they follow vLLM /
+OpenAI: logit_bias adds a per-sequence bias [V] to the raw logits before any processor (SamplerState.bias,
+written by set_logit_bias outside the graph; the config only says whether the sequence has one, so graphs
+are not captured per bias map), frequency_penalty subtracts the penalty times each token's count among the
+generated tokens (SamplerState.counts) and presence_penalty the penalty once from every token generated so
+far, beside the repetition penalty in vLLM's order (repetition, frequency, presence).
+
+With cfg.logprobs the selection also writes the chosen token's log-probability and the TOP_LOGPROBS most
+likely tokens with theirs into the state's logprob buffers: log_softmax of the raw logits, before any
+processor (vLLM's default logprobs_mode "raw_logprobs"), computed on the device inside the same graph.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ MASK32 = 0xFFFFFFFF
 # select_speculative's accept uniforms take the step counters with bit 31 set: a stream disjoint from the
 # token noise's (step counters stay below 2^31), so accepting and drawing at one step are independent.
 ACCEPT_STREAM = 1 << 31
+TOP_LOGPROBS = 20  # alternatives a cfg.logprobs selection writes (OpenAI's most: chat top_logprobs <= 20)
 
 
 @dataclass(frozen=True)
@@ -32,11 +41,16 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     min_new_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    frequency_penalty: float = 0.0
+    logit_bias: bool = False  # whether the sequence's SamplerState.bias is added (the map is not in the config)
+    logprobs: bool = False  # whether the selection writes the state's logprob buffers
 
     def __post_init__(self):
-        if not isinstance(self.do_sample, bool):
-            raise ValueError(f"do_sample must be True or False, found {self.do_sample!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+        for name in ("do_sample", "logit_bias", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, found {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, found {value!r}")
@@ -66,6 +80,15 @@ class SamplerState:
     num_generated: torch.Tensor  # int32 [1]
     seed: torch.Tensor  # int64 [1]
     nonfinite: torch.Tensor  # bool [1]: some selection since reset() saw NaN or infinite logits
+    # int32 [V]: how often each token was generated (frequency penalty; counted only by selections whose
+    # config has one: a sequence's config is fixed from its reset on)
+    counts: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # float32 [V]: the logit bias (read only when cfg.logit_bias)
+    # Written by cfg.logprobs selections: the chosen token's log-probability (float32 [1]), the TOP_LOGPROBS
+    # most likely ids (int32 [TOP_LOGPROBS], most likely first; min(V, TOP_LOGPROBS) written) and theirs.
+    logprob: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
     @staticmethod
     def empty(vocab_size: int, device) -> "SamplerState":
@@ -74,28 +97,65 @@ class SamplerState:
 
         return SamplerState(mask(), mask(), mask(), torch.zeros(1, dtype=torch.int32, device=device),
                             torch.zeros(1, dtype=torch.int64, device=device),
-                            torch.zeros(1, dtype=torch.bool, device=device))
+                            torch.zeros(1, dtype=torch.bool, device=device),
+                            torch.zeros(vocab_size, dtype=torch.int32, device=device),
+                            torch.zeros(vocab_size, dtype=torch.float32, device=device),
+                            torch.zeros(1, dtype=torch.float32, device=device),
+                            torch.zeros(TOP_LOGPROBS, dtype=torch.int32, device=device),
+                            torch.zeros(TOP_LOGPROBS, dtype=torch.float32, device=device))
 
     def reset(self, prompt: torch.Tensor, seed: int, eos_token_ids=()) -> None:
-        """Host-to-device writes happen here, outside the captured step (a capture may not copy from host)."""
+        """Host-to-device writes happen here, outside the captured step (a capture may not copy from host).
+        The logit bias is left as it is: set_logit_bias writes it (before or after the reset)."""
         self.seen.zero_()
         self.seen[prompt.long()] = True
         self.generated.zero_()
+        self.counts.zero_()
         self.eos.zero_()
         self.eos[list(eos_token_ids)] = True
         self.num_generated.zero_()
         self.seed.fill_(seed & MASK32)
         self.nonfinite.zero_()
 
+    def set_logit_bias(self, logit_bias: dict[int, float] | None) -> None:
+        """The bias a cfg.logit_bias selection adds to the logits: logit_bias[id] for each id, 0 elsewhere (a
+        host-to-device write: outside the captured step). Ids are checked by check_logit_bias."""
+        self.bias.zero_()
+        if logit_bias:
+            ids = torch.tensor(list(logit_bias), dtype=torch.long)
+            self.bias[ids.to(self.bias.device)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32,
+                                                               device=self.bias.device)
+
+
+def check_logit_bias(logit_bias, vocab_size: int) -> dict[int, float] | None:
+    """A logit bias map {token id: bias} checked (ids integers in [0, vocab_size), biases finite numbers), as a
+    plain dict of ints to floats; None or an empty map is None (no bias). Anything else is a ValueError."""
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, found {type(logit_bias).__name__}")
+    out = {}
+    for key, value in logit_bias.items():
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < vocab_size:
+            raise ValueError(f"logit_bias: token id {key!r} is outside the vocabulary [0, {vocab_size})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"logit_bias[{key}] must be a finite number, found {value!r}")
+        out[key] = float(value)
+    return out or None
+
 
 def process_logits(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig) -> torch.Tensor:
     """logits float32 [V] -> the processed scores transformers would sample from (or take the argmax of).
     Also rows: logits [R, V] with a state whose seen/generated are [R, V] and num_generated [R, 1], each
-    row processed alone (what select_speculative uses)."""
+    row processed alone (what select_speculative uses; counts [R, V] too, bias [V] for every row)."""
     scores = logits
+    if cfg.logit_bias:
+        scores = scores + s.bias
     if cfg.repetition_penalty != 1.0:
         penalized = torch.where(scores < 0, scores * cfg.repetition_penalty, scores / cfg.repetition_penalty)
         scores = torch.where(s.seen, penalized, scores)
+    if cfg.frequency_penalty != 0.0:
+        scores = scores - cfg.frequency_penalty * s.counts.to(scores.dtype)
     if cfg.presence_penalty != 0.0:
         scores = scores - cfg.presence_penalty * s.generated.to(scores.dtype)
     if cfg.min_new_tokens > 0 and cfg.eos_token_ids:
@@ -144,7 +204,8 @@ def select_next_token(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig
     """token <- argmax (greedy) or a sample (Gumbel-max) of the processed logits; position += 1.
     A NaN or infinite logit sets s.nonfinite, for generate() to report after the run without a host sync per
     step. The bookkeeping rides on argmax_advance's launch; so does the finiteness check when the scores are
-    the raw logits (greedy without penalties, the common decode step)."""
+    the raw logits (greedy without penalties, the common decode step). The frequency penalty's counts and
+    cfg.logprobs' buffers are plain torch ops after it (on the device, no host sync)."""
     scores = process_logits(logits, s, cfg)
     raw = scores is logits
     if not raw:
@@ -154,6 +215,22 @@ def select_next_token(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig
         scores = scores - torch.log(-torch.log(u))
     ops.argmax_advance(scores.contiguous(), token, position, s.seen, s.generated, s.num_generated,
                        s.nonfinite if raw else None)
+    chosen = token.long().view(1)
+    if cfg.frequency_penalty != 0.0:
+        s.counts.index_add_(0, chosen, torch.ones(1, dtype=s.counts.dtype, device=s.counts.device))
+    if cfg.logprobs:
+        write_logprobs(logits, chosen, s)
+
+
+def write_logprobs(logits: torch.Tensor, chosen: torch.Tensor, s: SamplerState) -> None:
+    """The raw logits' log-softmax at chosen (int64 [1]) into s.logprob, its min(V, TOP_LOGPROBS) largest
+    (most likely first) with their ids into s.top_logprobs, s.top_ids."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    s.logprob.copy_(logprobs.index_select(0, chosen))
+    k = min(TOP_LOGPROBS, logprobs.shape[-1])
+    top = torch.topk(logprobs, k)
+    s.top_logprobs[:k].copy_(top.values)
+    s.top_ids[:k].copy_(top.indices)
 
 
 def _with_drafts(mask: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -168,11 +245,20 @@ def _with_drafts(mask: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     return mask.expand(k + 1, -1).clone().scatter_(1, drafts.expand(k + 1, k), value)
 
 
-def _draft_rows(s: SamplerState, drafts: torch.Tensor) -> SamplerState:
+def _with_draft_counts(counts: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """counts int32 [V], drafts int64 [k] -> int32 [k+1, V]: row i is counts with d_1..d_i counted once more."""
+    k = drafts.shape[0]
+    steps = torch.arange(k + 1, device=counts.device)
+    earlier = (steps[:k][None, :] < steps[:, None]).to(counts.dtype)  # [i, j]: d_{j+1} comes before row i
+    return counts.expand(k + 1, -1).clone().scatter_add_(1, drafts.expand(k + 1, k), earlier)
+
+
+def _draft_rows(s: SamplerState, drafts: torch.Tensor, cfg: SamplingConfig) -> SamplerState:
     """The state row i of the verify logits is processed with: as if d_1..d_i had been generated."""
     steps = torch.arange(drafts.shape[0] + 1, device=drafts.device)
+    counts = _with_draft_counts(s.counts, drafts) if cfg.frequency_penalty != 0.0 else s.counts
     return SamplerState(_with_drafts(s.seen, drafts), _with_drafts(s.generated, drafts), s.eos,
-                        (s.num_generated + steps)[:, None], s.seed, s.nonfinite)
+                        (s.num_generated + steps)[:, None], s.seed, s.nonfinite, counts, s.bias)
 
 
 def select_speculative(logits: torch.Tensor, drafts: torch.Tensor, s: SamplerState, cfg: SamplingConfig,
@@ -189,6 +275,9 @@ def select_speculative(logits: torch.Tensor, drafts: torch.Tensor, s: SamplerSta
     select_next_token's (Gumbel-max on the noise of the same step), so drafts of probability 0 or 1 change
     no token of plain sampling.
 
+    cfg.logit_bias and cfg.frequency_penalty apply to every row as select_next_token applies them (row i's
+    counts include d_1..d_i); cfg.logprobs writes nothing here (the speculative path reports no logprobs).
+
     Device tensors only, no host synchronisation: it runs inside a captured graph."""
     k = drafts.shape[0]
     if logits.dim() != 2 or logits.shape[0] != k + 1 or logits.dtype != torch.float32:
@@ -199,7 +288,7 @@ def select_speculative(logits: torch.Tensor, drafts: torch.Tensor, s: SamplerSta
         if tensor.dtype != torch.int32 or tensor.shape != (size,):
             raise ValueError(f"{name} must be int32 [{size}], found {tensor.dtype} {list(tensor.shape)}")
     draft = drafts.long()
-    rows = _draft_rows(s, draft)
+    rows = _draft_rows(s, draft, cfg)
     scores = process_logits(logits, rows, cfg)
     steps = torch.arange(k + 1, device=logits.device)
     if cfg.do_sample:
@@ -225,4 +314,6 @@ def select_speculative(logits: torch.Tensor, drafts: torch.Tensor, s: SamplerSta
     kept = torch.where(steps <= accepted, emitted, emitted[0])  # t_0 stands in for the -1 entries
     s.seen.index_fill_(0, kept, True)
     s.generated.index_fill_(0, kept, True)
+    if cfg.frequency_penalty != 0.0:
+        s.counts.index_add_(0, kept, (steps <= accepted).to(s.counts.dtype))
     s.num_generated.add_(accepted + 1)

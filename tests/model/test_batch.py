@@ -91,6 +91,45 @@ def test_sequences_joining_and_leaving_keep_their_tokens(model):
         assert seq.tokens == solo(model, p, max_new_tokens=n), f"sequence {j}"
 
 
+def test_logprobs_are_the_log_softmax_of_the_logits_each_token_was_chosen_from(model):
+    """A sequence asking for logprobs (cfg.logprobs) gets, with each token (on_token(token, logprobs) and
+    seq.logprobs), the log_softmax of model(ids)'s raw logits at that position: the chosen token's and the 20
+    most likely (sorted, the greedy token first); a sampled one with a logit bias reports the raw logits' too.
+    The sequences beside it that ask for none get exactly their solo tokens."""
+    from qwen38_model.engine import TokenLogprobs
+
+    rows = prompts(model, [5, 3, 7], seed=9)
+    eos = frozenset(model.config.eos_token_ids)
+    plain = SamplingConfig(eos_token_ids=tuple(eos))
+    asking = SamplingConfig(eos_token_ids=tuple(eos), logprobs=True)
+    sampled = SamplingConfig(eos_token_ids=tuple(eos), logprobs=True, logit_bias=True, **SAMPLED)
+    seen = []
+    sequences = [Sequence(rows[0].to(torch.int32), asking, 0, 8, StopCondition(eos),
+                          on_token=lambda token, lp: seen.append((token, lp))),
+                 Sequence(rows[1].to(torch.int32), plain, 0, 8, StopCondition(eos)),
+                 Sequence(rows[2].to(torch.int32), sampled, 4, 8, StopCondition(eos), logit_bias={17: 2.5, 30: -4.0})]
+    engine = BatchEngine(model, 3, 32, torch.float32)
+    run_batch(engine, sequences, chunk_size=4)
+    assert sequences[1].tokens == solo(model, rows[1], max_new_tokens=8) and not sequences[1].logprobs
+    assert [t for t, _ in seen] == sequences[0].tokens and [lp for _, lp in seen] == sequences[0].logprobs
+    assert sequences[0].tokens == solo(model, rows[0], max_new_tokens=8)
+    assert sequences[2].tokens == solo(model, rows[2], max_new_tokens=8, seed=4, logit_bias={17: 2.5, 30: -4.0},
+                                       **SAMPLED)
+    for seq, prompt in ((sequences[0], rows[0]), (sequences[2], rows[2])):
+        assert len(seq.logprobs) == len(seq.tokens) >= 2
+        ids = torch.cat([prompt, torch.tensor(seq.tokens)])[None]
+        truth = torch.log_softmax(model(ids).logits[0, prompt.shape[0] - 1 : -1], -1)  # row t chose token t
+        for t, (token, lp) in enumerate(zip(seq.tokens, seq.logprobs)):
+            assert isinstance(lp, TokenLogprobs) and len(lp.top) == 20
+            assert abs(lp.logprob - float(truth[t, token])) <= 1e-5, (t, lp.logprob, float(truth[t, token]))
+            values = [v for _, v in lp.top]
+            assert values == sorted(values, reverse=True) and lp.top[0][1] >= lp.logprob
+            assert [i for i, _ in lp.top] == truth[t].topk(20).indices.tolist()
+            torch.testing.assert_close(torch.tensor(values), truth[t].topk(20).values, rtol=0, atol=1e-5)
+            if seq is sequences[0]:  # greedy: the chosen token is the most likely one
+                assert lp.top[0] == (token, lp.logprob)
+
+
 def test_forward_with_attention_mask_gives_each_row_its_own_logits(model):
     rows = prompts(model, [4, 7, 1], seed=2)
     ids, mask = left_padded(rows, 0)

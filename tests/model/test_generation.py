@@ -138,6 +138,134 @@ def test_presence_penalty_subtracts_once_per_generated_token():
     assert out[3] == -0.5 and out[4] == -0.5 and out[1] == 0 and out[0] == 0
 
 
+def plain_penalized(logits, bias, seen, counts, cfg: SamplingConfig):
+    """The logit bias and the penalties in plain torch, vLLM's order: bias, repetition (on prompt + output),
+    frequency (times each output token's count), presence (once per output token)."""
+    scores = logits + bias
+    penalty = cfg.repetition_penalty
+    scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+    scores = scores - cfg.frequency_penalty * counts.float()
+    return scores - cfg.presence_penalty * (counts > 0).float()
+
+
+BIASED = [
+    dict(do_sample=False, frequency_penalty=0.7),
+    dict(do_sample=False, frequency_penalty=-0.4, presence_penalty=0.3, repetition_penalty=1.2),
+    dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, frequency_penalty=1.5, presence_penalty=-0.5),
+]
+
+
+@pytest.mark.parametrize("setting", BIASED, ids=[str(s) for s in BIASED])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_frequency_penalty_and_logit_bias_match_plain_torch(setting, with_bias):
+    """The processed scores with a logit bias and a frequency penalty (over generated tokens that repeat) are
+    the plain-torch penalized logits, then transformers' warpers for the sampling part."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(1)
+    vocab = 300
+    cfg = SamplingConfig(**setting, logit_bias=with_bias)
+    for trial in range(5):
+        logits = torch.randn(vocab, generator=g) * 3
+        prompt = torch.randint(0, vocab, (6,), generator=g)
+        generated = torch.randint(0, 12, (3 * trial,), generator=g)  # few distinct ids: counts above 1
+        bias = {int(t): float(v) for t, v in zip(torch.randint(0, vocab, (8,), generator=g),
+                                                 torch.randn(8, generator=g) * 20)} if with_bias else {}
+        state = SamplerState.empty(vocab, "cpu")
+        state.reset(prompt, 0, cfg.eos_token_ids)
+        state.set_logit_bias(bias)
+        counts = torch.bincount(generated, minlength=vocab).int()
+        state.seen[generated] = True
+        state.generated[generated] = True
+        state.counts.copy_(counts)
+        state.num_generated.fill_(len(generated))
+        dense = torch.zeros(vocab)
+        dense[list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float32)
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.cat([prompt, generated])] = True
+        expected = plain_penalized(logits, dense, seen, counts, cfg)
+        if cfg.do_sample:  # the warpers after the penalties, as transformers applies them
+            warpers = dataclasses.replace(cfg, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                                          logit_bias=False)
+            expected = hf_processed(expected, torch.cat([prompt, generated]), warpers, trial, len(prompt))
+        ours = process_logits(logits, state, cfg)
+        assert torch.equal(torch.isinf(ours), torch.isinf(expected))
+        finite = ~torch.isinf(expected)
+        torch.testing.assert_close(ours[finite], expected[finite], rtol=1e-6, atol=1e-5)
+
+
+def test_selection_counts_the_generated_tokens():
+    """select_next_token keeps the frequency counts on the device: after each step they are the bincount of
+    the tokens chosen so far (and only the prompt is in `seen` beside them)."""
+    from qwen38_model.sampling import select_next_token
+
+    vocab = 16
+    cfg = SamplingConfig(do_sample=True, top_k=0, temperature=1.5, frequency_penalty=0.1)
+    state = SamplerState.empty(vocab, "cpu")
+    state.reset(torch.tensor([3]), seed=4)
+    token, position = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    chosen = []
+    g = torch.Generator().manual_seed(2)
+    for _ in range(40):
+        select_next_token(torch.randn(vocab, generator=g) * 0.1, state, cfg, token, position)
+        chosen.append(int(token))
+        assert torch.equal(state.counts, torch.bincount(torch.tensor(chosen), minlength=vocab).int())
+    assert max(torch.bincount(torch.tensor(chosen)).tolist()) > 1  # the counts did go past 1
+    state.reset(torch.tensor([3]), seed=4)
+    assert not state.counts.any()
+
+
+def greedy_biased_loop(model, ids, steps, bias: dict, frequency_penalty: float) -> list[int]:
+    """Greedy with a logit bias and a frequency penalty over a full forward per token: the slow truth."""
+    dense = torch.zeros(model.config.vocab_size)
+    for t, v in bias.items():
+        dense[t] = v
+    counts = torch.zeros(model.config.vocab_size)
+    out = []
+    for _ in range(steps):
+        scores = model(ids).logits[0, -1] + dense - frequency_penalty * counts
+        best = int(scores.argmax())
+        out.append(best)
+        counts[best] += 1
+        ids = torch.cat([ids, torch.tensor([[best]])], dim=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return Qwen38ForCausalLM.from_pretrained(default_model_path(), device="cpu")
+
+
+def test_generate_with_logit_bias_and_frequency_penalty(default_model):
+    """generate(logit_bias=, frequency_penalty=) on one sequence, on rows decoded together, and speculatively
+    (greedy: the same tokens) is the plain greedy loop with the bias added and the penalty subtracted. A bias of
+    -100 on the greedy token moves the greedy output off it; +100 forces a token at every step."""
+    model = default_model
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    greedy = model.generate(prompt, max_new_tokens=10, eos_token_id=[])[0, 4:].tolist()
+    banned = model.generate(prompt, max_new_tokens=10, eos_token_id=[], logit_bias={greedy[0]: -100})[0, 4:].tolist()
+    assert banned[0] != greedy[0] and greedy[0] not in banned
+    assert banned == greedy_biased_loop(model, prompt, 10, {greedy[0]: -100.0}, 0.0)
+    forced = model.generate(prompt, max_new_tokens=6, eos_token_id=[], logit_bias={42: 100})[0, 4:].tolist()
+    assert forced == [42] * 6
+    favoured = {42: 3.0, greedy[1]: 1.5}  # 42 would repeat; the penalty holds it back
+    for penalty in (0.0, 0.8, -0.5):
+        truth = greedy_biased_loop(model, prompt, 12, favoured, penalty)
+        kwargs = dict(max_new_tokens=12, eos_token_id=[], logit_bias=favoured, frequency_penalty=penalty)
+        assert model.generate(prompt, **kwargs)[0, 4:].tolist() == truth, penalty
+        assert model.generate(prompt, speculative="mtp", num_draft_tokens=2, **kwargs)[0, 4:].tolist() == truth
+        rows = model.generate(torch.cat([prompt, torch.tensor([[1, 2, 3, 4]])]), **kwargs)
+        assert rows[0, 4:].tolist() == truth and \
+            rows[1, 4:].tolist() == greedy_biased_loop(model, torch.tensor([[1, 2, 3, 4]]), 12, favoured, penalty)
+    assert greedy_biased_loop(model, prompt, 12, favoured, 0.0) != greedy_biased_loop(model, prompt, 12, favoured, 0.8)
+    for bad, message in [({512: 1.0}, "outside the vocabulary"), ({-1: 1.0}, "outside the vocabulary"),
+                         ({3: float("nan")}, "finite"), ([3], "must be a dict")]:
+        with pytest.raises(ValueError, match=message):
+            model.generate(prompt, max_new_tokens=2, logit_bias=bad)
+    with pytest.raises(ValueError, match="frequency_penalty must be a finite number"):
+        model.generate(prompt, max_new_tokens=2, frequency_penalty=float("inf"))
+
+
 def test_sampled_frequencies_follow_the_filtered_distribution():
     """Gumbel-max over counter-based noise: 20000 draws vs the filtered softmax (chi-square, p > 1e-4)."""
     vocab, draws = 12, 20000
