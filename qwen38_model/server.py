@@ -41,7 +41,7 @@ from .engine import BatchEngine, Sequence
 from .errors import NonFiniteLogitsError, Qwen38Error
 from .generation import StopCondition, resolve_seed
 from .model import default_kv_dtype
-from .sampling import SamplingConfig
+from .sampling import TOP_LOGPROBS, SamplingConfig
 from .state import StateSnapshot, available_memory, state_bytes
 
 # A request's sampling fields left out take the checkpoint's settings, else these: OpenAI's temperature and
@@ -73,12 +73,18 @@ class Cancelled(Exception):
 # The fields each route reads; any other is a 400 naming it (nothing is silently ignored). NO_OP: fields the
 # server does not implement, accepted only with the value that asks for nothing (OpenAI's default).
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "presence_penalty", "min_tokens", "n", "seed", "stop", "stream", "stream_options", "user"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice"}
+                 "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "min_tokens", "n", "seed", "stop",
+                 "stream", "stream_options", "user"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice",
+                               "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-# (A completion's logprobs=0 is not among them: it asks for the sampled token's logprob.)
-NO_OP = {"frequency_penalty": (None, 0), "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-         "response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+NO_OP = {"response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+# logit_bias: OpenAI's bounds (at most 300 entries, each bias in [-100, 100]). Logprobs: a chat's top_logprobs at
+# most 20 (TOP_LOGPROBS, what the selection computes), a completion's logprobs at most 5 (OpenAI's legacy bound).
+LOGIT_BIAS_ENTRIES, LOGIT_BIAS_LIMIT = 300, 100.0
+CHAT_TOP_LOGPROBS, COMPLETION_LOGPROBS = TOP_LOGPROBS, 5
+# A logprob that is not a finite number (never from finite logits) is reported as vLLM reports -inf.
+LOGPROB_FLOOR = -9999.0
 # reasoning_content: an assistant turn's thinking (Qwen3's template); tool_calls: its calls; tool_call_id, name:
 # a tool message's.
 MESSAGE_KEYS = {"role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name"}
@@ -290,8 +296,9 @@ class ApiKey:
 @dataclass(eq=False)
 class Job:
     """One request as the scheduler runs it: n sequences (choices) of one prompt. What the scheduler thread
-    tells the request's coroutine arrives in `events`: (i, token) for choice i's next token, (i, None) once
-    sequence i has ended, (-1, exception) when the request failed or was cancelled."""
+    tells the request's coroutine arrives in `events`: (i, token) for choice i's next token ((i, (token,
+    TokenLogprobs)) when the request asks for logprobs), (i, None) once sequence i has ended, (-1, exception)
+    when the request failed or was cancelled."""
 
     ids: list[int]
     kwargs: dict  # Server.generation_kwargs
@@ -303,6 +310,7 @@ class Job:
     started: bool = False  # its first sequence began its prefill
     ended: bool = False  # every sequence is out of the engine (done, stopped or dropped)
     cached: int | None = None  # prompt tokens restored from the prefix cache, known once admitted
+    logprobs: int | None = None  # the alternatives per token a request asking for logprobs wants (0..20)
     # The scheduler thread's own:
     admitted: int = 0  # choices whose admission has begun (they are admitted in order)
     sequences: list = field(default_factory=list)  # engine.Sequence per choice, as each is admitted
@@ -320,6 +328,10 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (i, value))
         except RuntimeError:  # the event loop is closed (the server shut down): nobody listens any more
             pass
+
+    def push_token(self, i: int, token: int, logprobs=None) -> None:
+        """A sequence's on_token: its token, with its TokenLogprobs when the sequence asks for them."""
+        self.push(i, token if logprobs is None else (token, logprobs))
 
 
 class TokenPusher:
@@ -492,7 +504,8 @@ class Scheduler:
                        (job.seed + i) % SEED_LIMIT, job.kwargs["max_new_tokens"],
                        StopCondition(frozenset(self.eos), tuple(job.kwargs.get("stop_strings") or ()), self.tokenizer),
                        start=job.start if job.n > 1 else self.cache.longest(job.ids), keep_state=True,
-                       snapshot_prompt=i == 0, on_token=partial(job.push, i))
+                       snapshot_prompt=i == 0, on_token=partial(job.push_token, i),
+                       logit_bias=job.kwargs.get("logit_bias"))
         job.sequences.append(seq)
         self.owners[id(seq)] = (job, i)
         yield from self.engine.admit(seq, PREFILL_INTERLEAVE)
@@ -778,7 +791,11 @@ class Server:
             self.check_fields(body, chat)
             ids = self.prompt_ids(body, chat)
             kwargs = self.generation_kwargs(body, len(ids))
-            cfg = self.sampling_config(kwargs)
+            logprobs = request_logprobs(body, chat)
+            if logprobs is not None and self.scheduler is not None and self.scheduler.engine is None:
+                raise RequestError(400, "logprobs are not available with --speculative (one sequence at a time "
+                                        "through generate(), which reports none)", "logprobs")
+            cfg = self.sampling_config(kwargs, logprobs is not None)
         except RequestError as e:
             self.log.write(f"- POST {request.url.path} {e.status}: {e}\n")
             return error_response(e.status, str(e), e.param, e.code)
@@ -791,7 +808,7 @@ class Server:
                                        f"{self.max_batch} sequence slots", code="queue_full")
             busy.headers["Retry-After"] = "1"
             return busy
-        job = Job(ids, kwargs, cfg, resolve_seed(kwargs["seed"], None), asyncio.get_running_loop())
+        job = Job(ids, kwargs, cfg, resolve_seed(kwargs["seed"], None), asyncio.get_running_loop(), logprobs=logprobs)
         reply = Reply(self, job, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
                       parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none")
@@ -890,6 +907,14 @@ class Server:
         except ValueError as e:
             raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
 
+    def vocab_size(self) -> int | None:
+        """The token ids a request may name (logit_bias): the tokenizer's, within the model's logits."""
+        sizes = [len(self.tokenizer)] if self.tokenizer is not None else []
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if isinstance(vocab, int):
+            sizes.append(vocab)
+        return min(sizes, default=None)
+
     def generation_kwargs(self, body: dict, prompt_tokens: int) -> dict:
         """The request's generation parameters as generate()'s arguments (temperature 0: greedy; sampling
         fields it leaves out from self.sampling), and n, its number of choices."""
@@ -913,6 +938,8 @@ class Server:
                       repetition_penalty=number(body, "repetition_penalty", defaults["repetition_penalty"], 0.0,
                                                 math.inf),
                       presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                      frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                      logit_bias=request_logit_bias(body, self.vocab_size()),
                       min_new_tokens=integer(body, "min_tokens", 0))
         for name in ("top_p", "repetition_penalty"):
             if kwargs[name] <= 0:
@@ -938,13 +965,15 @@ class Server:
             kwargs["stop_strings"] = stop
         return kwargs
 
-    def sampling_config(self, kwargs: dict) -> SamplingConfig:
+    def sampling_config(self, kwargs: dict, logprobs: bool = False) -> SamplingConfig:
         """generation_kwargs' sampling fields as the engine's per-sequence SamplingConfig (as generate() builds
-        it, the checkpoint's end tokens among them)."""
+        it, the checkpoint's end tokens among them); logprobs: the request asks for them."""
         try:
             return SamplingConfig(kwargs["do_sample"], kwargs["temperature"], kwargs["top_k"], kwargs["top_p"],
                                   kwargs["min_p"], kwargs["repetition_penalty"], kwargs["presence_penalty"],
-                                  kwargs["min_new_tokens"], self.eos_ids)
+                                  kwargs["min_new_tokens"], self.eos_ids,
+                                  frequency_penalty=kwargs.get("frequency_penalty", 0.0),
+                                  logit_bias=kwargs.get("logit_bias") is not None, logprobs=logprobs)
         except ValueError as e:
             raise RequestError(400, str(e)) from None
 
@@ -961,14 +990,47 @@ class Choice:
         self.tool_split = ToolCallSplit() if parse_tools else None  # tools given, tool_choice not "none"
         self.role_sent = False  # streamed chat: the first chunk's delta carries the role
         self.last_token = None
+        self.tokenizer = reply.server.tokenizer
+        self.top = reply.job.logprobs  # alternatives per token with logprobs; None: no logprobs asked
+        # With logprobs: (token, its text's offset in the choice's text, TokenLogprobs) per token fed, and how
+        # many of them went out in an answer already.
+        self.logprobs, self.logprobs_sent = [], 0
 
-    def feed(self, token: int, eos) -> bool:
-        """One token of the sequence; whether the choice stops at it (an end token, or a stop string)."""
+    def feed(self, token: int, eos, logprobs=None) -> bool:
+        """One token of the sequence (with its TokenLogprobs when the request asks for them); whether the
+        choice stops at it (an end token, or a stop string)."""
         self.count += 1
+        if self.top is not None and logprobs is not None:
+            self.logprobs.append((token, len(self.text), logprobs))
         self.text += self.decoder.feed(token)
         if token in eos or self.stopped():
             self.finish = "stop"
         return self.finish == "stop"
+
+    def token_entry(self, token: int, logprob: float) -> dict:
+        """A token in a chat's logprobs: its text (vLLM's: a piece of a character is U+FFFD), logprob, bytes."""
+        raw = self.tokenizer.token_bytes(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": finite_logprob(logprob), "bytes": list(raw)}
+
+    def logprob_part(self) -> dict | None:
+        """The logprobs of the tokens fed since the last answer part, in OpenAI's shape (chat:
+        {"content": [...]}; completion: tokens, token_logprobs, top_logprobs, text_offset); None when the
+        request asks for no logprobs."""
+        if self.top is None:
+            return None
+        entries, self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
+        if self.chat:
+            return {"content": [{**self.token_entry(token, lp.logprob),
+                                 "top_logprobs": [self.token_entry(t, v) for t, v in lp.top[: self.top]]}
+                                for token, _, lp in entries]}
+        top = []
+        for token, _, lp in entries:
+            alternatives = {self.token_entry(t, v)["token"]: finite_logprob(v) for t, v in lp.top[: self.top]}
+            alternatives.setdefault(self.token_entry(token, lp.logprob)["token"], finite_logprob(lp.logprob))
+            top.append(alternatives)  # OpenAI's: the top `logprobs` and always the chosen token
+        return {"tokens": [self.token_entry(token, 0.0)["token"] for token, _, _ in entries],
+                "token_logprobs": [finite_logprob(lp.logprob) for _, _, lp in entries],
+                "top_logprobs": top, "text_offset": [offset for _, offset, _ in entries]}
 
     def stopped(self) -> bool:
         cut = min((self.text.find(s) for s in self.stop_strings if s in self.text), default=-1)
@@ -987,7 +1049,7 @@ class Choice:
         """The choice for text (all of it, or a streamed piece); a streamed chat piece the thinking split
         holds back entirely is None (no chunk)."""
         if not self.chat:
-            return {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": self.index, "text": text, "logprobs": self.logprob_part(), "finish_reason": finish}
         reasoning, text = self.thinking.feed(text, final=finish is not None)
         calls = []
         if self.tool_split is not None:
@@ -1000,7 +1062,7 @@ class Choice:
                 message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
-            return {"index": self.index, "message": message, "logprobs": None, "finish_reason": finish}
+            return {"index": self.index, "message": message, "logprobs": self.logprob_part(), "finish_reason": finish}
         content = {} if self.role_sent else {"role": "assistant"}
         if reasoning:
             content["reasoning_content"] = reasoning
@@ -1011,7 +1073,7 @@ class Choice:
         if finish is None and not reasoning and not text and not calls and self.role_sent:
             return None
         self.role_sent = True
-        return {"index": self.index, "delta": content, "logprobs": None, "finish_reason": finish}
+        return {"index": self.index, "delta": content, "logprobs": self.logprob_part(), "finish_reason": finish}
 
 
 class Reply:
@@ -1066,7 +1128,8 @@ class Reply:
                 if choice.last_token is not None:
                     self.gaps.append(arrived - choice.last_token)
                 choice.last_token = arrived
-                if choice.feed(value, server.eos):
+                token, logprobs = value if isinstance(value, tuple) else (value, None)
+                if choice.feed(token, server.eos, logprobs):
                     server.scheduler.stop(job, i)  # a no-op when the engine ended it at the same token
                 if piece := choice.ready():
                     yield i, piece
@@ -1220,6 +1283,11 @@ def failure(e: Exception) -> tuple[int, str]:
     return 500, f"generation failed: {type(e).__name__}: {e}"
 
 
+def finite_logprob(value: float) -> float:
+    """A logprob as JSON can hold it: a non-finite one (never from finite logits) as LOGPROB_FLOOR."""
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
 def sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
@@ -1241,6 +1309,54 @@ def number(body: dict, name: str, default: float, low: float, high: float) -> fl
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise RequestError(400, f"{name} must be a number in [{low}, {high}], found {value!r}", name)
     return float(value)
+
+
+def request_logit_bias(body: dict, vocab: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias {"token id": bias in [-100, 100]} (at most LOGIT_BIAS_ENTRIES) as {id: bias}; None
+    when left out or empty."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError(400, f"logit_bias must be an object of token id -> bias, found {bias!r:.80}", "logit_bias")
+    if len(bias) > LOGIT_BIAS_ENTRIES:
+        raise RequestError(400, f"logit_bias may hold at most {LOGIT_BIAS_ENTRIES} entries, found {len(bias)}",
+                           "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None or (vocab is not None and token >= vocab):
+            raise RequestError(400, f"logit_bias: token id {key!r} is not in the vocabulary [0, {vocab})",
+                               "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise RequestError(400, f"logit_bias[{key!r}] must be a number in [-{LOGIT_BIAS_LIMIT:g}, "
+                                    f"{LOGIT_BIAS_LIMIT:g}], found {value!r}", "logit_bias")
+        out[token] = float(value)
+    return out or None
+
+
+def request_logprobs(body: dict, chat: bool) -> int | None:
+    """The alternatives per token a request wants with each token's logprob, None when it asks for no logprobs:
+    a chat's `logprobs: true` with `top_logprobs` 0..20 (default 0), a completion's `logprobs` 0..5."""
+    logprobs = body.get("logprobs")
+    if chat:
+        top = body.get("top_logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise RequestError(400, f"logprobs must be true or false, found {logprobs!r}", "logprobs")
+        if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= CHAT_TOP_LOGPROBS:
+                raise RequestError(400, f"top_logprobs must be an integer in [0, {CHAT_TOP_LOGPROBS}], found {top!r}",
+                                   "top_logprobs")
+            if top and logprobs is not True:  # (0 asks for nothing: accepted without logprobs)
+                raise RequestError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if logprobs else None
+    if logprobs is None:
+        return None
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= COMPLETION_LOGPROBS:
+        raise RequestError(400, f"logprobs must be an integer in [0, {COMPLETION_LOGPROBS}] (a completion's: the "
+                                f"alternatives per token), found {logprobs!r}", "logprobs")
+    return logprobs
 
 
 def integer(body: dict, name: str, default: int) -> int:

@@ -1,7 +1,8 @@
 """`serve` with the official openai client on the built-in default model (CPU): chat and completions,
 streamed and not, the prefix cache across requests, malformed requests answered as JSON errors; continuous
 batching: concurrent clients (greedy and sampled side by side) each get the text of their solo run, n choices,
-a client that goes away freeing its slot, the bounded queue (429) beyond the slots. On the GPU (`-m cuda`):
+a client that goes away freeing its slot, the bounded queue (429) beyond the slots; logprobs (both endpoints,
+streamed and not), logit_bias and frequency_penalty, and their 400s. On the GPU (`-m cuda`):
 100 sequential streamed requests leave the GPU memory where it was."""
 import contextlib
 import http.client
@@ -161,10 +162,7 @@ def test_bad_requests_are_json_errors(client, server):
                                                            b'"max_tokens": 0}', "max_tokens"),
              (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
              (b'{"messages": [{"role": "user", "content": "x"}], "n": 99}', f"n must be an integer in [1, {SLOTS}]"),
-             (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs is not supported")]
-    # A completion's logprobs=0 asks for the sampled token's logprob (not implemented): a 400, not false.
-    status, answer = post(server + "/v1/completions", b'{"prompt": "x", "logprobs": 0}')
-    assert status == 400 and "logprobs is not supported" in answer["error"]["message"], answer
+             (b'{"messages": [{"role": "user", "content": "x"}], "echo": true}', "echo is not supported")]
     for body, message in cases:
         status, answer = post(server + "/v1/chat/completions", body)
         assert status == 400 and message in answer["error"]["message"], (body, answer)
@@ -334,6 +332,150 @@ def test_n_choices_share_the_prompt_and_sample_with_their_seeds(client):
             choice.message.reasoning_content
 
 
+@pytest.fixture(scope="module")
+def local():
+    """The built-in model and its tokenizer in this process: what the module server serves, for the truth."""
+    from qwen38_model import Qwen38ForCausalLM
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.tokenizer import load_tokenizer
+
+    path = default_model_path()
+    return Qwen38ForCausalLM.from_pretrained(path, device="cpu"), load_tokenizer(path)
+
+
+def greedy_truth(model, ids: list[int], n: int, **kwargs) -> tuple[list[int], torch.Tensor]:
+    """generate()'s greedy tokens after ids (the checkpoint's end tokens), and log_softmax of model(ids)'s raw
+    logits at the position each was chosen at ([tokens, V])."""
+    tokens = model.generate(torch.tensor([ids]), max_new_tokens=n, **kwargs)[0, len(ids):].tolist()
+    logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
+    return tokens, torch.log_softmax(logits, -1)
+
+
+def test_logprobs_in_both_endpoints_streamed_and_not(client, server, local):
+    """logprobs as OpenAI returns them, the raw logits' log-softmax of each token (log_softmax of model(ids) at
+    its position) and the most likely alternatives, sorted: a completion's logprobs (tokens, token_logprobs,
+    top_logprobs, text_offset), a chat's logprobs.content (token, logprob, bytes, top_logprobs); streamed,
+    the chunks' parts join to the whole answer's."""
+    model, tokenizer = local
+
+    def text_of(token: int) -> str:
+        return tokenizer.token_bytes(token).decode("utf-8", "replace")
+
+    prompt = "Quiet rivers run"
+    ids = tokenizer.encode(prompt)
+    tokens, truth = greedy_truth(model, ids, 8)
+    args = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    whole = client.completions.create(**args, logprobs=3)
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [text_of(t) for t in tokens] and whole.usage.completion_tokens == len(tokens)
+    for t, token in enumerate(tokens):
+        assert abs(lp.token_logprobs[t] - float(truth[t, token])) <= 1e-4, t
+        best = truth[t].topk(3)
+        assert lp.top_logprobs[t].keys() == {text_of(i) for i in best.indices.tolist()} | {text_of(token)}
+        texts = [text_of(i) for i in best.indices.tolist()]
+        for text, value in zip(texts, best.values.tolist()):
+            if texts.count(text) == 1:  # two ids may show as one text (pieces of a character: U+FFFD)
+                assert abs(lp.top_logprobs[t][text] - value) <= 1e-4
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[-1] <= len(whole.choices[0].text)
+    chunks = [c.choices[0] for c in client.completions.create(**args, logprobs=3, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for c in chunks for v in getattr(c.logprobs, field)] == getattr(lp, field), field
+    just_chosen = client.completions.create(**args, logprobs=0).choices[0].logprobs  # the sampled token's only
+    assert just_chosen.token_logprobs == lp.token_logprobs
+    assert just_chosen.top_logprobs == [{text_of(t): v} for t, v in zip(tokens, lp.token_logprobs)]
+    assert client.completions.create(**args).choices[0].logprobs is None
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    status, tokenized = post(server + "/tokenize", json.dumps({"messages": messages}).encode())
+    assert status == 200
+    tokens, truth = greedy_truth(model, tokenized["tokens"], 8)
+    chat = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    answer = client.chat.completions.create(**chat, logprobs=True, top_logprobs=4).choices[0]
+    content = answer.logprobs.content
+    assert [c.token for c in content] == [text_of(t) for t in tokens]
+    for t, (token, entry) in enumerate(zip(tokens, content)):
+        assert abs(entry.logprob - float(truth[t, token])) <= 1e-4 and entry.bytes == list(tokenizer.token_bytes(token))
+        assert [a.token for a in entry.top_logprobs] == [text_of(i) for i in truth[t].topk(4).indices.tolist()]
+        values = [a.logprob for a in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and (entry.top_logprobs[0].token, values[0]) == \
+            (entry.token, entry.logprob)  # greedy: the chosen token is the most likely
+    streamed = [c.choices[0] for c in client.chat.completions.create(**chat, logprobs=True, top_logprobs=4, stream=True)
+                if c.choices]
+    joined = [e for c in streamed if c.logprobs is not None for e in c.logprobs.content]
+    assert [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in joined] == \
+        [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in content]
+    bare = client.chat.completions.create(**chat, logprobs=True).choices[0].logprobs.content
+    assert [(e.token, e.logprob, e.top_logprobs) for e in bare] == [(e.token, e.logprob, []) for e in content]
+    assert client.chat.completions.create(**chat).choices[0].logprobs is None
+
+
+def test_logprob_and_bias_fields_out_of_range_are_400s(server):
+    """top_logprobs beyond 20 (or without logprobs: true), a completion's logprobs beyond 5, a logit_bias naming
+    an id outside the vocabulary, holding more than 300 entries or a bias outside [-100, 100], a
+    frequency_penalty outside [-2, 2]: each a 400 naming its field."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    text = {"prompt": "x", "max_tokens": 2}
+    cases = [(chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be an integer in [0, 20]"),
+             (chat, {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+             (chat, {"logprobs": 1}, "logprobs", "logprobs must be true or false"),
+             (text, {"logprobs": 6}, "logprobs", "logprobs must be an integer in [0, 5]"),
+             (text, {"logprobs": True}, "logprobs", "logprobs must be an integer"),
+             (text, {"top_logprobs": 2}, "top_logprobs", "top_logprobs is not supported"),
+             (chat, {"logit_bias": {"999999": 1}}, "logit_bias", "token id '999999' is not in the vocabulary [0, 501)"),
+             (text, {"logit_bias": {"501": 1}}, "logit_bias", "token id '501'"),
+             (text, {"logit_bias": {"-3": 1}}, "logit_bias", "token id '-3'"),
+             (text, {"logit_bias": {"abc": 1}}, "logit_bias", "token id 'abc'"),
+             (chat, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300 entries, found 301"),
+             (chat, {"logit_bias": {"5": 100.5}}, "logit_bias", "must be a number in [-100, 100]"),
+             (text, {"logit_bias": {"5": "up"}}, "logit_bias", "must be a number in [-100, 100]"),
+             (text, {"logit_bias": [5]}, "logit_bias", "logit_bias must be an object"),
+             (chat, {"frequency_penalty": 2.5}, "frequency_penalty", "frequency_penalty must be a number in [-2.0, 2.0]"),
+             (text, {"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty must be a number"),
+             (text, {"frequency_penalty": "x"}, "frequency_penalty", "frequency_penalty must be a number")]
+    for base, extra, param, message in cases:
+        route = "/v1/chat/completions" if base is chat else "/v1/completions"
+        status, answer = post(server + route, json.dumps({**base, **extra}).encode())
+        assert status == 400 and answer["error"]["param"] == param and message in answer["error"]["message"], \
+            (extra, answer)
+    edge = {"logit_bias": {str(i): 100 if i % 2 else -100 for i in range(300)}, "frequency_penalty": -2,
+            "logprobs": 5}
+    assert post(server + "/v1/completions", json.dumps({**text, **edge}).encode())[0] == 200
+
+
+def test_logit_bias_and_frequency_penalty_reach_the_sampler(client, server, local):
+    """logit_bias +100 forces a token, -100 on the greedy token moves the greedy text off it; a request with
+    a bias and a frequency penalty gets generate()'s text with the same arguments."""
+    model, tokenizer = local
+    prompt = "Tall pines sway"
+    ids = tokenizer.encode(prompt)
+    args = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    forced = client.completions.create(**args, logit_bias={"42": 100})
+    assert forced.choices[0].text == "K" * 6
+    greedy, _ = greedy_truth(model, ids, 6)
+    banned = client.completions.create(**args, logprobs=0, logit_bias={str(greedy[0]): -100}).choices[0]
+    assert banned.logprobs.tokens[0] != tokenizer.token_bytes(greedy[0]).decode("utf-8", "replace")
+    for penalty in (0.8, -0.5):
+        expected, _ = greedy_truth(model, ids, 12, logit_bias={42: 3.0}, frequency_penalty=penalty)
+        answer = client.completions.create(**{**args, "max_tokens": 12}, logit_bias={"42": 3.0},
+                                           frequency_penalty=penalty)
+        assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True), penalty
+
+
+def test_a_request_asking_for_logprobs_beside_others_changes_none_of_their_texts(client):
+    """In one batch: a request with logprobs, one without, one with a logit bias and a frequency penalty;
+    each gets exactly its solo text (the logprobs are the asking sequence's own selection graph)."""
+    requests = [("Mossy stones", dict(temperature=0, max_tokens=16, logprobs=2)),
+                ("Nightingales sing", dict(temperature=0, max_tokens=16)),
+                ("Orchards in bloom", dict(temperature=0.8, seed=2, max_tokens=16, logit_bias={"300": 2.0},
+                                           frequency_penalty=1.0))]
+    solo = [streamed_text(client, prompt, **kwargs)[0] for prompt, kwargs in requests]
+    together = concurrently([lambda p=p, k=k: streamed_text(client, p, **k) for p, k in requests])
+    assert [text for text, _, _ in together] == solo
+    assert solo[1] == client.completions.create(model=MODEL, prompt=requests[1][0], **requests[1][1]).choices[0].text
+
+
 def test_speculative_serves_one_sequence_at_a_time(client):
     """--speculative mtp: requests run one at a time through generate() (greedy: the batch engine's text, which
     the module server gives); n > 1 is a 400 there."""
@@ -359,6 +501,11 @@ def test_speculative_serves_one_sequence_at_a_time(client):
         with pytest.raises(openai.BadRequestError) as several:
             speculative.completions.create(**args, n=2)
         assert several.value.param == "n"
+        with pytest.raises(openai.BadRequestError) as no_logprobs:  # generate() reports none
+            speculative.completions.create(**args, logprobs=1)
+        assert no_logprobs.value.param == "logprobs"
+        biased = {**args, "logit_bias": {"42": 3.0}, "frequency_penalty": 0.8}  # through generate()'s arguments
+        assert speculative.completions.create(**biased).choices[0].text == client.completions.create(**biased).choices[0].text
 
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*)\} (\S+)$')
@@ -539,8 +686,8 @@ def test_nothing_is_silently_ignored(client, server):
     """A field the server does not implement is a 400 naming it, a model it does not serve a 404, as vLLM."""
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=4, temperature=0)
     for extra, param in [({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"logit_bias": {"5": 10}}, "logit_bias"), ({"guided_json": {}}, "guided_json"),
-                         ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"top_k": -2}, "top_k"),
+                         ({"logit_bias": {"5": 101}}, "logit_bias"), ({"guided_json": {}}, "guided_json"),
+                         ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"top_k": -2}, "top_k"),
                          ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
                          ({"stream_options": {"include_usage": True}}, "stream_options"),
                          ({"chat_template_kwargs": []}, "chat_template_kwargs")]:
@@ -560,6 +707,8 @@ def test_nothing_is_silently_ignored(client, server):
     assert several.value.param == "prompt" and "2 prompts" in several.value.message
     # The accepted ones are used: no-op values pass, text parts join, kwargs reach the template.
     plain = client.chat.completions.create(**chat, extra_body={"response_format": {"type": "text"}, "logit_bias": {},
+                                                               "frequency_penalty": 0, "logprobs": False,
+                                                               "top_logprobs": 0,
                                                                "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1})
     parts = client.chat.completions.create(**{**chat, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "Hel"}, {"type": "text", "text": "lo!"}]}]})
