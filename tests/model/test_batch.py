@@ -194,3 +194,33 @@ def test_cuda_batched_generate_equals_eager_batched(cuda_model):
     graph = cuda_model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[])
     eager = cuda_model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[], use_graph=False)
     assert torch.equal(graph, eager)
+
+
+@pytest.mark.cuda
+def test_cuda_logprobs_bias_and_frequency_penalty_through_the_selection_graphs(cuda_model):
+    """On the GPU, the selection graphs (captured per slot and config) with logprobs, a logit bias and a
+    frequency penalty: each sequence's tokens are those of its solo generate() run (the single-sequence
+    engine's graph), and its logprobs those of an eager engine run (no graphs), the other sequences
+    unchanged by them."""
+    model = cuda_model
+    rows = prompts(model, [6, 11, 3, 8], seed=12)
+    eos = frozenset(model.config.eos_token_ids)
+    bias = {17: 2.5, 30: -4.0, 101: 1.0}
+    settings = [(dict(logprobs=True), None, {}), (dict(), None, {}),
+                (dict(logprobs=True, logit_bias=True, frequency_penalty=0.7, **SAMPLED), bias,
+                 dict(logit_bias=bias, frequency_penalty=0.7, **SAMPLED)),
+                (dict(frequency_penalty=-0.5, logit_bias=True), bias, dict(logit_bias=bias, frequency_penalty=-0.5))]
+
+    def run(use_graph):
+        engine = BatchEngine(model, 4, 64, torch.bfloat16, use_graph=use_graph)
+        sequences = [Sequence(p.to("cuda", torch.int32), SamplingConfig(eos_token_ids=tuple(eos), **cfg), 20 + j, 16,
+                              StopCondition(eos), logit_bias=b) for j, (p, (cfg, b, _)) in enumerate(zip(rows, settings))]
+        run_batch(engine, sequences, chunk_size=PREFILL_CHUNK)
+        return sequences
+
+    graphed, eager = run(True), run(False)
+    for j, (p, (_, _, kwargs), seq, ref) in enumerate(zip(rows, settings, graphed, eager)):
+        assert seq.tokens == ref.tokens == solo(model, p, max_new_tokens=16, seed=20 + j, **kwargs), f"sequence {j}"
+        assert len(seq.logprobs) == (len(seq.tokens) if seq.cfg.logprobs else 0)
+        for mine, theirs in zip(seq.logprobs, ref.logprobs):
+            assert abs(mine.logprob - theirs.logprob) <= 1e-6 and [i for i, _ in mine.top] == [i for i, _ in theirs.top]
