@@ -58,7 +58,9 @@ class Sequence:
     config and seed, and how it stops. start: a snapshot of the history's first start.position tokens
     (restored instead of prefilled). keep_state: at the end, `snapshot` holds the state after history + the
     new tokens but the last (what a conversation or a prefix cache continues); snapshot_prompt: also
-    `prompt_snapshot`, the state at the end of the history. on_token(token): called as each token is read;
+    `prompt_snapshot`, the state at the end of the history. breaks: positions inside the history (message
+    boundaries) at which the prefill also snapshots the state, into break_snapshots (each a prefix a prefix
+    cache can restore). on_token(token): called as each token is read;
     with cfg.logprobs on_token(token, TokenLogprobs), and `logprobs` holds them in order. logit_bias: the
     {token id: bias} map cfg.logit_bias says there is (added to the raw logits before every processor)."""
 
@@ -72,6 +74,10 @@ class Sequence:
     snapshot_prompt: bool = False
     on_token: object = None
     logit_bias: dict[int, float] | None = None
+    breaks: tuple[int, ...] = ()  # history positions where the prefill ends a chunk and snapshots the state
+    # With a start holding the whole history (samples of one prompt sharing its prefill): the logits of its last
+    # token, float32 [V], which the first token is selected from.
+    start_logits: torch.Tensor | None = None
     # Filled by the engine.
     slot: int = -1
     launched: int = 0  # tokens selected on the device so far (the prefill's, then one per step)
@@ -81,6 +87,7 @@ class Sequence:
     stats: GenerationStats = field(default_factory=GenerationStats)
     snapshot: StateSnapshot | None = None
     prompt_snapshot: StateSnapshot | None = None
+    break_snapshots: list[StateSnapshot] = field(default_factory=list)  # the states at `breaks` passed
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # with cfg.logprobs: one per token read
     _mark: tuple | None = None
     _admitted_at: float = 0.0
@@ -235,9 +242,14 @@ class BatchEngine:
         if total > self.max_seq_len:
             raise ValueError(f"context overflow: {seq.history.shape[0]} prompt tokens + max_new_tokens "
                              f"{seq.max_new_tokens} > max_seq_len {self.max_seq_len}")
-        if seq.start is not None and seq.start.position >= seq.history.shape[0]:
+        whole = seq.start_logits is not None
+        if seq.start is not None and seq.start.position != seq.history.shape[0] if whole else \
+                seq.start is not None and seq.start.position >= seq.history.shape[0]:
             raise ValueError(f"the start snapshot holds {seq.start.position} tokens: the history "
-                             f"({seq.history.shape[0]}) must extend it by at least one token to prefill")
+                             f"({seq.history.shape[0]}) must extend it by at least one token to prefill, or "
+                             "equal it with start_logits")
+        if whole and seq.start is None:
+            raise ValueError("start_logits go with a start snapshot of the whole history")
         bias = check_logit_bias(seq.logit_bias, self.model.config.vocab_size)
         if (bias is not None) != seq.cfg.logit_bias:
             raise ValueError("a sequence's logit_bias map and its config's logit_bias flag go together: "
@@ -257,15 +269,19 @@ class BatchEngine:
             staging.clear()
         else:
             staging.restore(seq.start)
-        prompt = seq.history[staging.position:]
-        seq.stats = GenerationStats(prompt_tokens=prompt.shape[0], graph=self.use_graph)
-        positions = staging.reserve(prompt.shape[0])
-        for begin in range(0, prompt.shape[0], chunk_size):
-            end = min(begin + chunk_size, prompt.shape[0])
-            logits = self.model.prefill(prompt[begin:end], positions[begin:end], staging, logits_to_keep=1)
+        first, total = staging.position, seq.history.shape[0]
+        seq.stats = GenerationStats(prompt_tokens=total - first, graph=self.use_graph)
+        positions = staging.reserve(total - first)
+        ends = chunk_ends(first, total, chunk_size, seq.breaks) if first < total else []
+        logits = None if seq.start_logits is None else seq.start_logits[None]
+        for begin, end in zip([first] + ends[:-1], ends):
+            logits = self.model.prefill(seq.history[begin:end], positions[begin - first : end - first], staging,
+                                        logits_to_keep=1)
+            if end in seq.breaks:
+                seq.break_snapshots.append(staging.snapshot())
             if progress is not None:
-                progress(end, prompt.shape[0])
-            if end < prompt.shape[0]:
+                progress(end - first, total - first)
+            if end < total:
                 yield
         slot = self.active.index(None)
         seq.slot, self.active[slot] = slot, seq
@@ -393,6 +409,17 @@ class BatchEngine:
         self.read(wait=True)
         while self.launches:
             self.read(wait=True)
+
+
+def chunk_ends(first: int, total: int, chunk_size: int, breaks=()) -> list[int]:
+    """Where the prefill of history[first:total] ends its chunks: at every multiple of chunk_size and at every
+    break, counted from the start of the history, not from `first`. So the chunks a position falls in depend on
+    the history alone, not on the snapshot the prefill starts from: a prefix restored from a cache and the same
+    prefix prefilled give the rest of the prompt the same float order (a chunk's attention split and GDN chunk
+    loop depend on its extent)."""
+    ends = set(range((first // chunk_size + 1) * chunk_size, total, chunk_size))
+    ends.update(b for b in breaks if first < b < total)
+    return sorted(ends) + [total]
 
 
 def flag_message(flag: int, vocab_size: int, max_seq_len: int) -> str:

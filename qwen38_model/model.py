@@ -19,7 +19,7 @@ from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
 from .checkpoint.layout import MTP_PARTS
 from .config import ATTENTION, Qwen38Config
 from .conversation import Conversation, PrefixCache
-from .engine import BatchEngine, BatchStats, Sequence, run_batch
+from .engine import BatchEngine, BatchStats, Sequence, chunk_ends, run_batch
 from .errors import NonFiniteLogitsError
 from .formats import Activation, lane_format
 from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
@@ -399,10 +399,9 @@ class Qwen38ForCausalLM(nn.Module):
                         prefill_progress, cfg: SamplingConfig, logit_bias=None) -> torch.Tensor:
         """generate() for B rows x num_return_sequences samples: every sequence in a slot of one BatchEngine,
         decoded together; row b's sample i (sequence j = b * num_return_sequences + i) samples with seed
-        seed + j. The samples of a row share its prompt's state: prefilled once up to the last token, each
-        then restored from it. Per-row stopping; rows that stop early are padded with pad_token_id (default
-        the first eos id) after their stop token, as transformers pads. self.last_generation_stats: a
-        BatchStats (per sequence and in total)."""
+        seed + j. The samples of a row share its prompt's state and last logits, prefilled once. Per-row
+        stopping; rows that stop early are padded with pad_token_id (default the first eos id) after their stop
+        token, as transformers pads. self.last_generation_stats: a BatchStats (per sequence and in total)."""
         check_token_count("max_new_tokens", max_new_tokens, 1)
         check_new_token_bounds(cfg.min_new_tokens, max_new_tokens)
         check_seed(seed)
@@ -429,12 +428,12 @@ class Qwen38ForCausalLM(nn.Module):
         engine = self._batch_engine(min(count, BATCH_LIMIT), max_seq_len or longest, kv_dtype, use_graph)
         sequences = []
         for b, prompt in enumerate(prompts):
-            start = self._shared_prompt(prompt, engine) if num_return_sequences > 1 else None
+            start, start_logits = self._shared_prompt(prompt, engine) if num_return_sequences > 1 else (None, None)
             for i in range(num_return_sequences):
                 j = b * num_return_sequences + i
                 sequences.append(Sequence(prompt, cfg, (base_seed + j) & 0x7FFFFFFF, max_new_tokens,
                                           StopCondition(frozenset(eos), stops, tokenizer), start=start,
-                                          logit_bias=logit_bias))
+                                          logit_bias=logit_bias, start_logits=start_logits))
         clock = time.perf_counter()
         run_batch(engine, sequences, PREFILL_CHUNK, prefill_progress)
         self.last_generation_stats = BatchStats([seq.stats for seq in sequences], time.perf_counter() - clock)
@@ -448,15 +447,17 @@ class Qwen38ForCausalLM(nn.Module):
             out[j, input_ids.shape[1] : input_ids.shape[1] + len(seq.tokens)] = torch.tensor(seq.tokens)
         return out.to(input_ids.device)
 
-    def _shared_prompt(self, prompt: torch.Tensor, engine: BatchEngine) -> StateSnapshot | None:
-        """The state after all of prompt but its last token, for several samples of one prompt to start from
-        (None for a one-token prompt: nothing to share)."""
-        if prompt.shape[0] < 2:
-            return None
+    def _shared_prompt(self, prompt: torch.Tensor, engine: BatchEngine) -> tuple[StateSnapshot, torch.Tensor]:
+        """The state after the whole prompt and its last token's logits, for several samples of one prompt to
+        start from: prefilled once, in the chunks the engine would use (engine.chunk_ends), so each sample is
+        bitwise the solo run of its seed."""
         state = engine.staging
         state.clear()
-        self.prefill(prompt[:-1], state.reserve(prompt.shape[0] - 1), state, logits_to_keep=1, chunk_size=PREFILL_CHUNK)
-        return state.snapshot()
+        positions = state.reserve(prompt.shape[0])
+        ends = chunk_ends(0, prompt.shape[0], PREFILL_CHUNK)
+        for begin, end in zip([0] + ends[:-1], ends):
+            logits = self.prefill(prompt[begin:end], positions[begin:end], state, logits_to_keep=1)
+        return state.snapshot(), logits[0].clone()
 
     def _batch_engine(self, max_batch: int, max_seq_len: int, kv_dtype, use_graph) -> BatchEngine:
         """The batch engine is kept between calls while it fits (its graphs are captured once); building one
