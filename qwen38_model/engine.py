@@ -271,11 +271,11 @@ class BatchEngine:
             staging.restore(seq.start)
         first, total = staging.position, seq.history.shape[0]
         seq.stats = GenerationStats(prompt_tokens=total - first, graph=self.use_graph)
-        positions = staging.reserve(total - first)
         ends = chunk_ends(first, total, chunk_size, seq.breaks) if first < total else []
         logits = None if seq.start_logits is None else seq.start_logits[None]
         for begin, end in zip([first] + ends[:-1], ends):
-            logits = self.model.prefill(seq.history[begin:end], positions[begin - first : end - first], staging,
+            # Reserved chunk by chunk (check() has checked the capacity): a snapshot at a break holds `end` tokens.
+            logits = self.model.prefill(seq.history[begin:end], staging.reserve(end - begin), staging,
                                         logits_to_keep=1)
             if end in seq.breaks:
                 seq.break_snapshots.append(staging.snapshot())

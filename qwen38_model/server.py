@@ -52,6 +52,9 @@ REQUEST_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, 
 # ~0.14 s (3567 tok/s) where the default 4096-token chunk takes ~1 s (4061 tok/s), so the others' token gap
 # while a long prompt joins stays ~0.15 s instead of ~1 s, for ~12% of the joining prompt's prefill speed.
 PREFILL_INTERLEAVE = 512
+# Message boundaries of a chat prompt the prefill snapshots for the prefix cache, besides the first (the system
+# prompt's end): the last this many, where the earlier turns of a continued chat end.
+BREAK_MESSAGES = 4
 # --max-batch's default: the slots that fit beside the prefix cache and this headroom (the larger of the
 # two) of the memory left after the weights, at most the largest step bucket (engine.BUCKETS) on CUDA; on
 # the CPU a few (the reference ops run row by row: more rows only share the weight reads).
@@ -311,6 +314,7 @@ class Job:
     ended: bool = False  # every sequence is out of the engine (done, stopped or dropped)
     cached: int | None = None  # prompt tokens restored from the prefix cache, known once admitted
     logprobs: int | None = None  # the alternatives per token a request asking for logprobs wants (0..20)
+    breaks: tuple[int, ...] = ()  # message boundaries in ids (Server.message_breaks): cached as they are passed
     # The scheduler thread's own:
     admitted: int = 0  # choices whose admission has begun (they are admitted in order)
     sequences: list = field(default_factory=list)  # engine.Sequence per choice, as each is admitted
@@ -505,7 +509,7 @@ class Scheduler:
                        StopCondition(frozenset(self.eos), tuple(job.kwargs.get("stop_strings") or ()), self.tokenizer),
                        start=job.start if job.n > 1 else self.cache.longest(job.ids), keep_state=True,
                        snapshot_prompt=i == 0, on_token=partial(job.push_token, i),
-                       logit_bias=job.kwargs.get("logit_bias"))
+                       logit_bias=job.kwargs.get("logit_bias"), breaks=job.breaks if job.n == 1 else ())
         job.sequences.append(seq)
         self.owners[id(seq)] = (job, i)
         yield from self.engine.admit(seq, PREFILL_INTERLEAVE)
@@ -544,12 +548,14 @@ class Scheduler:
             self.abandon(job, NonFiniteLogitsError("the model produced NaN or infinite logits during this generation: "
                                                    "the tokens are meaningless"))
             return
+        for snapshot in seq.break_snapshots:
+            self.cache.put(job.ids[: snapshot.position], snapshot)
         if seq.prompt_snapshot is not None:
             self.cache.put(job.ids, seq.prompt_snapshot)
         if seq.snapshot is not None:
             self.cache.put(job.ids + seq.tokens, seq.snapshot)
         self.cache_state = (self.cache.nbytes, self.cache.host_nbytes, len(self.cache.entries))
-        seq.prompt_snapshot = seq.snapshot = None
+        seq.prompt_snapshot, seq.snapshot, seq.break_snapshots = None, None, []
         self.sequence_ended(job, i)
         job.push(i, None)
 
@@ -808,7 +814,9 @@ class Server:
                                        f"{self.max_batch} sequence slots", code="queue_full")
             busy.headers["Retry-After"] = "1"
             return busy
-        job = Job(ids, kwargs, cfg, resolve_seed(kwargs["seed"], None), asyncio.get_running_loop(), logprobs=logprobs)
+        breaks = self.message_breaks(body, ids) if chat else ()
+        job = Job(ids, kwargs, cfg, resolve_seed(kwargs["seed"], None), asyncio.get_running_loop(), logprobs=logprobs,
+                  breaks=breaks)
         reply = Reply(self, job, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
                       parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none")
@@ -869,6 +877,38 @@ class Server:
     def chat_prompt(self, body: dict) -> str:
         """The chat template's text for the request's messages (content as a string or a list of text parts,
         joined by newlines as vLLM joins them) and its chat_template_kwargs (enable_thinking, ...)."""
+        messages, kwargs = self.chat_messages(body)
+        return self.render(messages, kwargs)
+
+    def render(self, messages: list[dict], kwargs: dict, add_generation_prompt: bool = True) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        except ValueError as e:
+            raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
+
+    def message_breaks(self, body: dict, ids: list[int]) -> tuple[int, ...]:
+        """Where the request's templated prompt ends a message (after the first, the system prompt as a rule,
+        and after each of the last BREAK_MESSAGES, the last one included: its end without the generation
+        prompt is where the next turn of the chat goes on), as token counts: the prefill snapshots the state
+        there for the prefix cache, so a shared system prompt and the earlier turns of a chat are restored, not
+        prefilled, by the requests that share them. A boundary counts only where the template renders the
+        messages before it as a prefix of the whole prompt, tokens included (a template may render history
+        differently once more follows, e.g. Qwen's drops old thinking)."""
+        messages, kwargs = self.chat_messages(body)
+        ends = sorted({1} | set(range(max(1, len(messages) - BREAK_MESSAGES + 1), len(messages) + 1)))
+        breaks = []
+        for k in ends:
+            try:
+                prefix = self.tokenizer.encode(self.render(messages[:k], kwargs, add_generation_prompt=False))
+            except RequestError:  # a template may refuse a prefix (one that must end on a user message)
+                continue
+            if 0 < len(prefix) < len(ids) and ids[: len(prefix)] == prefix:
+                breaks.append(len(prefix))
+        return tuple(sorted(set(breaks)))
+
+    def chat_messages(self, body: dict) -> tuple[list[dict], dict]:
+        """The request's messages as the template takes them, and the template's keyword arguments; 400s for
+        what it cannot take."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -902,10 +942,7 @@ class Server:
         tools = request_tools(body)
         if tools:  # rendered by the checkpoint's template, whatever tool_choice says (as vLLM)
             kwargs = {**kwargs, "tools": tools}
-        try:
-            return self.tokenizer.apply_chat_template(rendered, **kwargs)
-        except ValueError as e:
-            raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        return rendered, kwargs
 
     def vocab_size(self) -> int | None:
         """The token ids a request may name (logit_bias): the tokenizer's, within the model's logits."""

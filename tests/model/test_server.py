@@ -998,3 +998,29 @@ def test_gpu_100_streamed_requests_leak_nothing():
             assert server.cache.nbytes <= server.cache.max_bytes
         assert server.scheduler.engine.use_graph and server.scheduler.engine.step_graphs
         assert allocated_without_cache() == before
+
+
+def test_the_prefix_cache_hits_at_message_boundaries(client, local):
+    """States are cached where the templated prompt ends a message: a later request with the same system
+    prompt and another question restores it (and its reply is the uncached greedy one); turn 2 of a chat
+    restores at least turn 1's prompt."""
+    model, tokenizer = local
+    system = {"role": "system", "content": "You answer in one short line. Keep to the facts. " * 12 + "(b7)"}
+    asks = [[system, {"role": "user", "content": "What is two and two?"}],
+            [system, {"role": "user", "content": "Name a colour."}]]
+    first, second = (client.chat.completions.create(model=MODEL, messages=m, max_tokens=6, temperature=0)
+                     for m in asks)
+    system_tokens = len(tokenizer.encode(tokenizer.apply_chat_template([system], add_generation_prompt=False)))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= system_tokens
+    ids = tokenizer.encode(tokenizer.apply_chat_template(asks[1]))
+    tokens = greedy_truth(model, ids, 6)[0]
+    message = second.choices[0].message
+    served = (message.reasoning_content or "") + (message.content or "")
+    assert served.replace("\n", "") == tokenizer.decode(tokens, skip_special_tokens=True).replace(
+        "<think>", "").replace("</think>", "").replace("\n", "")  # the restored prefix changed no token
+    turn2 = asks[1] + [{"role": "assistant", "content": second.choices[0].message.content or ""},
+                       {"role": "user", "content": "And another?"}]
+    again = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=4, temperature=0)
+    turn1_messages = len(tokenizer.encode(tokenizer.apply_chat_template(asks[1], add_generation_prompt=False)))
+    assert again.usage.prompt_tokens_details.cached_tokens >= turn1_messages > system_tokens
