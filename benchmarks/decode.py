@@ -27,9 +27,9 @@ from qwen38_model.checkpoint import Checkpoint, Q8Tensor
 from qwen38_model.checkpoint.layout import GLOBAL_PARTS, SMALL_PARTS, expected_shape, gguf_tensor_name, layer_parts
 from qwen38_model.checkpoint.q8_0 import Q8_BLOCK, Q8_BLOCK_BYTES
 from qwen38_model.config import GDN, layer_types_from_interval
-from qwen38_model.generation import DecodeEngine
+from qwen38_model.engine import BatchEngine
 from qwen38_model.layers import Q8Linear
-from qwen38_model.sampling import SamplingConfig
+from qwen38_model.sampling import SamplingConfig, select_next_token
 from qwen38_model.state import KVCache
 
 QWEN38_27B = Qwen38Config(
@@ -138,13 +138,32 @@ def fill_caches(state, context: int) -> None:
             layer.conv.normal_()
 
 
-def fill_state(engine: DecodeEngine, context: int) -> None:
-    fill_caches(engine.state, context)
-    engine.position.fill_(context)
-    engine.token.fill_(1)
+def one_row_engine(model, max_seq: int, kv_dtype, cfg: SamplingConfig):
+    """(engine, replay, eager_step): a batch engine of one slot with its step graph and slot 0's selection graph
+    captured; replay() is one decode step as the engine replays it, eager_step() the same launches eagerly."""
+    engine = BatchEngine(model, 1, max_seq, kv_dtype, use_graph=True)
+    engine.capture()
+    engine.select(0, cfg)  # captures slot 0's selection graph
+
+    def replay() -> None:
+        engine.step_graphs[1].replay()
+        engine.select(0, cfg)
+
+    def eager_step() -> None:
+        engine.run_rows(1)
+        select_next_token(engine.logits[0], engine.samplers[0], cfg, engine.tokens[:1], engine.slots.positions[:1])
+
+    return engine, replay, eager_step
 
 
-def time_steps(engine: DecodeEngine, run_step, steps: int, context: int) -> float:
+def fill_state(engine: BatchEngine, context: int) -> None:
+    """Slot 0 as if `context` tokens had been processed, its pending token 1."""
+    fill_caches(engine.slots.slot(0), context)
+    engine.slots.positions[:1].fill_(context)
+    engine.tokens[:1].fill_(1)
+
+
+def time_steps(engine: BatchEngine, run_step, steps: int, context: int) -> float:
     """Seconds per decode step over `steps` steps starting at `context` (median of 3 runs)."""
     times = []
     for _ in range(3):
@@ -292,16 +311,15 @@ def main(argv=None) -> dict:
             model = None
             torch.cuda.empty_cache()
             model = build_model(args.model, lane)
-        engine = DecodeEngine(model, max_seq, kv_dtype, use_graph=True)
         t0 = time.perf_counter()
-        graph = engine.graph_for(cfg)
+        engine, replay, eager_step = one_row_engine(model, max_seq, kv_dtype, cfg)
         torch.cuda.synchronize()
         capture_s = time.perf_counter() - t0
         lane_result = dict(capture_s=capture_s)
         for context in [0] + contexts:
             steps = 128 if context == 0 else 32
-            t_graph = time_steps(engine, graph.replay, steps, context)
-            t_eager = time_steps(engine, lambda: engine.step(cfg), min(steps, 32), context)
+            t_graph = time_steps(engine, replay, steps, context)
+            t_eager = time_steps(engine, eager_step, min(steps, 32), context)
             moved = bytes_per_token(model, context + steps // 2, kv_bytes)["total"]
             name = "tg128" if context == 0 else f"ctx{context}"
             lane_result[name] = dict(graph_s=t_graph, eager_s=t_eager, tok_s=1 / t_graph, eager_tok_s=1 / t_eager,
@@ -312,11 +330,11 @@ def main(argv=None) -> dict:
                              GBps=moved / t_graph / 1e9, roofline=moved / t_graph / 1e9 / roofline,
                              eager_tok_s=1 / t_eager, graph_x=t_eager / t_graph))
         fill_state(engine, 0)
-        lane_result["kernel_split_ms"] = kernel_split(graph.replay)
+        lane_result["kernel_split_ms"] = kernel_split(replay)
         lane_result["gemv_chain"] = gemv_chain(model, lane, roofline)
         lane_result["memory_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
         results["lanes"][lane] = lane_result
-        del engine, graph
+        del engine, replay, eager_step
         torch.cuda.empty_cache()
     results["bytes_per_token_empty"] = bytes_per_token(model, 64, kv_bytes)
     results["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9

@@ -18,11 +18,10 @@ import time
 
 import torch
 
-from benchmarks.decode import QWEN38_27B, build_model, time_steps
+from benchmarks.decode import QWEN38_27B, build_model, one_row_engine, time_steps
 from benchmarks.ops.bench_q8_gemm import matrix_table, small_t_table
 from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
 from qwen38_model import layers as model_layers
-from qwen38_model.generation import DecodeEngine
 from qwen38_model.layers import DenseLinear, GatedAttention, GatedDeltaNet, Q8Linear
 from qwen38_model.sampling import SamplingConfig
 
@@ -100,10 +99,9 @@ def part_split(model, length: int) -> dict:
 
 
 def decode_tg128(model) -> float:
-    engine = DecodeEngine(model, 512, torch.bfloat16, use_graph=True)
-    graph = engine.graph_for(SamplingConfig())
-    t = time_steps(engine, graph.replay, 128, 0)
-    del engine, graph
+    engine, replay, _ = one_row_engine(model, 512, torch.bfloat16, SamplingConfig())
+    t = time_steps(engine, replay, 128, 0)
+    del engine, replay
     torch.cuda.empty_cache()
     return 1 / t
 

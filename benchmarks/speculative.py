@@ -20,7 +20,8 @@ import torch
 
 from benchmarks.decode import build_model, fill_caches, kernel_split
 from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, time_graph, write_json
-from qwen38_model.generation import DecodeEngine, StopCondition, run_generation
+from qwen38_model.engine import BatchEngine, Sequence, run_batch
+from qwen38_model.generation import StopCondition
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.scratch import Scratch
 from qwen38_model.speculative import MAX_DRAFT_TOKENS, SpeculativeEngine, head_rows, run_speculative
@@ -60,11 +61,11 @@ def time_mtp(model, state, rows: int, head: bool, draft_vocab: int | None = None
 
 
 def plain_greedy(model, prompt: torch.Tensor, new_tokens: int, kv_dtype) -> tuple[list[int], float]:
-    engine = DecodeEngine(model, prompt.shape[0] + new_tokens + 64, kv_dtype, use_graph=True)
-    tokens, stats, _ = run_generation(engine, prompt, SamplingConfig(), new_tokens, 0, StopCondition(frozenset()))
-    tok_s = stats.decode_tok_s
+    engine = BatchEngine(model, 1, prompt.shape[0] + new_tokens + 64, kv_dtype, use_graph=True)
+    seq = Sequence(prompt, SamplingConfig(), 0, new_tokens, StopCondition(frozenset()))
+    run_batch(engine, [seq], chunk_size=4096)
     del engine
-    return tokens, tok_s
+    return seq.tokens, seq.stats.decode_tok_s
 
 
 def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor, adaptive: bool,

@@ -90,6 +90,7 @@ class Sequence:
     break_snapshots: list[StateSnapshot] = field(default_factory=list)  # the states at `breaks` passed
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # with cfg.logprobs: one per token read
     _mark: tuple | None = None
+    _steps: int = 0  # steps whose rows included this sequence (each consumes its pending token)
     _admitted_at: float = 0.0
     _first_token_at: float = 0.0
 
@@ -112,7 +113,8 @@ class BatchEngine:
         self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
         if self.use_graph and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        self.slots = SlotStates(model.config, max_batch, max_seq_len, self.device, kv_dtype, name)
+        mtp = model.mtp is not None  # the slots' snapshots then restore into the speculative engine's state too
+        self.slots = SlotStates(model.config, max_batch, max_seq_len, self.device, kv_dtype, name, mtp)
         self.buckets = tuple(b for b in BUCKETS if b < max_batch) + (max_batch,)
         vocab = model.config.vocab_size
         self.tokens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
@@ -143,7 +145,7 @@ class BatchEngine:
         self.next_ring = 0
         self._finished: list[Sequence] = []  # finished while a launch waited for a ring entry (_record)
         # Where a sequence is prefilled before it moves into its slot (admit says why).
-        self.staging = Qwen38State(model.config, max_seq_len, self.device, kv_dtype)
+        self.staging = Qwen38State(model.config, max_seq_len, self.device, kv_dtype, mtp=mtp)
 
     def _sampler(self, vocab: int, slot: int | None = None) -> SamplerState:
         """A sampler state; a slot's writes its non-finite flag and logprob outputs into the engine's rows
@@ -315,7 +317,10 @@ class BatchEngine:
             raise RuntimeError(f"no step graph for {rows} rows: capture() every bucket needed before admitting")
         selected = []
         for slot, seq in enumerate(self.active[:rows]):
-            if seq is not None and seq.launched < seq.max_new_tokens:
+            if seq is None:
+                continue
+            seq._steps += 1
+            if seq.launched < seq.max_new_tokens:
                 self.select(slot, seq.cfg)
                 seq.launched += 1
                 selected.append((slot, seq))
@@ -346,7 +351,7 @@ class BatchEngine:
         while self.launches:
             i, event, selected = self.launches[0]
             must = wait or len(self.launches) > self.read_ahead
-            if event is not None and not must and not event.query():
+            if not must and (event is None or not event.query()):  # (the CPU: read_ahead 0, every launch is due)
                 break
             if event is not None:
                 event.synchronize()
@@ -390,10 +395,13 @@ class BatchEngine:
         seq.stats.new_tokens = len(seq.tokens)
         seq.stats.decode_s = time.perf_counter() - seq._first_token_at if seq.tokens else 0.0
         if seq.keep_state and seq.error is None:
-            # Steps past the stop (read-behind), and steps with nothing left to select, fed junk into the
-            # slot's recurrent states: back to the prompt's end, then the reply's tokens but the last.
             state = self.slots.slot(seq.slot)
-            keep_only(self.model, state, seq._mark, seq.tokens[:-1])
+            if seq._steps == len(seq.tokens) - 1:  # each step consumed a token of the reply: the state is exact
+                state.sync_position()
+            else:
+                # Steps past the stop (read-behind), and steps with nothing left to select, fed junk into the
+                # slot's recurrent states: back to the prompt's end, then the reply's tokens but the last.
+                keep_only(self.model, state, seq._mark, seq.tokens[:-1])
             seq.snapshot = state.snapshot()
         seq._mark = None
         self.release(seq)
@@ -460,7 +468,9 @@ def run_batch(engine: BatchEngine, sequences: list[Sequence], chunk_size: int, p
     """Every sequence to its end: admitted as slots free up (each prefill in chunks, decode steps of the
     others in between), decoded together. Raises the first sequence's error, if any. progress: optional
     callable(tokens_done, tokens_total) of each prefill."""
+    clock = time.perf_counter()
     engine.capture(engine.buckets[: engine.buckets.index(engine.bucket(min(len(sequences), engine.max_batch))) + 1])
+    capture_s = time.perf_counter() - clock
     waiting = deque(sequences)
     prefilling = None
     while waiting or prefilling is not None or any(engine.active):
@@ -472,8 +482,9 @@ def run_batch(engine: BatchEngine, sequences: list[Sequence], chunk_size: int, p
             except StopIteration:
                 prefilling = None
         engine.step()
-        engine.read(wait=not engine.use_graph)
+        engine.read(wait=False)
     engine.drain()
     for seq in sequences:
+        seq.stats.capture_s = capture_s
         if seq.error is not None:
             raise seq.error

@@ -5,7 +5,6 @@ import dataclasses
 import pathlib
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
@@ -22,7 +21,7 @@ from .conversation import Conversation, PrefixCache
 from .engine import BatchEngine, BatchStats, Sequence, chunk_ends, run_batch
 from .errors import NonFiniteLogitsError
 from .formats import Activation, lane_format
-from .generation import DecodeEngine, StopCondition, resolve_seed, run_generation
+from .generation import StopCondition, resolve_seed
 from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, embed_into, make_linear
 from .mtp import MTPBlock
 from .sampling import SamplingConfig, check_logit_bias
@@ -362,32 +361,45 @@ class Qwen38ForCausalLM(nn.Module):
         start = self._start_snapshot(history, conversation, prefix_cache)
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', found {speculative!r}")
-        engine = self._decode_engine(len(history) + max_new_tokens, max_seq_len,
-                                     kv_dtype or default_kv_dtype(self.device), use_graph,
-                                     num_draft_tokens if speculative else 0, draft_vocab_size)
-        if bias is not None:
-            engine.sampler.set_logit_bias(bias)  # read by cfg.logit_bias selections; reset() leaves it
+        needed, limit = len(history) + max_new_tokens, self.config.max_position_embeddings
+        if needed > limit:
+            raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the model's context of {limit}")
+        size = max_seq_len or min(max(needed, 4096), limit)
+        kv_dtype = kv_dtype or default_kv_dtype(self.device)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         keep_state = conversation is not None or prefix_cache is not None
-        run = partial(run_speculative, chunk_size=PREFILL_CHUNK) if speculative else run_generation
-        tokens, self.last_generation_stats, prompt_snapshot = run(
-            engine, torch.tensor(history, dtype=torch.int32, device=self.device), cfg, max_new_tokens,
-            resolve_seed(seed, generator), StopCondition(frozenset(eos), stops, tokenizer), streamer=streamer,
-            prefill_progress=prefill_progress, start=start, keep_state=keep_state,
-            snapshot_prompt=prefix_cache is not None)
-        if keep_state:
-            snapshot = engine.state.snapshot()
-            if conversation is not None:
-                conversation.tokens, conversation.snapshot = history + tokens, snapshot
-            if prefix_cache is not None:
-                # The prompt's end too: a request that re-renders this one's reply differently (a chat
-                # template that drops the thinking, another tokenization) still shares the prompt.
-                prefix_cache.put(history, prompt_snapshot)
-                prefix_cache.put(history + tokens, snapshot)
+        ids = torch.tensor(history, dtype=torch.int32, device=self.device)
+        stop = StopCondition(frozenset(eos), stops, tokenizer)
+        seed = resolve_seed(seed, generator)
+        if speculative:
+            engine = self._speculative_engine(size, kv_dtype, use_graph, num_draft_tokens, draft_vocab_size)
+            if bias is not None:
+                engine.sampler.set_logit_bias(bias)  # read by cfg.logit_bias selections; reset() leaves it
+            tokens, self.last_generation_stats, prompt_snapshot = run_speculative(
+                engine, ids, cfg, max_new_tokens, seed, stop, PREFILL_CHUNK, streamer=streamer,
+                prefill_progress=prefill_progress, start=start, keep_state=keep_state,
+                snapshot_prompt=prefix_cache is not None)
+            snapshot = engine.state.snapshot() if keep_state else None
+            nonfinite = bool(engine.sampler.nonfinite)
+        else:
+            on_token = None if streamer is None else (lambda token: streamer.put(torch.tensor([token])))
+            seq = Sequence(ids, cfg, seed, max_new_tokens, stop, start=start, keep_state=keep_state,
+                           snapshot_prompt=prefix_cache is not None, on_token=on_token, logit_bias=bias)
+            engine = self._batch_engine(1, size, kv_dtype, use_graph, exact=max_seq_len is not None)
+            run_batch(engine, [seq], PREFILL_CHUNK, prefill_progress)
+            tokens, self.last_generation_stats = seq.tokens, seq.stats
+            prompt_snapshot, snapshot, nonfinite = seq.prompt_snapshot, seq.snapshot, seq.nonfinite
+        if conversation is not None:
+            conversation.tokens, conversation.snapshot = history + tokens, snapshot
+        if prefix_cache is not None:
+            # The prompt's end too: a request that re-renders this one's reply differently (a chat template
+            # that drops the thinking, another tokenization) still shares the prompt.
+            prefix_cache.put(history, prompt_snapshot)
+            prefix_cache.put(history + tokens, snapshot)
         if streamer is not None:
             streamer.end()
-        if bool(self._engine.sampler.nonfinite):
+        if nonfinite:
             raise NonFiniteLogitsError("the model produced NaN or infinite logits during this generation: the tokens "
                                        "are meaningless (checkpoint weights are checked at load; this is an overflow "
                                        "in the computation)")
@@ -425,7 +437,8 @@ class Qwen38ForCausalLM(nn.Module):
             raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's context of {limit}")
         kv_dtype = kv_dtype or default_kv_dtype(self.device)
         count = len(prompts) * num_return_sequences
-        engine = self._batch_engine(min(count, BATCH_LIMIT), max_seq_len or longest, kv_dtype, use_graph)
+        engine = self._batch_engine(min(count, BATCH_LIMIT), max_seq_len or longest, kv_dtype, use_graph,
+                                    exact=max_seq_len is not None)
         sequences = []
         for b, prompt in enumerate(prompts):
             start, start_logits = self._shared_prompt(prompt, engine) if num_return_sequences > 1 else (None, None)
@@ -459,11 +472,13 @@ class Qwen38ForCausalLM(nn.Module):
             logits = self.prefill(prompt[begin:end], positions[begin:end], state, logits_to_keep=1)
         return state.snapshot(), logits[0].clone()
 
-    def _batch_engine(self, max_batch: int, max_seq_len: int, kv_dtype, use_graph) -> BatchEngine:
-        """The batch engine is kept between calls while it fits (its graphs are captured once); building one
-        frees the single-sequence engine first, and the other way round."""
+    def _batch_engine(self, max_batch: int, max_seq_len: int, kv_dtype, use_graph, exact: bool) -> BatchEngine:
+        """The batch engine is kept between calls while it fits (its graphs are captured once); exact: the
+        caller asked for max_seq_len (generate()'s max_seq_len: the KV cache size). Building one frees the
+        speculative engine first, and the other way round."""
         engine = getattr(self, "_batch", None)
         if (engine is None or engine.max_batch < max_batch or engine.max_seq_len < max_seq_len
+                or (exact and engine.max_seq_len != max_seq_len)
                 or engine.kv_dtype != kv_dtype or (use_graph is not None and engine.use_graph != use_graph)):
             self._batch = self._engine = engine = None
             engine = self._batch = BatchEngine(self, max_batch, max_seq_len, kv_dtype, use_graph)
@@ -479,25 +494,15 @@ class Qwen38ForCausalLM(nn.Module):
             return cached
         return start
 
-    def _decode_engine(self, needed: int, max_seq_len: int | None, kv_dtype, use_graph, num_draft_tokens: int,
-                       draft_vocab_size: int | None) -> DecodeEngine | SpeculativeEngine:
-        """The engine (static buffers, captured graphs) is kept between calls while it fits; num_draft_tokens
-        > 0: a speculative one."""
-        limit = self.config.max_position_embeddings
-        if needed > limit:
-            raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the model's context of {limit}")
-        size = max_seq_len or min(max(needed, 4096), limit)
+    def _speculative_engine(self, size: int, kv_dtype, use_graph, num_draft_tokens: int,
+                            draft_vocab_size: int | None) -> SpeculativeEngine:
+        """The speculative engine (static buffers, captured graphs) is kept between calls while it fits;
+        building one frees the batch engine first, and the other way round."""
         engine = getattr(self, "_engine", None)
-        if (engine is None or engine.max_seq_len < needed or engine.kv_dtype != kv_dtype
-                or (max_seq_len and engine.max_seq_len != max_seq_len)
+        if (engine is None or engine.max_seq_len < size or engine.kv_dtype != kv_dtype
                 or (use_graph is not None and engine.use_graph != use_graph)
-                or getattr(engine, "k_max", 0) != num_draft_tokens
-                or getattr(engine, "draft_vocab_size", None) != draft_vocab_size):
+                or engine.k_max != num_draft_tokens or engine.draft_vocab_size != draft_vocab_size):
             self._engine = self._batch = engine = None  # free the old buffers before allocating the new ones
-            if num_draft_tokens:
-                engine = SpeculativeEngine(self, size, kv_dtype, use_graph, num_draft_tokens,
-                                           draft_vocab_size=draft_vocab_size)
-            else:
-                engine = DecodeEngine(self, size, kv_dtype, use_graph)
-            self._engine = engine
+            engine = self._engine = SpeculativeEngine(self, size, kv_dtype, use_graph, num_draft_tokens,
+                                                      draft_vocab_size=draft_vocab_size)
         return engine

@@ -29,9 +29,12 @@ class BatchRows:
 
 class SlotStates:
     def __init__(self, config: Qwen38Config, num_slots: int, max_seq_len: int, device, kv_dtype: torch.dtype,
-                 name: str = "max_seq_len"):
+                 name: str = "max_seq_len", mtp: bool = False):
+        """mtp: each slot also holds an MTP block's KV cache and hidden carry, as a model's new_state does, so
+        that a slot's snapshots restore into any state of the model (the batched step never runs the block: its
+        cache stays as the prefill leaves it)."""
         check_kv_dtype(kv_dtype)
-        check_batch_state_size(config, num_slots, max_seq_len, device, kv_dtype, name)
+        check_batch_state_size(config, num_slots, max_seq_len, device, kv_dtype, name, mtp)
         c = config
         self.config, self.num_slots, self.max_seq_len = config, num_slots, max_seq_len
         self.device = torch.device(device)
@@ -46,10 +49,12 @@ class SlotStates:
         kv_shape = (num_slots, max_seq_len, c.num_key_value_heads, c.head_dim)
         self.kv = [(torch.zeros(kv_shape, dtype=kv_dtype, device=device),
                     torch.zeros(kv_shape, dtype=kv_dtype, device=device))
-                   for _ in range(len(c.layer_types) - num_gdn)]
+                   for _ in range(len(c.layer_types) - num_gdn + mtp)]  # the MTP block's last
+        self.mtp_hidden = torch.zeros(num_slots, 1, c.hidden_size, device=device) if mtp else None
         self.slots = [Qwen38State.over(config, max_seq_len, self.positions[s : s + 1], self.flags[s : s + 1],
                                        self.gdn_conv[:, s], self.gdn_recurrent[:, s],
-                                       [(k[s], v[s]) for k, v in self.kv])
+                                       [(k[s], v[s]) for k, v in self.kv],
+                                       self.mtp_hidden[s] if mtp else None)
                       for s in range(num_slots)]
 
     def slot(self, s: int) -> Qwen38State:
@@ -57,7 +62,7 @@ class SlotStates:
 
     def rows(self, num_rows: int) -> BatchRows:
         flags = self.flags[:num_rows]
-        caches, gdn = iter(self.kv), iter(zip(self.gdn_conv, self.gdn_recurrent))
+        caches, gdn = iter(self.kv), iter(zip(self.gdn_conv, self.gdn_recurrent))  # (the MTP cache is not a layer)
         layers = []
         for kind in self.config.layer_types:
             if kind == ATTENTION:
@@ -71,12 +76,13 @@ class SlotStates:
     @property
     def nbytes(self) -> int:
         tensors = [self.gdn_conv, self.gdn_recurrent] + [t for pair in self.kv for t in pair]
+        tensors += [self.mtp_hidden] if self.mtp_hidden is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def check_batch_state_size(config: Qwen38Config, num_slots: int, max_seq_len: int, device, kv_dtype,
-                           name: str = "max_seq_len") -> None:
+                           name: str = "max_seq_len", mtp: bool = False) -> None:
     """check_state_size for num_slots sequences of max_seq_len tokens each, before anything is allocated."""
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"the number of sequences must be an integer >= 1, found {num_slots!r}")
-    check_state_size(config, max_seq_len, device, kv_dtype, mtp=False, name=name, sequences=num_slots)
+    check_state_size(config, max_seq_len, device, kv_dtype, mtp=mtp, name=name, sequences=num_slots)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import Activation
-from .generation import DecodeEngine, GenerationStats, StopCondition, check_run, keep_only
+from .generation import GenerationStats, StopCondition, check_run, keep_only
 from .layers import INT_GEMM_MIN_ROWS, DenseLinear, Q8Linear
 from .sampling import SamplerState, SamplingConfig, select_next_token, select_speculative
 from .scratch import Scratch
@@ -252,7 +252,14 @@ class SpeculativeEngine:
         self.step(k, cfg)
 
     # --- a generation ----------------------------------------------------------------------------------
-    reset = DecodeEngine.reset  # the same state and sampler attributes
+    def reset(self, history: torch.Tensor, seed: int, cfg: SamplingConfig, start: StateSnapshot | None = None) -> None:
+        """Empty state, or `start` copied into the state's own tensors (the graphs keep their addresses); the
+        sampler sees the whole history either way, so the output is the same as from scratch."""
+        if start is None:
+            self.state.clear()
+        else:
+            self.state.restore(start)
+        self.sampler.reset(history, seed, cfg.eos_token_ids)
 
     def prefill(self, history: torch.Tensor, cfg: SamplingConfig, chunk_size: int, progress=None) -> None:
         """The prompt (history past the state's position) through the model's chunked prefill, the MTP block

@@ -304,22 +304,24 @@ class Qwen38State:
                                device=device),
                    [(torch.zeros(kv_shape, dtype=kv_dtype, device=device),
                      torch.zeros(kv_shape, dtype=kv_dtype, device=device))
-                    for _ in range(len(c.layer_types) - num_gdn + mtp)], mtp)
+                    for _ in range(len(c.layer_types) - num_gdn + mtp)],
+                   torch.zeros(1, c.hidden_size, device=device) if mtp else None)
 
     @classmethod
     def over(cls, config: Qwen38Config, max_seq_len: int, device_position: torch.Tensor, bad_position: torch.Tensor,
-             gdn_conv: torch.Tensor, gdn_recurrent: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]
-             ) -> "Qwen38State":
+             gdn_conv: torch.Tensor, gdn_recurrent: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+             mtp_hidden: torch.Tensor | None = None) -> "Qwen38State":
         """A state over tensors someone else holds (slots.SlotStates: one slot's views of batched tensors):
         device_position and bad_position int32 [1], gdn_conv [num_gdn, K-1, C], gdn_recurrent
-        [num_gdn, Hv, dv, dk], kv: (k, v) [max_seq_len, Hkv, hd] per attention layer. No MTP part."""
+        [num_gdn, Hv, dv, dk], kv: (k, v) [max_seq_len, Hkv, hd] per attention layer, then the MTP block's when
+        mtp_hidden (float32 [1, D]) is given."""
         state = cls.__new__(cls)
         state._bind(config, max_seq_len, gdn_conv.device, device_position, bad_position, gdn_conv, gdn_recurrent,
-                    kv, mtp=False)
+                    kv, mtp_hidden)
         return state
 
     def _bind(self, config, max_seq_len, device, device_position, bad_position, gdn_conv, gdn_recurrent, kv,
-              mtp: bool) -> None:
+              mtp_hidden: torch.Tensor | None) -> None:
         self.config = config
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)
@@ -338,10 +340,10 @@ class Qwen38State:
                 self.layers.append(KVCache(*next(caches), bad_position))
             else:
                 self.layers.append(GDNState(*next(gdn)))
-        self.mtp_cache = KVCache(*next(caches), bad_position) if mtp else None
+        self.mtp_cache = KVCache(*next(caches), bad_position) if mtp_hidden is not None else None
         # The trunk's normed hidden at position - 1, float32 [1, D]: model.forward pairs it with the next
         # call's first token (the pair that straddles two calls).
-        self.mtp_hidden = torch.zeros(1, config.hidden_size, device=device) if mtp else None
+        self.mtp_hidden = mtp_hidden
 
     def reserve(self, num_tokens: int) -> torch.Tensor:
         """Positions for the next num_tokens tokens (int32, on the state's device); checks capacity first,

@@ -88,8 +88,10 @@ def encode_prompt(args: argparse.Namespace, tokenizer, chat: bool) -> torch.Tens
 def memory_line(model) -> str:
     """Weights, the decode state (KV caches + GDN states) and the peak: allocated on the GPU, the
     process's resident set on the CPU."""
-    # The decode engine of the last generate() holds the state: fixed-size buffers, allocated once.
-    state = model._engine.state
+    # The engine of the last generate() holds the state: fixed-size buffers, allocated once (the batch engine's
+    # slot 0 is the sequence's; a speculative engine has a state of its own).
+    batch = getattr(model, "_batch", None)
+    state = batch.slots.slot(0) if batch is not None else model._engine.state
     kv = gdn = 0
     for layer in state.layers + ([state.mtp_cache] if state.mtp_cache is not None else []):
         size = sum(t.numel() * t.element_size() for t in state.tensors(layer))

@@ -168,7 +168,7 @@ def test_batched_generate_refuses_single_sequence_options(model):
 def test_cuda_64_sequences_through_the_graphs_equal_their_solo_runs(cuda_model, sampling):
     """The batch-invariance contract on the GPU, graphs replayed: 64 sequences of different prompts and
     lengths, joining at different steps (one admission per step), in buckets that change as they come and
-    go; each bitwise equal to its solo run through the single-sequence engine. The prefill runs in
+    go; each bitwise equal to its solo generate() run (one row, bucket 1). The prefill runs in
     generate()'s chunks: a prompt prefilled in other chunks is another float order (attention_prefill's
     split and the GDN chunk loop depend on the chunk), so its bits may differ from generate()'s."""
     model = cuda_model

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from qwen38_model import Conversation, PrefixCache, Qwen38ForCausalLM, StateSnapshot
-from qwen38_model.generation import DecodeEngine
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.state import KVCache
 from qwen38_model.default_model import default_model_path
+
+from engines import one_sequence
 
 TURNS = [[5, 17, 99, 3], [42, 7], [8, 150, 23, 61, 2]]
 
@@ -89,14 +90,14 @@ def test_read_ahead_past_a_stop_is_rolled_back(oracle_model):
     rewound and the reply's kept tokens prefilled, so the next turn feeds only its own tokens + 1."""
     model, conversation = oracle_model, Conversation()
     stop = model.generate(torch.tensor([TURNS[0]]), max_new_tokens=3, eos_token_id=[])[0, -1].item()
-    model._engine.read_ahead = 3
+    model._batch.read_ahead = 3
     try:
         model.generate(torch.tensor([TURNS[0]]), max_new_tokens=8, eos_token_id=[stop], conversation=conversation)
         assert conversation.tokens[-1] == stop and conversation.snapshot.position == len(conversation.tokens) - 1
         reply = model.generate(torch.tensor([TURNS[1]]), max_new_tokens=5, eos_token_id=[], conversation=conversation)
         assert model.last_generation_stats.prompt_tokens == len(TURNS[1]) + 1
     finally:
-        model._engine.read_ahead = 0
+        model._batch.read_ahead = 0
     history = conversation.tokens[:len(conversation.tokens) - 5]
     assert reply[0, len(TURNS[1]):].tolist() == from_scratch(model, history, max_new_tokens=5, eos_token_id=[])
 
@@ -334,25 +335,23 @@ def test_gpu_prefix_cache_matches_the_whole_prompt(gpu_model, sampling):
 @pytest.mark.cuda
 def test_gpu_restore_into_the_captured_graph_state(gpu_model, tmp_path):
     """A snapshot restored (from the GPU, from pinned host memory, from disk) into the engine whose decode
-    graph is captured: the graph's state tensors keep their addresses, everything restore must overwrite is
+    graphs are captured: the graph's state tensors keep their addresses, everything restore must overwrite is
     poisoned first, and the replays after it equal the replays after the snapshot was taken, bit for bit."""
     model, cfg = gpu_model, SamplingConfig()
-    engine = DecodeEngine(model, 96, torch.float32, use_graph=True)
-    graph = engine.graph_for(cfg)  # its warm-up step writes the state: reset after it
-    addresses = [t.data_ptr() for t in state_tensors(engine.state)]
     prompt = torch.tensor(random_ids(model, torch.Generator().manual_seed(1), 21), dtype=torch.int32, device="cuda")
-    engine.reset(prompt, 0, cfg)
-    engine.prefill(prompt, cfg)
-    snapshot = engine.state.snapshot()
-    step_inputs = [engine.token, engine.position] + [t for t in vars(engine.sampler).values()
-                                                     if isinstance(t, torch.Tensor)]
+    engine, step = one_sequence(model, prompt, cfg, 96, torch.float32, use_graph=True)
+    state = engine.slots.slot(0)
+    addresses = [t.data_ptr() for t in state_tensors(state)]
+    snapshot = state.snapshot()
+    step_inputs = [engine.tokens, engine.slots.positions] + [t for t in vars(engine.samplers[0]).values()
+                                                             if isinstance(t, torch.Tensor)]
     saved_inputs = [t.clone() for t in step_inputs]
 
     def replays() -> torch.Tensor:
         logits = []
         for _ in range(12):
-            graph.replay()
-            logits.append(engine.logits.clone())
+            step()
+            logits.append(engine.logits[0].clone())
         return torch.stack(logits)
 
     expected = replays()
@@ -360,7 +359,7 @@ def test_gpu_restore_into_the_captured_graph_state(gpu_model, tmp_path):
     snapshot.save(tmp_path / "s.safetensors")
     loaded, _ = StateSnapshot.load(tmp_path / "s.safetensors", model.config, "cuda")
     for source in (snapshot, snapshot.to_host(), loaded):
-        for layer in engine.state.layers:
+        for layer in state.layers:
             if isinstance(layer, KVCache):
                 for t in (layer.k, layer.v):
                     t[:snapshot.position].fill_(float("nan"))
@@ -369,9 +368,9 @@ def test_gpu_restore_into_the_captured_graph_state(gpu_model, tmp_path):
                 layer.conv.fill_(float("nan"))
                 layer.recurrent.fill_(float("nan"))
         engine.logits.fill_(float("nan"))
-        engine.state.restore(source)
+        state.restore(source)
         for t, saved in zip(step_inputs, saved_inputs):
             t.copy_(saved)
-        assert engine.state.position == snapshot.position
+        assert state.position == snapshot.position
         assert torch.equal(replays(), expected)
-    assert [t.data_ptr() for t in state_tensors(engine.state)] == addresses
+    assert [t.data_ptr() for t in state_tensors(state)] == addresses

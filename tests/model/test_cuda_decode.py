@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from qwen38_model import Qwen38ForCausalLM
-from qwen38_model.generation import DecodeEngine
 from qwen38_model.layers import INT_GEMM_MIN_ROWS
 from qwen38_model.sampling import SamplingConfig
 
+from engines import one_sequence
 from numerics import rel_l2, row_rel_l2
 
 pytestmark = pytest.mark.cuda
@@ -93,13 +93,12 @@ def _fresh(model, ids):
     return state.reserve(ids.shape[0]), state
 
 
-def step_logits(engine: DecodeEngine, prompt, cfg, steps: int, replay):
-    engine.reset(prompt, 7, cfg)
-    engine.prefill(prompt, cfg)
+def step_logits(model, prompt, cfg, kv, steps: int, use_graph: bool) -> torch.Tensor:
+    engine, step = one_sequence(model, prompt, cfg, 128, kv, use_graph, seed=7)
     out = []
     for _ in range(steps):
-        replay()
-        out.append(engine.logits.clone())
+        step()
+        out.append(engine.logits[0].clone())
     torch.cuda.synchronize()
     return torch.stack(out)
 
@@ -109,11 +108,8 @@ def test_graph_replay_equals_eager_bit_for_bit(oracle_dir, prompt, lane, kv):
     model = Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-q8_0.gguf", device="cuda", lane=lane)
     cfg = SamplingConfig()
     p = prompt[0].cuda().to(torch.int32)
-    eager = DecodeEngine(model, 128, kv, use_graph=False)
-    graphed = DecodeEngine(model, 128, kv, use_graph=True)
-    graph = graphed.graph_for(cfg)
-    a = step_logits(eager, p, cfg, 64, lambda: eager.step(cfg))
-    b = step_logits(graphed, p, cfg, 64, graph.replay)
+    a = step_logits(model, p, cfg, kv, 64, use_graph=False)
+    b = step_logits(model, p, cfg, kv, 64, use_graph=True)
     assert torch.isfinite(a).all() and torch.equal(a, b)
 
 

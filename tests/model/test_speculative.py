@@ -11,13 +11,15 @@ from test_speculative_sampling import chi_square_p
 
 from qwen38_model import Qwen38ForCausalLM, convert, synthetic
 from qwen38_model.conversation import Conversation
-from qwen38_model.generation import DecodeEngine, StopCondition
+from qwen38_model.generation import StopCondition
 from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits
 from qwen38_model.scratch import Scratch
 from qwen38_model.speculative import (MAX_DRAFT_TOKENS, DraftPolicy, SpeculativeEngine, best_draft_count,
                                       expected_tokens, prior_step_cost, run_speculative)
 from qwen38_model.state import BAD_POSITION
 from qwen38_ops.embedding import BAD_TOKEN
+
+from engines import one_sequence
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "head_dim": 32,
          "linear_key_head_dim": 32, "linear_value_head_dim": 32, "full_attention_interval": 2}
@@ -241,11 +243,6 @@ def test_capture_warm_up_embeds_only_valid_ids(model):
         for k in range(engine.k_max + 1):
             engine.warm_up(k, cfg)
         engine.state.sync_position()  # raises if a warm-up flagged anything
-    plain = DecodeEngine(model, 16, torch.float32, use_graph=False)
-    plain.token.fill_(-1)
-    plain.position.fill_(16)
-    plain.warm_up(cfg)
-    plain.state.sync_position()
 
 
 def test_the_old_placeholder_in_a_step_is_a_clear_error_on_the_cpu(model):
@@ -357,8 +354,7 @@ def test_cuda_bad_token_in_a_replayed_step_raises_at_sync(small_vocab_gpu_model)
     before = generations()
     engine = SpeculativeEngine(model, 64, torch.bfloat16, True, 3)
     engine.capture(cfg, [3])
-    plain = DecodeEngine(model, 64, torch.bfloat16, use_graph=True)
-    graph = plain.graph_for(cfg)
+    plain, plain_step = one_sequence(model, prompt, cfg, 64, torch.bfloat16, use_graph=True)
     for bad in (503, -1):
         engine.reset(prompt, 0, cfg)
         engine.prefill(prompt, cfg, chunk_size=4096)
@@ -367,12 +363,10 @@ def test_cuda_bad_token_in_a_replayed_step_raises_at_sync(small_vocab_gpu_model)
         torch.cuda.synchronize()
         with pytest.raises(RuntimeError, match=r"embedded a token id outside the vocabulary \[0, 503\)"):
             engine.state.sync_position()
-        plain.reset(prompt, 0, cfg)
-        plain.prefill(prompt, cfg)
-        plain.token.fill_(bad)
-        graph.replay()
+        plain.tokens.fill_(bad)
+        plain_step()
         torch.cuda.synchronize()
         with pytest.raises(RuntimeError, match="outside the vocabulary"):
-            plain.state.sync_position()
-    del engine, plain, graph
+            plain.slots.slot(0).sync_position()
+    del engine, plain, plain_step
     assert generations() == before  # the context is alive and the model's own engines unaffected
