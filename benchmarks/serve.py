@@ -8,7 +8,7 @@
 
 The server (qwen38_model.server.Server, one BatchEngine of max(clients, join decoders + 1) slots, CUDA graphs,
 bf16 KV, a 4 GB prefix cache as `qwen38 serve` has by default) runs in this process: uvicorn in a thread on a
-free local port, as tests/model/test_server.py's `in_process` runs it. The clients are the official `openai`
+free local port (qwen38_model.server.serving_in_thread). The clients are the official `openai`
 client (AsyncOpenAI, one asyncio loop in the main thread), streamed /v1/completions requests whose prompts are
 token ids: random ids, --prompt-tokens each, max_tokens --new-tokens, temperature 0 (greedy).
 
@@ -49,12 +49,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import os
-import socket
 import sys
-import threading
 import time
 
 import torch
@@ -84,34 +81,6 @@ def benchmark_tokenizer(vocab_size: int):
     tokenizer = HFTokenizer(WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
     tokenizer.decoder = decoders.ByteLevel()
     return Tokenizer(tokenizer, None, [])
-
-
-@contextlib.contextmanager
-def in_process(server):
-    """The server on a free local port in a thread of this process (tests/model/test_server.py's helper);
-    yields its URL, stops it and its scheduler thread after."""
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # Idle keep-alive connections stay open between the runs: a client (max_retries=0) never reuses one the
-    # server is closing.
-    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning",
-                                             timeout_keep_alive=3600))
-    thread = threading.Thread(target=listener.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not listener.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the in-process server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        listener.should_exit = True
-        thread.join(timeout=30)
-        server.close()
 
 
 def clear_cache(server) -> None:
@@ -327,7 +296,7 @@ def main(argv=None) -> dict:
         raise SystemExit("benchmarks.serve needs a CUDA GPU (or --tiny)")
 
     from qwen38_model.model import default_kv_dtype
-    from qwen38_model.server import PREFILL_INTERLEAVE, Server, default_max_batch
+    from qwen38_model.server import PREFILL_INTERLEAVE, Server, default_max_batch, serving_in_thread
     from qwen38_model.tokenizer import load_tokenizer
 
     env = env_info()
@@ -371,7 +340,7 @@ def main(argv=None) -> dict:
                                  prefill_interleave=PREFILL_INTERLEAVE,
                                  batch_invariant=server.scheduler.engine.batch_invariant,
                                  use_graph=server.scheduler.engine.use_graph, model_eos_ignored=list(eos)))
-    with in_process(server) as url:
+    with serving_in_thread(server, keep_alive_s=3600) as url:  # idle connections stay between the runs
         results.update(asyncio.run(drive(url, server, name, args, vocab)))
     if model.device.type == "cuda":
         results["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9

@@ -1401,3 +1401,32 @@ def integer(body: dict, name: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise RequestError(400, f"{name} must be an integer >= 0, found {value!r}", name)
     return value
+
+
+@contextlib.contextmanager
+def serving_in_thread(server: "Server", keep_alive_s: int = 5):
+    """server on a free local port, uvicorn in a thread of this process (tests, benchmarks, a notebook): yields
+    its URL; stops it, and its scheduler thread, after. keep_alive_s: how long an idle client connection stays
+    open (a benchmark whose clients never retry keeps it longer than its pauses)."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning",
+                                             timeout_keep_alive=keep_alive_s))
+    thread = threading.Thread(target=listener.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not listener.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        listener.should_exit = True
+        thread.join(timeout=30)
+        server.close()

@@ -4,7 +4,6 @@ batching: concurrent clients (greedy and sampled side by side) each get the text
 a client that goes away freeing its slot, the bounded queue (429) beyond the slots; logprobs (both endpoints,
 streamed and not), logit_bias and frequency_penalty, and their 400s. On the GPU (`-m cuda`):
 100 sequential streamed requests leave the GPU memory where it was."""
-import contextlib
 import http.client
 import json
 import re
@@ -105,28 +104,11 @@ class ScriptedEngine:
         pass
 
 
-@contextlib.contextmanager
 def in_process(server):
-    """The server on a free port in a thread of this process (so that the test can read its state and its
-    model's); yields its URL, stops it (and its scheduler thread) after."""
-    import uvicorn
+    """The server in a thread of this process (so that the test can read its state and its model's)."""
+    from qwen38_model.server import serving_in_thread
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    listener = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=listener.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not listener.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        listener.should_exit = True
-        thread.join(timeout=30)
-        server.close()
+    return serving_in_thread(server)
 
 
 
