@@ -819,7 +819,8 @@ class Server:
                   breaks=breaks)
         reply = Reply(self, job, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
-                      parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none")
+                      parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none",
+                      forced=forced_tool_call(body, body.get("tools") or []) if chat else "")
         return StreamingResponse(reply.events(), media_type="text/event-stream") if reply.stream else \
             await reply.whole()
 
@@ -878,7 +879,11 @@ class Server:
         """The chat template's text for the request's messages (content as a string or a list of text parts,
         joined by newlines as vLLM joins them) and its chat_template_kwargs (enable_thinking, ...)."""
         messages, kwargs = self.chat_messages(body)
-        return self.render(messages, kwargs)
+        text = self.render(messages, kwargs)
+        forced = forced_tool_call(body, kwargs.get("tools", []))
+        if forced and text.rfind(THINK_START) > text.rfind(THINK_END):  # the prompt opens the thinking: close it
+            text += "\n" + THINK_END + "\n\n"
+        return text + forced
 
     def render(self, messages: list[dict], kwargs: dict, add_generation_prompt: bool = True) -> str:
         try:
@@ -1117,7 +1122,8 @@ class Reply:
     """One request's answer: the whole JSON body, or its server-sent events; one Choice per sequence."""
 
     def __init__(self, server: Server, job: Job, request: Request, chat: bool, stream: bool,
-                 include_usage: bool = False, parse_tools: bool = False):
+                 include_usage: bool = False, parse_tools: bool = False, forced: str = ""):
+        """forced: the start of the reply that the prompt already holds (forced_tool_call), read first."""
         self.server, self.job, self.request, self.chat, self.stream = server, job, request, chat, stream
         self.include_usage = include_usage
         opened = False
@@ -1125,6 +1131,9 @@ class Reply:
             tail = server.tokenizer.decode(job.ids[-16:])
             opened = tail.rfind(THINK_START) > tail.rfind(THINK_END)
         self.choices = [Choice(i, self, opened, parse_tools) for i in range(job.n)]
+        for choice in self.choices:
+            if forced:  # held by the tool split until the call closes (or the reply ends)
+                choice.tool_split.feed(forced)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.started, self.first_token, self.gaps = time.monotonic(), None, []
 
@@ -1255,8 +1264,8 @@ class Reply:
 
 
 def request_tools(body: dict) -> list:
-    """The request's OpenAI function tools (checked), and its tool_choice: "none" (the tools rendered, no
-    call parsed, as vLLM) or "auto"; "required" and a named function need constrained decoding: a 400."""
+    """The request's OpenAI function tools (checked), and its tool_choice (forced_tool_call says what each
+    means)."""
     tools = body.get("tools")
     tools = [] if tools is None else tools
     if not isinstance(tools, list) or not all(
@@ -1265,13 +1274,32 @@ def request_tools(body: dict) -> list:
             and isinstance(t["function"].get("parameters", {}), dict) for t in tools):
         raise RequestError(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\", "
                                 "\"description\"?, \"parameters\"?}}", "tools")
-    choice = body.get("tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        raise RequestError(400, f"tool_choice {choice!r} is not supported yet (it needs constrained decoding): "
-                                "use \"auto\" or \"none\"", "tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise RequestError(400, f"tool_choice must be \"none\" or \"auto\", found {choice!r}", "tool_choice")
+    forced_tool_call(body, tools)  # checks tool_choice
     return tools
+
+
+def forced_tool_call(body: dict, tools: list) -> str:
+    """What the reply is made to begin with for the request's tool_choice: "none" (the tools rendered, no call
+    parsed, as vLLM) and "auto" nothing; "required" an opened `<tool_call>` block, and a named function
+    (`{"type": "function", "function": {"name": ...}}`, one of the tools) the block with the call's name
+    written, its arguments left to the model. The text is appended to the prompt (after closing the thinking
+    a prompt opens: a forced call is the reply's start) and read as the reply's beginning. Forced, not
+    constrained: the model may still write arguments that are not JSON, which are then content text."""
+    choice = body.get("tool_choice")
+    if choice in (None, "none", "auto"):
+        return ""
+    if not tools:
+        raise RequestError(400, f"tool_choice {choice!r} needs tools", "tool_choice")
+    if choice == "required":
+        return TOOL_START + "\n"
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise RequestError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                                f"\"function\": {{\"name\": ...}}}}, found {choice!r:.100}", "tool_choice")
+    if name not in [t["function"]["name"] for t in tools]:
+        raise RequestError(400, f"tool_choice names {name!r:.100}, which is not among the tools", "tool_choice")
+    return TOOL_START + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 def message_tool_calls(calls, index: int) -> list[dict]:

@@ -77,6 +77,7 @@ class ScriptedEngine:
     def admit(self, seq, chunk_size):
         from qwen38_model.generation import GenerationStats
 
+        self.active_history = seq.history.tolist()  # the prompt the server built, for the test to read
         seq.stats = GenerationStats(prompt_tokens=seq.history.shape[0])
         seq.slot, self.active[0], self.script = 0, seq, iter(self.tokenizer.encode(self.reply))
         yield from ()
@@ -872,8 +873,9 @@ def test_tool_calls_parsed_from_the_reply():
     """As vLLM's hermes parser reads Qwen's tool calls: with tools (rendered by the chat template), the reply's
     <tool_call> blocks are message.tool_calls (one delta per complete call streamed), finish_reason tool_calls,
     the text outside them content (null when empty); a block that is not JSON stays content; tool_choice
-    "none" parses nothing; "required" is a 400; a tool message and an assistant's tool_calls reach the
-    template. A scripted model (fixed tokens), as test_thinking_goes_to_reasoning_content."""
+    "none" parses nothing; "required" and a named function make the reply start with the call (the prompt
+    ends with it opened), a name not among the tools is a 400; a tool message and an assistant's tool_calls
+    reach the template. A scripted model (fixed tokens), as test_thinking_goes_to_reasoning_content."""
     from qwen38_model.default_model import default_model_path
     from qwen38_model.server import Server
     from qwen38_model.tokenizer import load_tokenizer
@@ -920,9 +922,25 @@ def test_tool_calls_parsed_from_the_reply():
         model.reply = call % "Paris"
         none = client.chat.completions.create(**args, tool_choice="none").choices[0]
         assert none.message.content == call % "Paris" and not none.message.tool_calls
-        with pytest.raises(openai.BadRequestError) as required:
-            client.chat.completions.create(**args, tool_choice="required")
-        assert required.value.param == "tool_choice" and "'required'" in required.value.message
+        model.reply = '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        forced = client.chat.completions.create(**args, tool_choice="required").choices[0]
+        assert tokenizer.decode(model.active_history).endswith("<tool_call>\n")
+        assert forced.finish_reason == "tool_calls" and forced.message.content is None
+        assert json.loads(forced.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+        model.reply = '{"city": "Rome"}}\n</tool_call>'
+        named = dict(type="function", function=dict(name="get_weather"))
+        for stream in (False, True):
+            if stream:
+                deltas = [c.choices[0].delta for c in client.chat.completions.create(**args, tool_choice=named,
+                                                                                      stream=True) if c.choices]
+                calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+            else:
+                calls = client.chat.completions.create(**args, tool_choice=named).choices[0].message.tool_calls
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+                [("get_weather", {"city": "Rome"})]
+        with pytest.raises(openai.BadRequestError) as unknown:
+            client.chat.completions.create(**args, tool_choice=dict(type="function", function=dict(name="other")))
+        assert unknown.value.param == "tool_choice" and "not among the tools" in unknown.value.message
         # The round trip: the assistant's call (arguments a JSON string) and the tool's answer, rendered.
         history = [{"role": "user", "content": "Weather?"},
                    {"role": "assistant", "content": None, "tool_calls": [
