@@ -35,7 +35,7 @@ with the prefix cache emptied between runs (prompts are fresh random ids anyway:
 - a join: --join-decoders clients decoding (started together), and once the last of them has streamed
   --join-after tokens a --join-prompt-tokens prompt joins; the decoders' ITL before the join (their gaps after
   all are steady), during it (gaps ending between the joiner being sent and its first token: the server
-  prefills a joining prompt in chunks of server.PREFILL_INTERLEAVE tokens between decode steps) and after;
+  prefills a joining prompt in chunks of scheduler.PREFILL_INTERLEAVE tokens between decode steps) and after;
   the joiner's TTFT, beside the TTFT of a prompt of that length on the idle server.
 
 The clients share the process (and the GIL) with the server's event loop and scheduler thread: their parsing
@@ -296,7 +296,8 @@ def main(argv=None) -> dict:
         raise SystemExit("benchmarks.serve needs a CUDA GPU (or --tiny)")
 
     from qwen38_model.model import default_kv_dtype
-    from qwen38_model.server import PREFILL_INTERLEAVE, Server, default_max_batch, serving_in_thread
+    from qwen38_model.scheduler import PREFILL_INTERLEAVE, default_max_batch
+    from qwen38_model.server import Server, serving_in_thread
     from qwen38_model.tokenizer import load_tokenizer
 
     env = env_info()

@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> None:
     try:
         import uvicorn
 
-        from ..server import REQUEST_DEFAULTS, Server, default_max_batch
+        from ..scheduler import default_max_batch
+        from ..server import REQUEST_DEFAULTS, Server
     except ImportError as e:
         raise ValueError(f"serve needs starlette and uvicorn: {SERVE_HINT} ({e})") from None
     for name in ("max_context", "max_queue"):

@@ -840,7 +840,8 @@ def test_thinking_goes_to_reasoning_content():
     with it off (enable_thinking false), a reply that opens <think> itself is split the same way. A scripted
     model (fixed tokens) in this process, so that the reply does hold a </think>."""
     from qwen38_model.default_model import default_model_path
-    from qwen38_model.server import Server, ThinkingSplit
+    from qwen38_model.chat_reply import ThinkingSplit
+    from qwen38_model.server import Server
     from qwen38_model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
