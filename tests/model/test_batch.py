@@ -224,3 +224,28 @@ def test_cuda_logprobs_bias_and_frequency_penalty_through_the_selection_graphs(c
         assert len(seq.logprobs) == (len(seq.tokens) if seq.cfg.logprobs else 0)
         for mine, theirs in zip(seq.logprobs, ref.logprobs):
             assert abs(mine.logprob - theirs.logprob) <= 1e-6 and [i for i, _ in mine.top] == [i for i, _ in theirs.top]
+
+
+def test_chunk_ends_count_from_the_history_start():
+    from qwen38_model.engine import chunk_ends
+
+    assert chunk_ends(0, 10, 4) == [4, 8, 10]
+    assert chunk_ends(5, 10, 4) == [8, 10]  # from a restored prefix: the same ends as from 0
+    assert chunk_ends(4, 9, 4) == [8, 9]
+    assert chunk_ends(0, 10, 4, breaks=(3, 8, 12, 0)) == [3, 4, 8, 10]  # breaks outside (first, total) ignored
+    assert chunk_ends(0, 3, 4) == [3]
+
+
+def test_a_prefix_restored_at_a_break_gives_the_tokens_of_a_full_prefill(model):
+    """The prefix cache's promise: a sequence restored from the snapshot taken at a break, then prefilled
+    from there, decodes exactly as the same history prefilled whole (the chunks end at the same places)."""
+    prompt = prompts(model, [23], seed=9)[0].to(model.device, torch.int32)
+    eos = frozenset(model.config.eos_token_ids)
+    cfg = SamplingConfig(eos_token_ids=tuple(eos))
+    engine = BatchEngine(model, 2, 64, torch.float32)
+    whole = Sequence(prompt, cfg, 0, 8, StopCondition(eos), breaks=(7, 15))
+    run_batch(engine, [whole], chunk_size=5)
+    assert [s.position for s in whole.break_snapshots] == [7, 15]
+    restored = Sequence(prompt, cfg, 0, 8, StopCondition(eos), start=whole.break_snapshots[1])
+    run_batch(engine, [restored], chunk_size=5)
+    assert restored.stats.prompt_tokens == 23 - 15 and restored.tokens == whole.tokens
