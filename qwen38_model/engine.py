@@ -406,6 +406,20 @@ class BatchEngine:
         seq._mark = None
         self.release(seq)
 
+    def extend(self, start: StateSnapshot, history: torch.Tensor, chunk_size: int) -> StateSnapshot:
+        """The state after history (int32, on the device) from start, a snapshot of its prefix: prefilled in a
+        free slot's state (junk until an admission fills it; rows of free slots select nothing) in the chunks an
+        admission would use, between steps. What a prefix cache keeps for the next turn of a conversation
+        whose history is rendered anew (server: the reply as the chat template renders it back)."""
+        if not self.free_slots():
+            raise RuntimeError("extend() prefills in a free slot's state: none is free")
+        state = self.slots.slot(self.active.index(None))
+        state.restore(start)
+        ends = chunk_ends(start.position, history.shape[0], chunk_size)
+        for begin, end in zip([start.position] + ends[:-1], ends):
+            self.model.prefill(history[begin:end], state.reserve(end - begin), state, logits_to_keep=1)
+        return state.snapshot()
+
     def release(self, seq: Sequence) -> None:
         """Free seq's slot (done or cancelled): its row runs on in the steps and selects nothing."""
         seq.done = True

@@ -59,6 +59,9 @@ class Job:
     cached: int | None = None  # prompt tokens restored from the prefix cache, known once admitted
     logprobs: int | None = None  # the alternatives per token a request asking for logprobs wants (0..20)
     breaks: tuple[int, ...] = ()  # message boundaries in ids (Server.message_breaks): cached as they are passed
+    # A chat: content -> the token ids of the history with the reply as the template renders it back (the next
+    # turn's prefix), or None; the state there is cached instead of the state after the raw reply.
+    next_turn: object = None
     # The scheduler thread's own:
     admitted: int = 0  # choices whose admission has begun (they are admitted in order)
     sequences: list = field(default_factory=list)  # engine.Sequence per choice, as each is admitted
@@ -251,7 +254,8 @@ class Scheduler:
         seq = Sequence(torch.tensor(job.ids, dtype=torch.int32, device=self.engine.device), job.cfg,
                        (job.seed + i) % SEED_LIMIT, job.kwargs["max_new_tokens"],
                        StopCondition(frozenset(self.eos), tuple(job.kwargs.get("stop_strings") or ()), self.tokenizer),
-                       start=job.start if job.n > 1 else self.cache.longest(job.ids), keep_state=True,
+                       start=job.start if job.n > 1 else self.cache.longest(job.ids),
+                       keep_state=job.next_turn is None,
                        snapshot_prompt=i == 0, on_token=partial(job.push_token, i),
                        logit_bias=job.kwargs.get("logit_bias"), breaks=job.breaks if job.n == 1 else ())
         job.sequences.append(seq)
@@ -298,10 +302,24 @@ class Scheduler:
             self.cache.put(job.ids, seq.prompt_snapshot)
         if seq.snapshot is not None:
             self.cache.put(job.ids + seq.tokens, seq.snapshot)
+        if job.next_turn is not None and i == 0:
+            self.cache_next_turn(job, seq)
         self.cache_state = (self.cache.nbytes, self.cache.host_nbytes, len(self.cache.entries))
         seq.prompt_snapshot, seq.snapshot, seq.break_snapshots = None, None, []
         self.sequence_ended(job, i)
         job.push(i, None)
+
+    def cache_next_turn(self, job: Job, seq: Sequence) -> None:
+        """A chat's reply, rendered back by the template as the next turn will render it (Qwen's drops the
+        thinking), prefilled from the state at the end of the prompt's last message: the next turn of the chat
+        then restores all of its history but its new message. One prefill of the reply's content, in place of
+        the re-prefill of the raw reply the state after it would need (read-behind steps ran past its end)."""
+        base = next((s for s in reversed(seq.break_snapshots) if s.position == max(job.breaks, default=-1)), None)
+        ids = job.next_turn(self.tokenizer.decode(seq.tokens, skip_special_tokens=True)) if base else None
+        if ids is None or len(ids) <= base.position or ids[: base.position] != job.ids[: base.position]:
+            return
+        history = torch.tensor(ids, dtype=torch.int32, device=self.engine.device)
+        self.cache.put(ids, self.engine.extend(base, history, PREFILL_INTERLEAVE))
 
     def stop_choice(self, job: Job, i: int) -> None:
         """The reply saw choice i's stop before the engine did (a stop string it decodes otherwise): its slot

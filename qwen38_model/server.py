@@ -334,12 +334,16 @@ class Server:
             busy.headers["Retry-After"] = "1"
             return busy
         breaks = self.message_breaks(body, ids) if chat else ()
+        # The next turn's prefix is cached where the template renders the reply back (not for a forced tool call:
+        # its reply lacks the prompt's part of the call).
+        forced = forced_tool_call(body, body.get("tools") or []) if chat else ""
+        next_turn = self.next_turn(body) if chat and not forced else None
         job = Job(ids, kwargs, cfg, resolve_seed(kwargs["seed"], None), asyncio.get_running_loop(), logprobs=logprobs,
-                  breaks=breaks)
+                  breaks=breaks, next_turn=next_turn)
         reply = Reply(self, job, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
                       parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none",
-                      forced=forced_tool_call(body, body.get("tools") or []) if chat else "")
+                      forced=forced)
         return StreamingResponse(reply.events(), media_type="text/event-stream") if reply.stream else \
             await reply.whole()
 
@@ -429,6 +433,31 @@ class Server:
             if 0 < len(prefix) < len(ids) and ids[: len(prefix)] == prefix:
                 breaks.append(len(prefix))
         return tuple(sorted(set(breaks)))
+
+    def next_turn(self, body: dict):
+        """For a chat request: the function from its reply's text to the token ids of its history with the reply
+        as a next request renders it (the thinking split off, which Qwen's template drops from the history;
+        tool calls as message.tool_calls), without the generation prompt; None where the template refuses it."""
+        messages, kwargs = self.chat_messages(body)
+        prompt = self.render(messages, kwargs)
+        opened = prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+        parse_tools = bool(kwargs.get("tools")) and body.get("tool_choice") != "none"
+
+        def ids_after(reply: str) -> list[int] | None:
+            _, content = ThinkingSplit(opened).feed(reply, final=True)
+            calls = []
+            if parse_tools:
+                content, calls = ToolCallSplit().feed(content, final=True)
+            message = {"role": "assistant", "content": content or ""}
+            if calls:
+                message["tool_calls"] = message_tool_calls([{k: v for k, v in c.items() if k != "index"} for c in calls],
+                                                           len(messages))
+            try:
+                return self.tokenizer.encode(self.render(messages + [message], kwargs, add_generation_prompt=False))
+            except RequestError:
+                return None
+
+        return ids_after
 
     def chat_messages(self, body: dict) -> tuple[list[dict], dict]:
         """The request's messages as the template takes them, and the template's keyword arguments; 400s for
