@@ -239,30 +239,31 @@ class BatchEngine:
     def free_slots(self) -> int:
         return sum(seq is None for seq in self.active)
 
-    def check(self, seq: Sequence) -> None:
+    def check(self, seq: Sequence):
+        """A ValueError for a sequence the engine cannot take; returns its checked logit bias (or None)."""
         total = seq.history.shape[0] + seq.max_new_tokens
         if total > self.max_seq_len:
             raise ValueError(f"context overflow: {seq.history.shape[0]} prompt tokens + max_new_tokens "
                              f"{seq.max_new_tokens} > max_seq_len {self.max_seq_len}")
-        whole = seq.start_logits is not None
-        if seq.start is not None and seq.start.position != seq.history.shape[0] if whole else \
-                seq.start is not None and seq.start.position >= seq.history.shape[0]:
-            raise ValueError(f"the start snapshot holds {seq.start.position} tokens: the history "
-                             f"({seq.history.shape[0]}) must extend it by at least one token to prefill, or "
-                             "equal it with start_logits")
-        if whole and seq.start is None:
-            raise ValueError("start_logits go with a start snapshot of the whole history")
+        length = seq.history.shape[0]
+        if seq.start_logits is not None:
+            if seq.start is None or seq.start.position != length:
+                raise ValueError(f"start_logits go with a start snapshot of the whole history ({length} tokens)")
+        elif seq.start is not None and seq.start.position >= length:
+            raise ValueError(f"the start snapshot holds {seq.start.position} tokens: the history ({length}) must "
+                             "extend it by at least one token to prefill")
         bias = check_logit_bias(seq.logit_bias, self.model.config.vocab_size)
         if (bias is not None) != seq.cfg.logit_bias:
             raise ValueError("a sequence's logit_bias map and its config's logit_bias flag go together: "
                              f"found a {'map' if bias else 'no map'} with cfg.logit_bias={seq.cfg.logit_bias}")
+        return bias
 
     def admit(self, seq: Sequence, chunk_size: int, progress=None):
         """Prefill seq, one chunk of chunk_size tokens per next() of this generator (the caller runs decode
         steps in between), then move it into the lowest free slot with its first token selected: it
         decodes with the others from the next step on. The prefill runs in a staging state of its own, not
         in the slot: a step between two chunks runs every row of its bucket, the slot's among them."""
-        self.check(seq)
+        bias = self.check(seq)
         if not self.free_slots():
             raise RuntimeError("no free slot: admit a sequence when free_slots() > 0")
         seq._admitted_at = time.perf_counter()
@@ -271,28 +272,18 @@ class BatchEngine:
             staging.clear()
         else:
             staging.restore(seq.start)
-        first, total = staging.position, seq.history.shape[0]
-        seq.stats = GenerationStats(prompt_tokens=total - first, graph=self.use_graph)
-        ends = chunk_ends(first, total, chunk_size, seq.breaks) if first < total else []
-        logits = None if seq.start_logits is None else seq.start_logits[None]
-        for begin, end in zip([first] + ends[:-1], ends):
-            # Reserved chunk by chunk (check() has checked the capacity): a snapshot at a break holds `end` tokens.
-            logits = self.model.prefill(seq.history[begin:end], staging.reserve(end - begin), staging,
-                                        logits_to_keep=1)
-            if end in seq.breaks:
-                seq.break_snapshots.append(staging.snapshot())
-            if progress is not None:
-                progress(end - first, total - first)
-            if end < total:
-                yield
+        seq.stats = GenerationStats(prompt_tokens=seq.history.shape[0] - staging.position, graph=self.use_graph)
+        logits = yield from self._prefill(staging, seq.history, chunk_size, seq.breaks, seq.break_snapshots, progress)
+        if logits is None:  # start holds the whole history
+            logits = seq.start_logits[None]
         slot = self.active.index(None)
         seq.slot, self.active[slot] = slot, seq
         state = self.slots.slot(slot)
         state.bad_position.zero_()
         state.restore(staging.snapshot(clone=False))
         self.samplers[slot].reset(seq.history, seq.seed, seq.cfg.eos_token_ids)
-        if seq.cfg.logit_bias:
-            self.samplers[slot].set_logit_bias(check_logit_bias(seq.logit_bias, self.model.config.vocab_size))
+        if bias is not None:
+            self.samplers[slot].set_logit_bias(bias)
         self.logits[slot].copy_(logits[0])
         state.device_position.fill_(state.position - 1)
         self._select(slot, seq.cfg)  # eager: a selection outside the steps' graphs, as generation.py's prefill
@@ -406,6 +397,38 @@ class BatchEngine:
         seq._mark = None
         self.release(seq)
 
+    def _prefill(self, state, history: torch.Tensor, chunk_size: int, breaks=(), snapshots=None, progress=None):
+        """history past state.position into state, in chunk_ends' chunks, yielding after each chunk but the
+        last; returns the last chunk's logits [1, V] (None with nothing to prefill). The state at each break
+        passed is appended to snapshots; progress(done, total) after each chunk."""
+        first, total = state.position, history.shape[0]
+        logits = None
+        ends = chunk_ends(first, total, chunk_size, breaks) if first < total else []
+        for begin, end in zip([first] + ends[:-1], ends):
+            # Reserved chunk by chunk (capacity is the caller's to check): a break's snapshot holds `end` tokens.
+            logits = self.model.prefill(history[begin:end], state.reserve(end - begin), state, logits_to_keep=1)
+            if end in breaks:
+                snapshots.append(state.snapshot())
+            if progress is not None:
+                progress(end - first, total - first)
+            if end < total:
+                yield
+        return logits
+
+    def share_prompt(self, history: torch.Tensor, start: StateSnapshot | None, chunk_size: int):
+        """The state after the whole of history and its last token's logits [V], for several sequences to start
+        from (Sequence.start and start_logits: samples of one prompt): from start (a snapshot of a proper
+        prefix, or None), prefilled in the staging state in the chunks an admission would use, so each
+        sequence is bitwise the one admitted alone. A generator, one chunk per next(), like admit(); no
+        admission may run meanwhile (both use the staging state)."""
+        staging = self.staging
+        if start is None:
+            staging.clear()
+        else:
+            staging.restore(start)
+        logits = yield from self._prefill(staging, history, chunk_size)
+        return staging.snapshot(), logits[0].clone()
+
     def extend(self, start: StateSnapshot, history: torch.Tensor, chunk_size: int) -> StateSnapshot:
         """The state after history (int32, on the device) from start, a snapshot of its prefix: prefilled in a
         free slot's state (junk until an admission fills it; rows of free slots select nothing) in the chunks an
@@ -415,9 +438,7 @@ class BatchEngine:
             raise RuntimeError("extend() prefills in a free slot's state: none is free")
         state = self.slots.slot(self.active.index(None))
         state.restore(start)
-        ends = chunk_ends(start.position, history.shape[0], chunk_size)
-        for begin, end in zip([start.position] + ends[:-1], ends):
-            self.model.prefill(history[begin:end], state.reserve(end - begin), state, logits_to_keep=1)
+        run_to_end(self._prefill(state, history, chunk_size))
         return state.snapshot()
 
     def release(self, seq: Sequence) -> None:
@@ -431,6 +452,15 @@ class BatchEngine:
         self.read(wait=True)
         while self.launches:
             self.read(wait=True)
+
+
+def run_to_end(generator):
+    """A generator of admit()'s kind driven without interleaving: its return value."""
+    while True:
+        try:
+            next(generator)
+        except StopIteration as stop:
+            return stop.value
 
 
 def chunk_ends(first: int, total: int, chunk_size: int, breaks=()) -> list[int]:

@@ -18,7 +18,7 @@ from .checkpoint import Checkpoint, Q8Tensor, open_checkpoint
 from .checkpoint.layout import MTP_PARTS
 from .config import ATTENTION, Qwen38Config
 from .conversation import Conversation, PrefixCache
-from .engine import BatchEngine, BatchStats, Sequence, chunk_ends, run_batch
+from .engine import BatchEngine, BatchStats, Sequence, run_batch, run_to_end
 from .errors import NonFiniteLogitsError
 from .formats import Activation, lane_format
 from .generation import StopCondition, resolve_seed
@@ -441,7 +441,8 @@ class Qwen38ForCausalLM(nn.Module):
                                     exact=max_seq_len is not None)
         sequences = []
         for b, prompt in enumerate(prompts):
-            start, start_logits = self._shared_prompt(prompt, engine) if num_return_sequences > 1 else (None, None)
+            start, start_logits = (run_to_end(engine.share_prompt(prompt, None, PREFILL_CHUNK))
+                                   if num_return_sequences > 1 else (None, None))
             for i in range(num_return_sequences):
                 j = b * num_return_sequences + i
                 sequences.append(Sequence(prompt, cfg, (base_seed + j) & 0x7FFFFFFF, max_new_tokens,
@@ -459,18 +460,6 @@ class Qwen38ForCausalLM(nn.Module):
         for j, seq in enumerate(sequences):
             out[j, input_ids.shape[1] : input_ids.shape[1] + len(seq.tokens)] = torch.tensor(seq.tokens)
         return out.to(input_ids.device)
-
-    def _shared_prompt(self, prompt: torch.Tensor, engine: BatchEngine) -> tuple[StateSnapshot, torch.Tensor]:
-        """The state after the whole prompt and its last token's logits, for several samples of one prompt to
-        start from: prefilled once, in the chunks the engine would use (engine.chunk_ends), so each sample is
-        bitwise the solo run of its seed."""
-        state = engine.staging
-        state.clear()
-        positions = state.reserve(prompt.shape[0])
-        ends = chunk_ends(0, prompt.shape[0], PREFILL_CHUNK)
-        for begin, end in zip([0] + ends[:-1], ends):
-            logits = self.prefill(prompt[begin:end], positions[begin:end], state, logits_to_keep=1)
-        return state.snapshot(), logits[0].clone()
 
     def _batch_engine(self, max_batch: int, max_seq_len: int, kv_dtype, use_graph, exact: bool) -> BatchEngine:
         """The batch engine is kept between calls while it fits (its graphs are captured once); exact: the

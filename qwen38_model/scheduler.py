@@ -66,7 +66,8 @@ class Job:
     admitted: int = 0  # choices whose admission has begun (they are admitted in order)
     sequences: list = field(default_factory=list)  # engine.Sequence per choice, as each is admitted
     done: set = field(default_factory=set)  # choices whose sequence is out of the engine
-    start: StateSnapshot | None = None  # n > 1: the state after the prompt but its last token, shared
+    start: StateSnapshot | None = None  # n > 1: the state after the prompt, shared, and its last logits
+    start_logits: torch.Tensor | None = None
     prefilled: int = 0  # n > 1: the tokens that shared prefill ran
 
     @property
@@ -254,7 +255,7 @@ class Scheduler:
         seq = Sequence(torch.tensor(job.ids, dtype=torch.int32, device=self.engine.device), job.cfg,
                        (job.seed + i) % SEED_LIMIT, job.kwargs["max_new_tokens"],
                        StopCondition(frozenset(self.eos), tuple(job.kwargs.get("stop_strings") or ()), self.tokenizer),
-                       start=job.start if job.n > 1 else self.cache.longest(job.ids),
+                       start=job.start if job.n > 1 else self.cache.longest(job.ids), start_logits=job.start_logits,
                        keep_state=job.next_turn is None,
                        snapshot_prompt=i == 0, on_token=partial(job.push_token, i),
                        logit_bias=job.kwargs.get("logit_bias"), breaks=job.breaks if job.n == 1 else ())
@@ -263,27 +264,13 @@ class Scheduler:
         yield from self.engine.admit(seq, PREFILL_INTERLEAVE)
 
     def share_prompt(self, job: Job):
-        """The state after the prompt but its last token, for the n sequences of job to start from (as
-        generate(num_return_sequences=) shares it): from the prefix cache, else prefilled in the engine's
-        staging state in chunks (no admission is under way: it is free), one per next()."""
-        ids = job.ids
-        cached = self.cache.longest(ids)  # a proper prefix: at most ids[:-1]
-        if len(ids) < 2 or (cached is not None and cached.position == len(ids) - 1):
-            job.start = cached
-            return
-        staging = self.engine.staging
-        if cached is None:
-            staging.clear()
-        else:
-            staging.restore(cached)
-        rest = torch.tensor(ids[staging.position : -1], dtype=torch.int32, device=self.engine.device)
-        positions = staging.reserve(rest.shape[0])
-        for begin in range(0, rest.shape[0], PREFILL_INTERLEAVE):
-            end = min(begin + PREFILL_INTERLEAVE, rest.shape[0])
-            self.model.prefill(rest[begin:end], positions[begin:end], staging, logits_to_keep=1)
-            if end < rest.shape[0]:
-                yield
-        job.prefilled, job.start = rest.shape[0], staging.snapshot()
+        """The state after the prompt and its last logits, for the n sequences of job to start from (as
+        generate(num_return_sequences=) shares it): from the prefix cache's longest prefix, the rest prefilled
+        in the engine's staging state (no admission is under way: it is free), one chunk per next()."""
+        cached = self.cache.longest(job.ids)  # a proper prefix
+        ids = torch.tensor(job.ids, dtype=torch.int32, device=self.engine.device)
+        job.start, job.start_logits = yield from self.engine.share_prompt(ids, cached, PREFILL_INTERLEAVE)
+        job.prefilled = len(job.ids) - (cached.position if cached is not None else 0)
 
     def finished(self, seq: Sequence) -> None:
         """seq ended in the engine (its stop, max_tokens or an error): the prefix cache gets the states at the
