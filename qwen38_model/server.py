@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+
 import torch
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -170,6 +172,18 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
+@dataclass
+class ChatPrompt:
+    """A chat request's messages and template arguments as the template takes them, and its prompt text (with
+    `forced`, a forced tool call's start, appended); opened: the template's prompt opens the thinking."""
+
+    messages: list[dict]
+    kwargs: dict
+    text: str
+    forced: str
+    opened: bool
+
+
 class Server:
     def __init__(self, model, tokenizer, model_name: str, max_context: int, max_queue: int, cache_bytes: int,
                  sampling: dict | None = None, api_key: str | None = None, allowed_origins=(), log=None,
@@ -314,7 +328,8 @@ class Server:
         try:
             body = await read_json(request)
             self.check_fields(body, chat)
-            ids = self.prompt_ids(body, chat)
+            prompt = self.chat_request(body) if chat else None
+            ids = self.prompt_ids(body, prompt)
             kwargs = self.generation_kwargs(body, len(ids))
             logprobs = request_logprobs(body, chat)
             if logprobs is not None and self.scheduler is not None and self.scheduler.engine is None:
@@ -333,17 +348,16 @@ class Server:
                                        f"{self.max_batch} sequence slots", code="queue_full")
             busy.headers["Retry-After"] = "1"
             return busy
-        breaks = self.message_breaks(body, ids) if chat else ()
+        breaks = self.message_breaks(prompt, ids) if chat else ()
         # The next turn's prefix is cached where the template renders the reply back (not for a forced tool call:
         # its reply lacks the prompt's part of the call).
-        forced = forced_tool_call(body, body.get("tools") or []) if chat else ""
-        next_turn = self.next_turn(body) if chat and not forced else None
+        next_turn = self.next_turn(prompt, body) if chat and not prompt.forced else None
         job = Job(ids, kwargs, cfg, resolve_seed(kwargs["seed"], None), asyncio.get_running_loop(), logprobs=logprobs,
                   breaks=breaks, next_turn=next_turn)
         reply = Reply(self, job, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
                       parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none",
-                      forced=forced)
+                      forced=prompt.forced if chat else "")
         return StreamingResponse(reply.events(), media_type="text/event-stream") if reply.stream else \
             await reply.whole()
 
@@ -373,9 +387,10 @@ class Server:
                 raise RequestError(400, f"stream_options must be {{\"include_usage\": bool}}, found {options!r}",
                                    "stream_options")
 
-    def prompt_ids(self, body: dict, chat: bool) -> list[int]:
-        if chat:
-            text = self.chat_prompt(body)
+    def prompt_ids(self, body: dict, chat: ChatPrompt | None) -> list[int]:
+        """The prompt's token ids: a chat's rendered prompt (chat_request), else the completion's prompt."""
+        if chat is not None:
+            text = chat.text
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -399,14 +414,19 @@ class Server:
         return ids
 
     def chat_prompt(self, body: dict) -> str:
+        return self.chat_request(body).text
+
+    def chat_request(self, body: dict) -> ChatPrompt:
         """The chat template's text for the request's messages (content as a string or a list of text parts,
-        joined by newlines as vLLM joins them) and its chat_template_kwargs (enable_thinking, ...)."""
+        joined by newlines as vLLM joins them) and its chat_template_kwargs (enable_thinking, ...), rendered
+        once; with a forced tool call (forced_tool_call) appended."""
         messages, kwargs = self.chat_messages(body)
         text = self.render(messages, kwargs)
+        opened = text.rfind(THINK_START) > text.rfind(THINK_END)
         forced = forced_tool_call(body, kwargs.get("tools", []))
-        if forced and text.rfind(THINK_START) > text.rfind(THINK_END):  # the prompt opens the thinking: close it
+        if forced and opened:  # the prompt opens the thinking: close it
             text += "\n" + THINK_END + "\n\n"
-        return text + forced
+        return ChatPrompt(messages, kwargs, text + forced, forced, opened)
 
     def render(self, messages: list[dict], kwargs: dict, add_generation_prompt: bool = True) -> str:
         try:
@@ -414,7 +434,7 @@ class Server:
         except ValueError as e:
             raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
 
-    def message_breaks(self, body: dict, ids: list[int]) -> tuple[int, ...]:
+    def message_breaks(self, prompt: ChatPrompt, ids: list[int]) -> tuple[int, ...]:
         """Where the request's templated prompt ends a message (after the first, the system prompt as a rule,
         and after each of the last BREAK_MESSAGES, the last one included: its end without the generation
         prompt is where the next turn of the chat goes on), as token counts: the prefill snapshots the state
@@ -422,7 +442,7 @@ class Server:
         prefilled, by the requests that share them. A boundary counts only where the template renders the
         messages before it as a prefix of the whole prompt, tokens included (a template may render history
         differently once more follows, e.g. Qwen's drops old thinking)."""
-        messages, kwargs = self.chat_messages(body)
+        messages, kwargs = prompt.messages, prompt.kwargs
         ends = sorted({1} | set(range(max(1, len(messages) - BREAK_MESSAGES + 1), len(messages) + 1)))
         breaks = []
         for k in ends:
@@ -434,17 +454,15 @@ class Server:
                 breaks.append(len(prefix))
         return tuple(sorted(set(breaks)))
 
-    def next_turn(self, body: dict):
+    def next_turn(self, prompt: ChatPrompt, body: dict):
         """For a chat request: the function from its reply's text to the token ids of its history with the reply
         as a next request renders it (the thinking split off, which Qwen's template drops from the history;
         tool calls as message.tool_calls), without the generation prompt; None where the template refuses it."""
-        messages, kwargs = self.chat_messages(body)
-        prompt = self.render(messages, kwargs)
-        opened = prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+        messages, kwargs = prompt.messages, prompt.kwargs
         parse_tools = bool(kwargs.get("tools")) and body.get("tool_choice") != "none"
 
         def ids_after(reply: str) -> list[int] | None:
-            _, content = ThinkingSplit(opened).feed(reply, final=True)
+            _, content = ThinkingSplit(prompt.opened).feed(reply, final=True)
             calls = []
             if parse_tools:
                 content, calls = ToolCallSplit().feed(content, final=True)
