@@ -27,3 +27,10 @@ def run_bounded(function: str, test_file: str) -> subprocess.CompletedProcess:
             f"module.{function}()\n")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           preexec_fn=limits, timeout=2 * CHILD_CPU_SECONDS)
+
+
+def assert_cases_passed(function: str, test_file: str, cases: int) -> None:
+    """run_bounded(function, test_file) exited 0 and printed that all `cases` cases passed."""
+    result = run_bounded(function, test_file)
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+    assert f"{cases} cases passed" in result.stdout

@@ -15,7 +15,7 @@ import re
 
 import gguf
 
-from bounded import run_bounded
+from bounded import assert_cases_passed
 from gguf_copies import rewrite_gguf
 
 SEED = 20261225
@@ -110,9 +110,7 @@ def fuzz_vocabulary() -> None:
 
 
 def test_fuzzed_gguf_vocabulary(oracle_dir):
-    result = run_bounded("fuzz_vocabulary", __file__)
-    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
-    assert f"{CASES} cases passed" in result.stdout
+    assert_cases_passed("fuzz_vocabulary", __file__, CASES)
 
 
 def test_the_command_line_refuses_a_short_vocabulary_before_the_load(oracle_dir, tmp_path, capsys, monkeypatch):

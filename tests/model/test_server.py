@@ -4,6 +4,7 @@ batching: concurrent clients (greedy and sampled side by side) each get the text
 a client that goes away freeing its slot, the bounded queue (429) beyond the slots; logprobs (both endpoints,
 streamed and not), logit_bias and frequency_penalty, and their 400s. On the GPU (`-m cuda`):
 100 sequential streamed requests leave the GPU memory where it was."""
+import contextlib
 import http.client
 import json
 import re
@@ -103,6 +104,22 @@ class ScriptedEngine:
 
     def drain(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def scripted_server(max_context: int):
+    """(scripted engine, tokenizer, URL) of an in-process server whose replies a test scripts (ScriptedEngine),
+    on the built-in model's tokenizer."""
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.server import Server
+    from qwen38_model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    model = ScriptedEngine(tokenizer)
+    server = Server(model, tokenizer, "scripted", max_context=max_context, max_queue=1, cache_bytes=1 << 20,
+                    log=sys.stdout, engine=model)
+    with in_process(server) as url:
+        yield model, tokenizer, url
 
 
 def in_process(server):
@@ -839,16 +856,9 @@ def test_thinking_goes_to_reasoning_content():
     text before </think> is message.reasoning_content (delta.reasoning_content streamed), the rest content;
     with it off (enable_thinking false), a reply that opens <think> itself is split the same way. A scripted
     model (fixed tokens) in this process, so that the reply does hold a </think>."""
-    from qwen38_model.default_model import default_model_path
     from qwen38_model.chat_reply import ThinkingSplit
-    from qwen38_model.server import Server
-    from qwen38_model.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(default_model_path())
-    model = ScriptedEngine(tokenizer)
-    server = Server(model, tokenizer, "scripted", max_context=512, max_queue=1, cache_bytes=1 << 20, log=sys.stdout,
-                    engine=model)
-    with in_process(server) as url:
+    with scripted_server(max_context=512) as (model, tokenizer, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         args = dict(model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
         for reply, extra in [("I think so.</think>\n\nHello!", {}),
@@ -877,15 +887,7 @@ def test_tool_calls_parsed_from_the_reply():
     "none" parses nothing; "required" and a named function make the reply start with the call (the prompt
     ends with it opened), a name not among the tools is a 400; a tool message and an assistant's tool_calls
     reach the template. A scripted model (fixed tokens), as test_thinking_goes_to_reasoning_content."""
-    from qwen38_model.default_model import default_model_path
-    from qwen38_model.server import Server
-    from qwen38_model.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(default_model_path())
-    model = ScriptedEngine(tokenizer)
-    server = Server(model, tokenizer, "scripted", max_context=1024, max_queue=1, cache_bytes=1 << 20, log=sys.stdout,
-                    engine=model)
-    with in_process(server) as url:
+    with scripted_server(max_context=1024) as (model, tokenizer, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                                    "parameters": {"type": "object",

@@ -16,7 +16,7 @@ import re
 import numpy as np
 import torch
 
-from bounded import run_bounded
+from bounded import assert_cases_passed
 
 SEED = 20261224
 CASES = 600
@@ -121,6 +121,4 @@ def fuzz_tokenizer_arguments() -> None:
 
 
 def test_fuzzed_tokenizer_arguments(oracle_dir):
-    result = run_bounded("fuzz_tokenizer_arguments", __file__)
-    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
-    assert f"{CASES} cases passed" in result.stdout
+    assert_cases_passed("fuzz_tokenizer_arguments", __file__, CASES)
