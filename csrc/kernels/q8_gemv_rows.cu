@@ -10,20 +10,31 @@
 //   per block and output one int -> double conversion (a DADD, int_to_double) and one DFMA, as in the GEMV.
 // - The GEMV's order (q8_gemv.cu): block b of a row goes to partial sum ("chain") b mod (16 * PARTS), each chain
 //   summed in block order; then for each part q the 16 chains 16q + m are added by the xor butterfly over m
-//   (m with m ^ 8, then ^ 4, ^ 2, ^ 1), and the parts in order. A block of 16 warps takes the rows' 512-byte
-//   pieces in turn; warp w computes block w of every piece, piece p adding into its chain of part p % PARTS, so
-//   each chain is summed in the GEMV's order by one thread per output, with exactly the GEMV's arithmetic
-//   (fma(int_to_double(s), double(wd * xd), acc), wd * xd in fp32). At the end the warps' chains meet in
-//   shared memory and one thread per output adds them in the GEMV's butterfly and part order.
-// - Loads: the whole block copies a piece of its 16 weight rows (8 KB, 512 contiguous bytes a row, as the GEMV
-//   reads them: a first version in which each warp fetched only its own 32 bytes of every piece streamed at a
-//   quarter of the probe), the same piece of its rows of x, and their scales, into a kStages cp.async ring;
-//   rows past N and rows of x past T are zero-filled, not read (a clamped row repeated the same addresses).
-//   Fragments come from shared memory by ldmatrix, rows padded by 16 bytes (conflict-free, as q8_gemm.cu).
-// - Tile: 16 weight rows x 8 * NT rows of x a block (NT = 2 for PARTS = 1, 1 for PARTS = 4: the chains a thread
-//   holds are PARTS * NT * 4 doubles); more rows of x run in more blocks, x fastest, so the blocks that share a
-//   weight tile run together and read it from HBM once.
+//   (m with m ^ 8, then ^ 4, ^ 2, ^ 1), and the parts in order. Block b is in part (b / 16) mod PARTS: the 512-byte
+//   piece p = b / 16 belongs to part p % PARTS whole. So a part is a block of its own here: the PARTS blocks of a
+//   tile form one thread-block cluster, block q streams only its part's pieces (q, q + PARTS, ...), and at the end
+//   cluster rank 0 adds the parts in order from the others' shared memory. Within a block, consumer warp w computes
+//   block w of every piece (chain 16q + w), with exactly the GEMV's arithmetic (fma(int_to_double(s),
+//   double(wd * xd), acc), wd * xd in fp32); the warps' chains meet in shared memory at the end and one thread
+//   per output adds them in the butterfly's order.
+// - Parts as blocks (the first form of this kernel looped over the parts inside one block): the N = 5120 matrices
+//   (FFN down, the attention and GDN out projections, 28% of a token's weight bytes) have PARTS = 4, and as 320
+//   blocks of 16 rows they filled 1.2 waves of the H200's 2 x 132 block slots; as 1280 they fill 4.8. And a
+//   block holds one part's 16 chains, so it can take 16 rows of x where the loop could take 8.
+// - Loads: a producer warp copies each stage (a piece of the 16 weight rows: 16 x 512 contiguous bytes, the same
+//   piece of the block's rows of x, and their scales) with the bulk copy engine, which completes on the stage's
+//   mbarrier; the consumer warps wait on that barrier alone and release the stage on another. The first form did
+//   the copies with cp.async from every thread and a __syncthreads per 8 KB piece: with so little math per piece
+//   the barrier and the thread-issued copies set the pace (~1.6 TB/s from T = 2 on, 2.6x the T = 1 time). Weight
+//   rows past N and rows of x past T are not copied: their shared-memory rows stay the zeros they were set to and
+//   feed only outputs that are not stored. Weights are constants, so the first stages' weights are requested
+//   before the PDL wait, under the predecessor's tail. Fragments come from shared memory by ldmatrix, rows padded
+//   by 16 bytes (conflict-free, as q8_gemm.cu).
+// - Tile: 16 weight rows x 8 * NT rows of x a block (NT = 1 up to 8 rows, else 2); more rows of x run in more
+//   blocks, x fastest, so the blocks that share a weight tile run together and read it from HBM once.
 #include "q8_gemv.h"
+
+#include <cooperative_groups.h>
 
 #include <cstdlib>
 
@@ -33,22 +44,29 @@
 namespace qwen38 {
 namespace {
 
-constexpr int kRowWarps = 16;  // one warp per chain of a part: warp w computes block w of every piece
-constexpr int kRowsThreads = kRowWarps * 32;
-constexpr int kStages = 4;     // pieces in flight: 3 x 8 KB of weights a block, 48 KB an SM at 2 blocks
-constexpr int kPitch = 512 + 16;  // a row's piece in shared memory, padded: ldmatrix phases hit distinct banks
+namespace cg = cooperative_groups;
+
+constexpr int kChainWarps = 16;                  // consumer warp w computes block w of every piece
+constexpr int kRowsThreads = (kChainWarps + 1) * 32;  // + the producer warp
+constexpr int kPitch = 512 + 16;                 // a row's piece in shared memory, padded: ldmatrix phases hit distinct banks
+constexpr int kRingBytes = 100 * 1024;           // two blocks an SM (227 KB of shared memory, 64K registers)
 
 template <int NT>
-struct RowsStage {
-  static constexpr int kCols = 8 * NT;
+struct RowsTile {
+  static constexpr int kCols = 8 * NT;  // rows of x a block
   static constexpr int kXOffset = 16 * kPitch;
   static constexpr int kWdOffset = kXOffset + kCols * kPitch;  // [16 rows][16 blocks] fp16
   static constexpr int kXdOffset = kWdOffset + 16 * 16 * 2;    // [kCols][16 blocks] float
-  static constexpr int kBytes = kXdOffset + kCols * 16 * 4;
-  static constexpr int kSharedBytes = kStages * kBytes;
-  static constexpr int kPartialBytes = kRowWarps * 16 * kCols * 8;  // the chains at the end, over the ring
-  static_assert(kPartialBytes <= kSharedBytes, "the partials reuse the ring");
-  static_assert(kBytes % 16 == 0, "stages stay 16-byte aligned");
+  static constexpr int kStageBytes = kXdOffset + kCols * 16 * 4;
+  static constexpr int kStages = kRingBytes / kStageBytes;
+  static constexpr int kBarrierOffset = kStages * kStageBytes;  // full[kStages], empty[kStages]
+  static constexpr int kPartOffset = kBarrierOffset + 2 * kStages * 8;  // this part's sums, read by cluster rank 0
+  static constexpr int kSharedBytes = kPartOffset + 16 * kCols * 8;
+  static constexpr int kPartialBytes = kChainWarps * 16 * kCols * 8;  // the chains at the end, over the ring
+  static_assert(kStages >= 3, "a ring of at least three stages");
+  static_assert(kPartialBytes <= kBarrierOffset, "the partials reuse the ring");
+  static_assert(kStageBytes % 16 == 0 && kXdOffset % 16 == 0 && kWdOffset % 16 == 0, "16-byte aligned copies");
+  static_assert(kCols <= 16, "one producer lane per row of x and per row of its scales");
 };
 
 __device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -58,139 +76,211 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], cons
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
 }
 
+// The producer warp: lane l < 16 copies weight row l's piece and, for l < kCols, row l of x's; lane 16 + l the
+// scales of weight row l and, for l < kCols, of row l of x. Rows past N or T are skipped, and the stage's
+// expected bytes count only what is copied.
+template <int NT>
+struct RowsProducer {
+  using S = RowsTile<NT>;
+  const int8_t* w_src;
+  const int8_t* x_src;
+  const __half* wd_src;
+  const float* xd_src;
+  bool w_in, x_in, wd_in, xd_in;
+  uint32_t stage_bytes;
+
+  __device__ RowsProducer(const Q8GemvArgs& a, int lane, int row0, int col0) {
+    const int r = lane & 15;
+    const bool low = lane < 16;
+    const int weight_rows = min(16, a.N - row0), x_rows = min(S::kCols, a.T - col0);
+    w_in = low && r < weight_rows;
+    x_in = low && r < x_rows;
+    wd_in = !low && r < weight_rows;
+    xd_in = !low && r < x_rows;
+    const int blocks = a.K >> 5;
+    w_src = a.weight_q + static_cast<size_t>(row0 + r) * a.K;
+    x_src = static_cast<const int8_t*>(a.x) + static_cast<size_t>(col0 + r) * a.x_stride;
+    wd_src = a.weight_d + static_cast<size_t>(row0 + r) * blocks;
+    xd_src = a.x_d + static_cast<size_t>(col0 + r) * a.x_d_stride;
+    stage_bytes = (512 + 32) * weight_rows + (512 + 64) * x_rows;
+  }
+  __device__ void weights(unsigned char* s, int p, uint64_t* full, int lane) const {
+    if (w_in) bulk_copy_to_shared(s + (lane & 15) * kPitch, w_src + 512 * p, 512, full);
+    if (wd_in) bulk_copy_to_shared(s + S::kWdOffset + 32 * (lane & 15), wd_src + 16 * p, 32, full);
+  }
+  __device__ void activations(unsigned char* s, int p, uint64_t* full, int lane) const {
+    if (x_in) bulk_copy_to_shared(s + S::kXOffset + (lane & 15) * kPitch, x_src + 512 * p, 512, full);
+    if (xd_in) bulk_copy_to_shared(s + S::kXdOffset + 64 * (lane & 15), xd_src + 16 * p, 64, full);
+  }
+};
+
 template <int PARTS, int NT>
 __global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q8GemvArgs a) {
-  using S = RowsStage<NT>;
+  using S = RowsTile<NT>;
   extern __shared__ __align__(16) unsigned char smem[];
   pdl_allow_successor();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int group = lane >> 2, quad = lane & 3;
-  const int row0 = blockIdx.y * 16, col0 = blockIdx.x * S::kCols;
-  const int blocks = a.K >> 5;
-  const int pieces = blocks >> 4;  // K % 512 == 0 (q8_0_gemv_rows_supported)
+  const int part = blockIdx.x % PARTS;  // the cluster's rank: clusters are PARTS consecutive blocks along x
+  const int col0 = (blockIdx.x / PARTS) * S::kCols, row0 = blockIdx.y * 16;
+  const int pieces = a.K >> 9;  // K % 512 == 0 (q8_0_gemv_rows_supported)
+  const int steps = pieces > part ? (pieces - part + PARTS - 1) / PARTS : 0;  // pieces part, part + PARTS, ..
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarrierOffset);
+  uint64_t* empty = full + S::kStages;
 
-  // This thread's copies into a stage (16 bytes each): weight row tid / 32, bytes 16 (tid % 32) of the piece;
-  // x row tid / 32 likewise (threads below 32 kCols); the 32 scale bytes of weight row tid (tid < 16) and the 64
-  // of x row tid - 16 as four copies (16 <= tid < 16 + 4 kCols).
-  const int copy_row = tid >> 5, copy_chunk = tid & 31;
-  const bool w_in = row0 + copy_row < a.N, x_in = col0 + copy_row < a.T && copy_row < S::kCols;
-  const int8_t* w_src = a.weight_q + static_cast<size_t>(w_in ? row0 + copy_row : 0) * a.K + 16 * copy_chunk;
-  const int8_t* x_src = static_cast<const int8_t*>(a.x) +
-                        static_cast<size_t>(x_in ? col0 + copy_row : 0) * a.x_stride + 16 * copy_chunk;
-  const int scale_row = tid < 16 ? tid : (tid - 16) >> 2;
-  const bool wd_copy = tid < 16, xd_copy = tid >= 16 && tid < 16 + 4 * S::kCols;
-  const bool wd_in = wd_copy && row0 + scale_row < a.N, xd_in = xd_copy && col0 + scale_row < a.T;
-  const __half* wd_src = a.weight_d + static_cast<size_t>(wd_in ? row0 + scale_row : 0) * blocks;
-  const float* xd_src = a.x_d + static_cast<size_t>(xd_in ? col0 + scale_row : 0) * a.x_d_stride + 4 * ((tid - 16) & 3);
-  auto issue = [&](int p) {  // piece p into its stage (a commit group either way: the count stays uniform)
-    if (p < pieces) {
-      unsigned char* s = smem + (p % kStages) * S::kBytes;
-      cp_async<16>(s + copy_row * kPitch + 16 * copy_chunk, w_src + 512 * p, w_in);
-      if (copy_row < S::kCols) cp_async<16>(s + S::kXOffset + copy_row * kPitch + 16 * copy_chunk, x_src + 512 * p, x_in);
-      // Scales: 16 blocks a piece (K % 512 == 0: pieces are whole), 32 bytes a weight row, 64 a row of x.
-      if (wd_copy) {
-        cp_async<16>(s + S::kWdOffset + 32 * tid, wd_src + 16 * p, wd_in);
-        cp_async<16>(s + S::kWdOffset + 32 * tid + 16, wd_src + 16 * p + 8, wd_in);
-      }
-      if (xd_copy) cp_async<16>(s + S::kXdOffset + 16 * (tid - 16), xd_src + 16 * p, xd_in);
+  // Zero the ring once: rows that are never copied then read as zeros, not as whatever was left there.
+  for (int i = tid; i < S::kBarrierOffset / 16; i += kRowsThreads) reinterpret_cast<uint4*>(smem)[i] = uint4{};
+  if (tid == 0) {
+    for (int s = 0; s < S::kStages; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], kChainWarps);
     }
-    cp_async_commit();
-  };
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's zeros before any bulk copy
+  __syncthreads();
 
-  double acc[PARTS][NT][4];
-#pragma unroll
-  for (int q = 0; q < PARTS; ++q)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[q][j][e] = 0.0;
+  if (warp == kChainWarps) {
+    const RowsProducer<NT> copy(a, lane, row0, col0);
+    const int first = min(steps, S::kStages);
+    for (int i = 0; i < first; ++i) {  // the ring's first fill: weights before the PDL wait, x after it
+      if (lane == 0) mbarrier_arrive_expect_tx(&full[i], copy.stage_bytes);
+      __syncwarp();
+      copy.weights(smem + i * S::kStageBytes, part + i * PARTS, &full[i], lane);
+    }
+    pdl_wait_for_predecessor();  // x and x_d may be the predecessor's output
+    for (int i = 0; i < first; ++i) copy.activations(smem + i * S::kStageBytes, part + i * PARTS, &full[i], lane);
+    for (int i = first; i < steps; ++i) {
+      const int s = i % S::kStages;
+      mbarrier_wait(&empty[s], ((i / S::kStages) - 1) & 1);  // every consumer is done with step i - kStages
+      if (lane == 0) mbarrier_arrive_expect_tx(&full[s], copy.stage_bytes);
+      __syncwarp();
+      unsigned char* stage = smem + s * S::kStageBytes;
+      copy.weights(stage, part + i * PARTS, &full[s], lane);
+      copy.activations(stage, part + i * PARTS, &full[s], lane);
+    }
+  } else {
+    pdl_wait_for_predecessor();  // this thread writes out, which the predecessor may still read
+  }
 
-  // ldmatrix row addresses of this lane (q8_gemm.cu's A and B patterns): A = the 16 weight rows (matrices rows
-  // 0-7 / 8-15 x bytes 0-15 / 16-31 of block `warp`), B = 16 rows of x as two n8 tiles.
-  const int a_off = (lane & 15) * kPitch + warp * 32 + (lane >> 4) * 16;
-  const int b_off = S::kXOffset + ((lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0)) * kPitch + warp * 32 +
-                    ((lane >> 3) & 1) * 16;
-
-  pdl_wait_for_predecessor();  // x, x_d and out may belong to the predecessor
+  double acc[NT][4];
 #pragma unroll
-  for (int p = 0; p < kStages - 1; ++p) issue(p);
-  for (int p0 = 0; p0 < pieces; p0 += PARTS) {
+  for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int u = 0; u < PARTS; ++u) {
-      const int p = p0 + u;
-      if (p >= pieces) break;  // block-uniform
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // piece p landed for every thread; every warp is done with piece p - 1's stage
-      issue(p + kStages - 1);
-      const unsigned char* s = smem + (p % kStages) * S::kBytes;
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0;
+  const int group = lane >> 2, quad = lane & 3;
+  if (warp < kChainWarps) {
+    // ldmatrix row addresses of this lane (q8_gemm.cu's A and B patterns): A = the 16 weight rows (matrices rows
+    // 0-7 / 8-15 x bytes 0-15 / 16-31 of block `warp`), B = 16 rows of x as two n8 tiles.
+    const int a_off = (lane & 15) * kPitch + warp * 32 + (lane >> 4) * 16;
+    const int b_off = S::kXOffset + ((lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0)) * kPitch + warp * 32 +
+                      ((lane >> 3) & 1) * 16;
+    for (int i = 0; i < steps; ++i) {
+      const int s = i % S::kStages;
+      mbarrier_wait(&full[s], (i / S::kStages) & 1);
+      const unsigned char* stage = smem + s * S::kStageBytes;
       uint32_t frag_a[4];
-      ldmatrix_x4(frag_a, s + a_off);
+      ldmatrix_x4(frag_a, stage + a_off);
       uint32_t frag_b[4];  // NT == 1: matrices 2 and 3 repeat 0 and 1 (rows 0-7)
-      ldmatrix_x4(frag_b, s + b_off);
-      const __half* wd = reinterpret_cast<const __half*>(s + S::kWdOffset);
-      const float* xd = reinterpret_cast<const float*>(s + S::kXdOffset);
+      ldmatrix_x4(frag_b, stage + b_off);
+      const __half* wd = reinterpret_cast<const __half*>(stage + S::kWdOffset);
+      const float* xd = reinterpret_cast<const float*>(stage + S::kXdOffset);
       const float wd_lo = __half2float(wd[group * 16 + warp]), wd_hi = __half2float(wd[(group + 8) * 16 + warp]);
+      float xds[NT][2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        xds[j][0] = xd[(8 * j + 2 * quad) * 16 + warp];
+        xds[j][1] = xd[(8 * j + 2 * quad + 1) * 16 + warp];
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&empty[s]);  // this warp's reads of the stage are done
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const uint32_t b[2] = {frag_b[2 * j], frag_b[2 * j + 1]};
         int c[4];
         mma_s8(c, frag_a, b);
-        const float xd0 = xd[(8 * j + 2 * quad) * 16 + warp], xd1 = xd[(8 * j + 2 * quad + 1) * 16 + warp];
         // c0, c1: weight row `group`, x rows 2 quad, 2 quad + 1; c2, c3: weight row group + 8.
-        acc[u][j][0] = fma(int_to_double(c[0]), static_cast<double>(wd_lo * xd0), acc[u][j][0]);
-        acc[u][j][1] = fma(int_to_double(c[1]), static_cast<double>(wd_lo * xd1), acc[u][j][1]);
-        acc[u][j][2] = fma(int_to_double(c[2]), static_cast<double>(wd_hi * xd0), acc[u][j][2]);
-        acc[u][j][3] = fma(int_to_double(c[3]), static_cast<double>(wd_hi * xd1), acc[u][j][3]);
+        acc[j][0] = fma(int_to_double(c[0]), static_cast<double>(wd_lo * xds[j][0]), acc[j][0]);
+        acc[j][1] = fma(int_to_double(c[1]), static_cast<double>(wd_lo * xds[j][1]), acc[j][1]);
+        acc[j][2] = fma(int_to_double(c[2]), static_cast<double>(wd_hi * xds[j][0]), acc[j][2]);
+        acc[j][3] = fma(int_to_double(c[3]), static_cast<double>(wd_hi * xds[j][1]), acc[j][3]);
       }
     }
   }
-  cp_async_wait<0>();
-  __syncthreads();  // the ring drained and read: the partials take its place
-  // partial[chain warp][weight row][x row]; one thread per output adds the 16 chains of a part in the GEMV's
-  // butterfly order (m + (m ^ 8), then ^ 4, ^ 2, ^ 1; float addition commutes, so each pair is the GEMV's), then
-  // the parts in order.
+  __syncthreads();  // every stage consumed, so every copy landed: the partials take the ring's place
+  // partial[chain warp][weight row][x row]; one thread per output adds the 16 chains in the GEMV's butterfly
+  // order (m + (m ^ 8), then ^ 4, ^ 2, ^ 1; float addition commutes, so each pair is the GEMV's).
   double* partial = reinterpret_cast<double*>(smem);
-  const int out_row = threadIdx.x & 15, out_col = threadIdx.x >> 4;  // a column's 16 rows on 16 threads
-  const bool owns_output = out_col < S::kCols;
-  double total = 0.0;
-#pragma unroll
-  for (int q = 0; q < PARTS; ++q) {
+  if (warp < kChainWarps) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = group + 8 * (e >> 1), col = 8 * j + 2 * quad + (e & 1);
-        partial[(warp * 16 + r) * S::kCols + col] = acc[q][j][e];
+        partial[(warp * 16 + r) * S::kCols + col] = acc[j][e];
       }
-    __syncthreads();
-    if (owns_output) {
-      double v[16];
+  }
+  __syncthreads();
+  const int out_row = tid & 15, out_col = tid >> 4;  // a column's 16 rows on 16 threads
+  const bool owns_output = out_col < S::kCols;
+  double total = 0.0;
+  if (owns_output) {
+    double v[16];
 #pragma unroll
-      for (int m = 0; m < 16; ++m) v[m] = partial[(m * 16 + out_row) * S::kCols + out_col];
+    for (int m = 0; m < 16; ++m) v[m] = partial[(m * 16 + out_row) * S::kCols + out_col];
 #pragma unroll
-      for (int m = 0; m < 8; ++m) v[m] = v[m] + v[m + 8];
+    for (int m = 0; m < 8; ++m) v[m] = v[m] + v[m + 8];
 #pragma unroll
-      for (int m = 0; m < 4; ++m) v[m] = v[m] + v[m + 4];
+    for (int m = 0; m < 4; ++m) v[m] = v[m] + v[m + 4];
 #pragma unroll
-      for (int m = 0; m < 2; ++m) v[m] = v[m] + v[m + 2];
-      v[0] = v[0] + v[1];
-      total = q == 0 ? v[0] : total + v[0];
+    for (int m = 0; m < 2; ++m) v[m] = v[m] + v[m + 2];
+    total = v[0] + v[1];
+  }
+  if constexpr (PARTS > 1) {
+    double* part_sum = reinterpret_cast<double*>(smem + S::kPartOffset);
+    if (owns_output) part_sum[out_col * 16 + out_row] = total;
+    const cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every part's sums written
+    if (part == 0 && owns_output) {
+#pragma unroll
+      for (int q = 1; q < PARTS; ++q) total = total + load_cluster_shared(&part_sum[out_col * 16 + out_row], q);
     }
-    __syncthreads();  // before the next part's chains overwrite the partials
+    cluster.sync();  // rank 0 has read them: the other blocks' shared memory may go
   }
   const int row = row0 + out_row, col = col0 + out_col;
-  if (owns_output && row < a.N && col < a.T) a.out[static_cast<size_t>(col) * a.out_stride + row] = static_cast<float>(total);
+  if (part == 0 && owns_output && row < a.N && col < a.T) {
+    a.out[static_cast<size_t>(col) * a.out_stride + row] = static_cast<float>(total);
+  }
 }
 
 template <int PARTS, int NT>
 cudaError_t launch_rows(const Q8GemvArgs& a, cudaStream_t stream) {
-  using S = RowsStage<NT>;
+  using S = RowsTile<NT>;
   static const cudaError_t attribute = cudaFuncSetAttribute(
       q8_0_gemv_rows_kernel<PARTS, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSharedBytes);
   if (attribute != cudaSuccess) return attribute;
-  const dim3 grid((a.T + S::kCols - 1) / S::kCols, (a.N + 15) / 16);
+  const dim3 grid((a.T + S::kCols - 1) / S::kCols * PARTS, (a.N + 15) / 16);
   if (grid.y > 65535u) return cudaErrorInvalidValue;
-  return launch_pdl(q8_0_gemv_rows_kernel<PARTS, NT>, grid, dim3(kRowsThreads), S::kSharedBytes, stream, a);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kRowsThreads);
+  config.dynamicSmemBytes = S::kSharedBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = PARTS;
+  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  const int first = PARTS > 1 ? 0 : 1;  // one part: no cluster
+  config.attrs = attributes + first;
+  config.numAttrs = (pdl_enabled() ? 2 : 1) - first;
+  const cudaError_t err = cudaLaunchKernelEx(&config, q8_0_gemv_rows_kernel<PARTS, NT>, a);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+template <int PARTS>
+cudaError_t launch_parts(const Q8GemvArgs& a, cudaStream_t stream) {
+  return a.T <= 8 ? launch_rows<PARTS, 1>(a, stream) : launch_rows<PARTS, 2>(a, stream);
 }
 
 }  // namespace
@@ -210,7 +300,7 @@ bool q8_0_gemv_rows_supported(const Q8GemvArgs& a, int parts) {
 }
 
 cudaError_t q8_0_gemv_rows_launch(const Q8GemvArgs& a, int parts, cudaStream_t stream) {
-  return parts == 1 ? launch_rows<1, 2>(a, stream) : launch_rows<4, 1>(a, stream);
+  return parts == 1 ? launch_parts<1>(a, stream) : launch_parts<4>(a, stream);
 }
 
 }  // namespace qwen38
