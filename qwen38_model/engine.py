@@ -21,6 +21,14 @@ config asks for logprobs (cfg.logprobs) has its selection write the chosen token
 TOP_LOGPROBS alternatives into its slot's rows of device buffers (sampling.write_logprobs: raw logits, before
 any processor), copied in the same ring, only by launches that selected such a sequence; a logit bias
 (cfg.logit_bias, the map in Sequence.logit_bias) is written into the slot's sampler at admission.
+
+A constrained sequence (Sequence.constraint, cfg.token_mask: structured output) cannot be read behind: the
+tokens its next selection may choose depend on the token just chosen. So while one is active, each step
+launches the model's run, then waits for every launch before it (the previous step's tokens, read while the
+GPU runs this step's layers), advances the constraint by its token, writes the allowed-token bitmask into the
+slot's device row and only then launches the selections. The other sequences' tokens are read as soon, not
+READ_BEHIND launches late: their tokens do not change, only the host's lead over the GPU (one step instead
+of READ_BEHIND) while a constrained sequence decodes.
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .generation import GenerationStats, StopCondition, keep_only
-from .sampling import TOP_LOGPROBS, SamplerState, SamplingConfig, check_logit_bias, select_next_token
+from .sampling import TOP_LOGPROBS, SamplerState, SamplingConfig, check_logit_bias, mask_words, select_next_token
 from .scratch import Scratch
 from .slots import SlotStates
 from .state import BAD_POSITION, BAD_TOKEN, Qwen38State, StateSnapshot
@@ -62,7 +70,11 @@ class Sequence:
     boundaries) at which the prefill also snapshots the state, into break_snapshots (each a prefix a prefix
     cache can restore). on_token(token): called as each token is read;
     with cfg.logprobs on_token(token, TokenLogprobs), and `logprobs` holds them in order. logit_bias: the
-    {token id: bias} map cfg.logit_bias says there is (added to the raw logits before every processor)."""
+    {token id: bias} map cfg.logit_bias says there is (added to the raw logits before every processor).
+    constraint: with cfg.token_mask, what the tokens must match (structured.TokenConstraint): fill(row) writes
+    the allowed tokens' bitmask (int32 [ceil(V / 32)], on the host) for the next token, advance(token) consumes
+    one (False: rejected, error() says why), complete() says whether it is done (the sequence then stops, as at
+    an end token)."""
 
     history: torch.Tensor
     cfg: SamplingConfig
@@ -74,6 +86,7 @@ class Sequence:
     snapshot_prompt: bool = False
     on_token: object = None
     logit_bias: dict[int, float] | None = None
+    constraint: object = None
     breaks: tuple[int, ...] = ()  # history positions where the prefill ends a chunk and snapshots the state
     # With a start holding the whole history (samples of one prompt sharing its prefill): the logits of its last
     # token, float32 [V], which the first token is selected from.
@@ -124,6 +137,12 @@ class BatchEngine:
         self.logprob = torch.zeros(max_batch, device=self.device)
         self.top_ids = torch.zeros(max_batch, TOP_LOGPROBS, dtype=torch.int32, device=self.device)
         self.top_logprobs = torch.zeros(max_batch, TOP_LOGPROBS, device=self.device)
+        # Each slot's allowed-token bitmask (cfg.token_mask selections read it), written from its host row; a
+        # host row is refilled only once its last copy is done (mask_copied: the event after it).
+        self.token_masks = torch.full((max_batch, mask_words(vocab)), -1, dtype=torch.int32, device=self.device)
+        self.host_masks = torch.full((max_batch, mask_words(vocab)), -1, dtype=torch.int32,
+                                     pin_memory=self.device.type == "cuda")
+        self.mask_copied: list[torch.cuda.Event | None] = [None] * max_batch
         self.samplers = [self._sampler(vocab, s) for s in range(max_batch)]
         self.scratch = {b: Scratch(self.device, rowwise=batch_invariant) for b in self.buckets}
         self.step_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -155,6 +174,7 @@ class BatchEngine:
             s.nonfinite = self.nonfinite[slot : slot + 1]
             s.logprob = self.logprob[slot : slot + 1]
             s.top_ids, s.top_logprobs = self.top_ids[slot], self.top_logprobs[slot]
+            s.token_mask = self.token_masks[slot]
         return s
 
     # --- graphs --------------------------------------------------------------------------------------------
@@ -256,6 +276,10 @@ class BatchEngine:
         if (bias is not None) != seq.cfg.logit_bias:
             raise ValueError("a sequence's logit_bias map and its config's logit_bias flag go together: "
                              f"found a {'map' if bias else 'no map'} with cfg.logit_bias={seq.cfg.logit_bias}")
+        if (seq.constraint is not None) != seq.cfg.token_mask:
+            raise ValueError("a sequence's constraint and its config's token_mask flag go together: found "
+                             f"{'a' if seq.constraint is not None else 'no'} constraint with "
+                             f"cfg.token_mask={seq.cfg.token_mask}")
         return bias
 
     def admit(self, seq: Sequence, chunk_size: int, progress=None):
@@ -286,6 +310,8 @@ class BatchEngine:
             self.samplers[slot].set_logit_bias(bias)
         self.logits[slot].copy_(logits[0])
         state.device_position.fill_(state.position - 1)
+        if seq.constraint is not None:
+            self._load_mask(slot, seq)
         self._select(slot, seq.cfg)  # eager: a selection outside the steps' graphs, as generation.py's prefill
         seq.launched = 1
         if seq.keep_state:
@@ -306,16 +332,32 @@ class BatchEngine:
             self.step_graphs[rows].replay()
         else:
             raise RuntimeError(f"no step graph for {rows} rows: capture() every bucket needed before admitting")
+        for seq in self.active[:rows]:
+            if seq is not None:
+                seq._steps += 1
+        if any(seq is not None and seq.constraint is not None for seq in self.active):
+            while self.launches:  # (a sequence that ends here leaves its slot: it selects nothing below)
+                self._finished.extend(self.read(wait=True))
         selected = []
         for slot, seq in enumerate(self.active[:rows]):
-            if seq is None:
-                continue
-            seq._steps += 1
-            if seq.launched < seq.max_new_tokens:
+            if seq is not None and seq.launched < seq.max_new_tokens:
+                if seq.constraint is not None:
+                    self._load_mask(slot, seq)
                 self.select(slot, seq.cfg)
                 seq.launched += 1
                 selected.append((slot, seq))
         self._record(selected)
+
+    def _load_mask(self, slot: int, seq: Sequence) -> None:
+        """The tokens seq's constraint allows next (every token it selected read and consumed) into the slot's
+        device bitmask, before its selection."""
+        if self.mask_copied[slot] is not None:
+            self.mask_copied[slot].synchronize()  # (done long ago as a rule: a step has passed since)
+        seq.constraint.fill(self.host_masks[slot])
+        self.token_masks[slot].copy_(self.host_masks[slot], non_blocking=True)
+        if self.device.type == "cuda":
+            self.mask_copied[slot] = torch.cuda.Event()
+            self.mask_copied[slot].record()
 
     def _record(self, selected: list) -> None:
         if len(self.launches) == self.host_tokens.shape[0]:
@@ -372,6 +414,11 @@ class BatchEngine:
             seq._first_token_at = time.perf_counter()
             seq.stats.prefill_s = seq._first_token_at - seq._admitted_at
         done = seq.stop.done(token) or len(seq.tokens) >= seq.max_new_tokens
+        if seq.constraint is not None and not seq.constraint.advance(token):
+            seq.error = RuntimeError(f"the sequence's constraint rejected token {token}, which its mask allowed: "
+                                     f"{seq.constraint.error()}")
+            return True
+        done = done or (seq.constraint is not None and seq.constraint.complete())
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         if seq.on_token is not None:

@@ -14,6 +14,9 @@ far, beside the repetition penalty in vLLM's order (repetition, frequency, prese
 With cfg.logprobs the selection also writes the chosen token's log-probability and the TOP_LOGPROBS most
 likely tokens with theirs into the state's logprob buffers: log_softmax of the raw logits, before any
 processor (vLLM's default logprobs_mode "raw_logprobs"), computed on the device inside the same graph.
+
+With cfg.token_mask (constrained decoding: a grammar's allowed tokens, structured.py) the tokens the state's
+bitmask does not allow get -inf right after the logit bias, so every processor after it sees them removed.
 """
 from __future__ import annotations
 
@@ -44,9 +47,10 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     logit_bias: bool = False  # whether the sequence's SamplerState.bias is added (the map is not in the config)
     logprobs: bool = False  # whether the selection writes the state's logprob buffers
+    token_mask: bool = False  # whether only the tokens SamplerState.token_mask allows may be chosen
 
     def __post_init__(self):
-        for name in ("do_sample", "logit_bias", "logprobs"):
+        for name in ("do_sample", "logit_bias", "logprobs", "token_mask"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, found {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -89,6 +93,9 @@ class SamplerState:
     logprob: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    # int32 [ceil(V / 32)]: bit t % 32 of word t // 32 set where token t is allowed (llguidance's bitmask; read
+    # only when cfg.token_mask; the host writes it before each selection)
+    token_mask: torch.Tensor | None = None
 
     @staticmethod
     def empty(vocab_size: int, device) -> "SamplerState":
@@ -102,7 +109,8 @@ class SamplerState:
                             torch.zeros(vocab_size, dtype=torch.float32, device=device),
                             torch.zeros(1, dtype=torch.float32, device=device),
                             torch.zeros(TOP_LOGPROBS, dtype=torch.int32, device=device),
-                            torch.zeros(TOP_LOGPROBS, dtype=torch.float32, device=device))
+                            torch.zeros(TOP_LOGPROBS, dtype=torch.float32, device=device),
+                            torch.full((mask_words(vocab_size),), -1, dtype=torch.int32, device=device))
 
     def reset(self, prompt: torch.Tensor, seed: int, eos_token_ids=()) -> None:
         """Host-to-device writes happen here, outside the captured step (a capture may not copy from host).
@@ -125,6 +133,17 @@ class SamplerState:
             ids = torch.tensor(list(logit_bias), dtype=torch.long)
             self.bias[ids.to(self.bias.device)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32,
                                                                device=self.bias.device)
+
+
+def mask_words(vocab_size: int) -> int:
+    """The int32 words of a token bitmask over vocab_size tokens."""
+    return (vocab_size + 31) // 32
+
+
+def allowed_tokens(token_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A token bitmask int32 [ceil(V / 32)] as bool [V] (token t: bit t % 32 of word t // 32)."""
+    bits = torch.arange(32, dtype=torch.int32, device=token_mask.device)
+    return ((token_mask[:, None] >> bits) & 1).view(-1)[:vocab_size].bool()
 
 
 def check_logit_bias(logit_bias, vocab_size: int) -> dict[int, float] | None:
@@ -151,6 +170,8 @@ def process_logits(logits: torch.Tensor, s: SamplerState, cfg: SamplingConfig) -
     scores = logits
     if cfg.logit_bias:
         scores = scores + s.bias
+    if cfg.token_mask:
+        scores = scores.masked_fill(~allowed_tokens(s.token_mask, scores.shape[-1]), float("-inf"))
     if cfg.repetition_penalty != 1.0:
         penalized = torch.where(scores < 0, scores * cfg.repetition_penalty, scores / cfg.repetition_penalty)
         scores = torch.where(s.seen, penalized, scores)

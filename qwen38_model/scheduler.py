@@ -62,6 +62,7 @@ class Job:
     # A chat: content -> the token ids of the history with the reply as the template renders it back (the next
     # turn's prefix), or None; the state there is cached instead of the state after the raw reply.
     next_turn: object = None
+    constraints: list | None = None  # response_format: each choice's structured.TokenConstraint
     # The scheduler thread's own:
     admitted: int = 0  # choices whose admission has begun (they are admitted in order)
     sequences: list = field(default_factory=list)  # engine.Sequence per choice, as each is admitted
@@ -258,7 +259,8 @@ class Scheduler:
                        start=job.start if job.n > 1 else self.cache.longest(job.ids), start_logits=job.start_logits,
                        keep_state=job.next_turn is None,
                        snapshot_prompt=i == 0, on_token=partial(job.push_token, i),
-                       logit_bias=job.kwargs.get("logit_bias"), breaks=job.breaks if job.n == 1 else ())
+                       logit_bias=job.kwargs.get("logit_bias"), breaks=job.breaks if job.n == 1 else (),
+                       constraint=job.constraints[i] if job.constraints else None)
         job.sequences.append(seq)
         self.owners[id(seq)] = (job, i)
         yield from self.engine.admit(seq, PREFILL_INTERLEAVE)

@@ -8,11 +8,13 @@ Prompts share one PrefixCache, so a chat that comes back with its history prefil
 Sampling fields a request leaves out take the checkpoint's settings, as vLLM takes a model's generation
 config. Every bad request is an OpenAI-style JSON error, never a traceback; a field the server does not
 implement is one, never ignored. A chat reply's `<think>` part is its reasoning_content and, with `tools`, its
-`<tool_call>` blocks are message.tool_calls (chat_reply.py)."""
+`<tool_call>` blocks are message.tool_calls (chat_reply.py). A chat's response_format json_object / json_schema
+constrains its reply to that JSON (structured.py)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import math
@@ -40,6 +42,7 @@ from .generation import resolve_seed
 from .model import default_kv_dtype
 from .sampling import TOP_LOGPROBS, SamplingConfig
 from .scheduler import Job, Scheduler, default_max_batch
+from .structured import ANY_OBJECT, JsonConstraints
 
 # A request's sampling fields left out take the checkpoint's settings, else these: OpenAI's temperature and
 # top_p, and no top-k, min-p or repetition penalty (the OpenAI API has none of them).
@@ -61,9 +64,10 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "min_tokens", "n", "seed", "stop",
                  "stream", "stream_options", "user"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice",
-                               "top_logprobs"}
+                               "top_logprobs", "response_format"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-NO_OP = {"response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+NO_OP = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+COMPLETION_NO_OP = {**NO_OP, "response_format": (None, {"type": "text"})}  # (a chat's is implemented)
 # logit_bias: OpenAI's bounds (at most 300 entries, each bias in [-100, 100]). Logprobs: a chat's top_logprobs at
 # most 20 (TOP_LOGPROBS, what the selection computes), a completion's logprobs at most 5 (OpenAI's legacy bound).
 LOGIT_BIAS_ENTRIES, LOGIT_BIAS_LIMIT = 300, 100.0
@@ -207,6 +211,8 @@ class Server:
         self.created = int(time.time())
         self.eos_ids = tuple(model.config.eos_token_ids) if model is not None else ()
         self.eos = frozenset(self.eos_ids)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # the logits' width: the bitmask's
+        self.json_constraints = JsonConstraints(tokenizer, vocab, self.eos_ids) if isinstance(vocab, int) else None
         self.scheduler = None
         if speculative is not None:
             if max_batch not in (None, 1):
@@ -336,6 +342,9 @@ class Server:
                 raise RequestError(400, "logprobs are not available with --speculative (one sequence at a time "
                                         "through generate(), which reports none)", "logprobs")
             cfg = self.sampling_config(kwargs, logprobs is not None)
+            constraints = self.constraints(response_schema(body), kwargs["n"]) if chat else None
+            if constraints:
+                cfg = dataclasses.replace(cfg, token_mask=True)
         except RequestError as e:
             self.log.write(f"- POST {request.url.path} {e.status}: {e}\n")
             return error_response(e.status, str(e), e.param, e.code)
@@ -353,7 +362,7 @@ class Server:
         # its reply lacks the prompt's part of the call).
         next_turn = self.next_turn(prompt, body) if chat and not prompt.forced else None
         job = Job(ids, kwargs, cfg, resolve_seed(kwargs["seed"], None), asyncio.get_running_loop(), logprobs=logprobs,
-                  breaks=breaks, next_turn=next_turn)
+                  breaks=breaks, next_turn=next_turn, constraints=constraints)
         reply = Reply(self, job, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
                       parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none",
@@ -368,11 +377,11 @@ class Server:
         if model is not None and model != self.model_name:
             raise RequestError(404, f"The model `{model}` does not exist (this server serves {self.model_name})",
                                "model", "model_not_found")
-        known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        known, no_op = (CHAT_FIELDS, NO_OP) if chat else (COMPLETION_FIELDS, COMPLETION_NO_OP)
         for name, value in body.items():
-            if name in NO_OP:
+            if name in no_op:
                 # A bool matches only itself (False == 0 in Python: logprobs=0 must not pass as false).
-                if not any(value is v if bool in (type(value), type(v)) else value == v for v in NO_OP[name]):
+                if not any(value is v if bool in (type(value), type(v)) else value == v for v in no_op[name]):
                     raise RequestError(400, f"{name} is not supported by this server (found {value!r})", name)
             elif name not in known:
                 raise RequestError(400, f"{name} is not supported by this server", name)
@@ -419,12 +428,18 @@ class Server:
     def chat_request(self, body: dict) -> ChatPrompt:
         """The chat template's text for the request's messages (content as a string or a list of text parts,
         joined by newlines as vLLM joins them) and its chat_template_kwargs (enable_thinking, ...), rendered
-        once; with a forced tool call (forced_tool_call) appended."""
+        once; with a forced tool call (forced_tool_call) appended. A forced call or a constrained reply
+        (response_format) closes the thinking the template opens: the reply is the call, or the JSON."""
         messages, kwargs = self.chat_messages(body)
         text = self.render(messages, kwargs)
         opened = text.rfind(THINK_START) > text.rfind(THINK_END)
         forced = forced_tool_call(body, kwargs.get("tools", []))
-        if forced and opened:  # the prompt opens the thinking: close it
+        constrained = response_schema(body) is not None
+        if forced and constrained:
+            raise RequestError(400, "response_format constrains the reply, a forced tool call (tool_choice "
+                                    f"{body['tool_choice']!r:.80}) makes it a call: ask for one of them",
+                               "response_format")
+        if (forced or constrained) and opened:  # the prompt opens the thinking: close it (the reply is the answer)
             text += "\n" + THINK_END + "\n\n"
         return ChatPrompt(messages, kwargs, text + forced, forced, opened)
 
@@ -573,6 +588,22 @@ class Server:
             kwargs["stop_strings"] = stop
         return kwargs
 
+    def constraints(self, schema: dict | None, n: int) -> list | None:
+        """One constraint per choice for a response_format's JSON schema (None without one); a 400 naming
+        response_format where the grammar library rejects the schema, or where nothing can apply it."""
+        if schema is None:
+            return None
+        if self.scheduler is not None and self.scheduler.engine is None:
+            raise RequestError(400, "response_format is not available with --speculative (one sequence at a time "
+                                    "through generate(), which constrains nothing)", "response_format")
+        if self.json_constraints is None:
+            raise RequestError(503, "this server has no model to run")
+        try:
+            grammar = self.json_constraints.grammar(schema)
+            return [self.json_constraints.constraint(grammar) for _ in range(n)]
+        except ValueError as e:
+            raise RequestError(400, f"response_format: {e}", "response_format") from None
+
     def sampling_config(self, kwargs: dict, logprobs: bool = False) -> SamplingConfig:
         """generation_kwargs' sampling fields as the engine's per-sequence SamplingConfig (as generate() builds
         it, the checkpoint's end tokens among them); logprobs: the request asks for them."""
@@ -597,6 +628,7 @@ class Choice:
         self.thinking = ThinkingSplit(opened) if self.chat else None
         self.tool_split = ToolCallSplit() if parse_tools else None  # tools given, tool_choice not "none"
         self.role_sent = False  # streamed chat: the first chunk's delta carries the role
+        self.constraint = reply.job.constraints[index] if reply.job.constraints else None  # response_format
         self.last_token = None
         self.tokenizer = reply.server.tokenizer
         self.top = reply.job.logprobs  # alternatives per token with logprobs; None: no logprobs asked
@@ -727,6 +759,8 @@ class Reply:
                 if value is None:
                     if choice.finish != "stop":
                         choice.text += choice.decoder.flush()
+                        if choice.constraint is not None and choice.constraint.complete():
+                            choice.finish = "stop"  # the JSON is complete: the grammar ended it, as an end token
                     running.discard(i)
                     if piece := choice.ready(final=True):
                         yield i, piece
@@ -827,6 +861,25 @@ class Reply:
         if self.include_usage:  # as OpenAI: a last chunk with no choices and the usage, only when asked
             yield sse(self.body([], self.usage()))
         yield "data: [DONE]\n\n"
+
+
+def response_schema(body: dict) -> dict | None:
+    """The JSON schema a chat's response_format constrains its reply to: json_object any object, json_schema
+    its json_schema.schema (OpenAI's {"name", "schema", "description"?, "strict"?}); None for text or none."""
+    form = body.get("response_format")
+    if form is None or form == {"type": "text"}:
+        return None
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind == "json_object" and set(form) == {"type"}:
+        return ANY_OBJECT
+    spec = form.get("json_schema") if kind == "json_schema" and set(form) == {"type", "json_schema"} else None
+    if not (isinstance(spec, dict) and set(spec) <= {"name", "schema", "description", "strict"}
+            and isinstance(spec.get("name"), str) and isinstance(spec.get("schema", {}), dict)
+            and isinstance(spec.get("strict", False), (bool, type(None)))):
+        raise RequestError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"?, \"description\"?, "
+                                f"\"strict\"?}}}}, found {form!r:.120}", "response_format")
+    return spec.get("schema", {})
 
 
 def request_tools(body: dict) -> list:

@@ -1,6 +1,7 @@
 """Many sequences at once (engine.BatchEngine): every sequence of a batch gets exactly the tokens of its solo
 run, greedy and sampled with its seed, whatever else is in the batch, however padded, and whenever it
 joined; forward() with an attention_mask gives each row the logits of that row alone."""
+import numpy as np
 import pytest
 import torch
 
@@ -197,6 +198,82 @@ def test_cuda_batched_generate_equals_eager_batched(cuda_model):
 
 
 @pytest.mark.cuda
+class ChainConstraint:
+    """A constraint whose allowed tokens depend on the token just chosen (as a grammar's do): after token p, the
+    five tokens (7p + k) % V; complete after `length` tokens."""
+
+    def __init__(self, vocab: int, first: int, length: int):
+        self.vocab, self.previous, self.left = vocab, first, length
+
+    def allowed(self, previous: int) -> list[int]:
+        return [(7 * previous + k) % self.vocab for k in range(5)]
+
+    def fill(self, row: torch.Tensor) -> None:
+        bits = np.zeros(row.numel() * 32, dtype=bool)
+        bits[self.allowed(self.previous)] = True
+        row.copy_(torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4")))  # token t: bit t % 32
+
+    def advance(self, token: int) -> bool:
+        ok = token in self.allowed(self.previous)
+        self.previous, self.left = token, self.left - 1
+        return ok
+
+    def complete(self) -> bool:
+        return self.left == 0
+
+    def error(self) -> str:
+        return "not among the allowed tokens"
+
+
+def constrained_run(model, rows, device: str, use_graph: bool):
+    """Two constrained sequences (greedy and sampled) beside an unconstrained one, through the engine."""
+    eos = frozenset(model.config.eos_token_ids)
+    vocab = model.config.vocab_size
+    masked = [SamplingConfig(eos_token_ids=tuple(eos), token_mask=True),
+              SamplingConfig(eos_token_ids=tuple(eos), token_mask=True, **SAMPLED)]
+    sequences = [Sequence(rows[0].to(device, torch.int32), masked[0], 0, 12, StopCondition(eos),
+                          constraint=ChainConstraint(vocab, int(rows[0][-1]), 6)),
+                 Sequence(rows[1].to(device, torch.int32), SamplingConfig(eos_token_ids=tuple(eos)), 0, 12,
+                          StopCondition(eos)),
+                 Sequence(rows[2].to(device, torch.int32), masked[1], 3, 12, StopCondition(eos),
+                          constraint=ChainConstraint(vocab, int(rows[2][-1]), 8))]
+    run_batch(BatchEngine(model, 3, 32, torch.float32, use_graph=use_graph), sequences, chunk_size=4)
+    return sequences
+
+
+def check_constrained(model, rows, sequences):
+    """Each constrained token is among those its predecessor allows (greedy: the most likely of them under
+    model(ids)'s logits), each constrained sequence stops where its constraint completes, the unconstrained one
+    gets its solo tokens."""
+    first, plain, sampled = sequences
+    assert plain.tokens == solo(model, rows[1], max_new_tokens=12)
+    assert len(first.tokens) == 6 and len(sampled.tokens) == 8
+    for prompt, seq in ((rows[0], first), (rows[2], sampled)):
+        previous = [int(prompt[-1])] + seq.tokens[:-1]
+        assert all(t in seq.constraint.allowed(p) for p, t in zip(previous, seq.tokens))
+    ids = torch.cat([rows[0], torch.tensor(first.tokens)])[None].to(model.device)
+    logits = model(ids).logits[0, rows[0].shape[0] - 1 : -1]
+    previous = [int(rows[0][-1])] + first.tokens[:-1]
+    for t, (p, token) in enumerate(zip(previous, first.tokens)):
+        allowed = first.constraint.allowed(p)
+        assert token == allowed[int(logits[t, allowed].argmax())], t
+
+
+def test_a_token_mask_constrains_each_selection_to_its_allowed_tokens(model):
+    """cfg.token_mask with a constraint (structured output's contract, here without a grammar library): the
+    bitmask the host writes after reading each token is what the next selection chooses from."""
+    rows = prompts(model, [5, 4, 6], seed=21)
+    check_constrained(model, rows, constrained_run(model, rows, "cpu", use_graph=False))
+
+
+@pytest.mark.cuda
+def test_cuda_constrained_sequences_wait_for_their_tokens_in_the_graphs(cuda_model):
+    """On the GPU, where the host reads READ_BEHIND launches late: a constrained sequence's next mask still
+    follows its last token (the engine waits for it), and the sequences beside it keep their solo tokens."""
+    rows = prompts(cuda_model, [5, 4, 6], seed=21)
+    check_constrained(cuda_model, rows, constrained_run(cuda_model, rows, "cuda", use_graph=True))
+
+
 def test_cuda_logprobs_bias_and_frequency_penalty_through_the_selection_graphs(cuda_model):
     """On the GPU, the selection graphs (captured per slot and config) with logprobs, a logit bias and a
     frequency penalty: each sequence's tokens are those of its solo generate() run (the single-sequence

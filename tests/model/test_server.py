@@ -504,6 +504,10 @@ def test_speculative_serves_one_sequence_at_a_time(client):
         with pytest.raises(openai.BadRequestError) as no_logprobs:  # generate() reports none
             speculative.completions.create(**args, logprobs=1)
         assert no_logprobs.value.param == "logprobs"
+        with pytest.raises(openai.BadRequestError) as unconstrained:  # generate() applies no grammar
+            speculative.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                                response_format={"type": "json_object"})
+        assert unconstrained.value.param == "response_format"
         biased = {**args, "logit_bias": {"42": 3.0}, "frequency_penalty": 0.8}  # through generate()'s arguments
         assert speculative.completions.create(**biased).choices[0].text == client.completions.create(**biased).choices[0].text
 
@@ -685,7 +689,7 @@ def test_serve_reads_the_checkpoint_sampling_settings(capsys, built_servers, tmp
 def test_nothing_is_silently_ignored(client, server):
     """A field the server does not implement is a 400 naming it, a model it does not serve a 404, as vLLM."""
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=4, temperature=0)
-    for extra, param in [({"response_format": {"type": "json_object"}}, "response_format"),
+    for extra, param in [({"response_format": {"type": "json_schema"}}, "response_format"),
                          ({"logit_bias": {"5": 101}}, "logit_bias"), ({"guided_json": {}}, "guided_json"),
                          ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"top_k": -2}, "top_k"),
                          ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -695,6 +699,8 @@ def test_nothing_is_silently_ignored(client, server):
             client.chat.completions.create(**chat, extra_body=extra)
         assert refused.value.param == param and param in refused.value.message, (extra, refused.value.message)
     assert post(server + "/v1/completions", b'{"prompt": "x", "stream": "yes"}')[1]["error"]["param"] == "stream"
+    assert post(server + "/v1/completions", b'{"prompt": "x", "response_format": {"type": "json_object"}}'
+                )[1]["error"]["param"] == "response_format"  # a chat's only
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(**{**chat, "model": "gpt-4o"})
     assert unknown.value.code == "model_not_found" and "gpt-4o" in unknown.value.message
@@ -959,6 +965,82 @@ def test_tool_calls_parsed_from_the_reply():
         model.reply = "It is sunny."
         answer = client.chat.completions.create(**{**args, "messages": history}).choices[0]
         assert answer.message.content == "It is sunny." and answer.finish_reason == "length"
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                          "pet": {"enum": ["cat", "dog"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+
+
+def structured(client, schema: dict | None = None, stream: bool = False, **kwargs) -> list[tuple[str, str]]:
+    """Each choice's (content, finish_reason) of a chat whose response_format is json_schema (json_object
+    without a schema); streamed, each choice's deltas joined."""
+    form = {"type": "json_object"} if schema is None else \
+        {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Who lives here? Answer in JSON."}],
+                response_format=form, **kwargs)
+    if not stream:
+        return [(c.message.content, c.finish_reason) for c in client.chat.completions.create(**args).choices]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    return [("".join(c.delta.content or "" for c in chunks if c.index == i),
+             [c.finish_reason for c in chunks if c.index == i][-1]) for i in range(kwargs.get("n", 1))]
+
+
+def test_response_format_constrains_the_reply_to_the_schema(client):
+    """json_schema and json_object replies are constrained decoding (llguidance's mask on the logits, in the
+    sequence's selection graph): every choice parses and validates, ends where the JSON does (finish_reason
+    stop, no end token needed), streamed as not, n > 1 each with its own matcher; the thinking the template
+    opens is closed first (the reply is the JSON, in content)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    sampled = dict(max_tokens=60, temperature=0.9, seed=11, n=2, extra_body={"top_k": 40})
+    whole = structured(client, PERSON, **sampled)
+    assert whole == structured(client, PERSON, stream=True, **sampled)
+    greedy = structured(client, PERSON, max_tokens=60, temperature=0)
+    for content, finish in whole + greedy:
+        jsonschema.validate(json.loads(content), PERSON)
+        assert finish == "stop"
+    assert len({content for content, _ in whole}) == 2  # each choice samples with its own seed
+    # json_object: any object. The random model writes long keys, so a bias makes it close one: {"":""}.
+    quote, brace = (tokenizer_id(client, text) for text in ('"', "}"))
+    [(content, finish)] = structured(client, max_tokens=20, temperature=0, logit_bias={quote: 100, brace: 50})
+    assert json.loads(content) == {"": ""} and finish == "stop"
+
+
+def tokenizer_id(client, text: str) -> str:
+    [token] = post(str(client.base_url).removesuffix("/v1/") + "/tokenize", json.dumps({"prompt": text}).encode()
+                   )[1]["tokens"]
+    return str(token)
+
+
+def test_response_format_errors_name_it(client):
+    """A schema the grammar library rejects, or a response_format of no known shape, is a 400 naming
+    response_format (with llguidance's reason); so is a forced tool call beside it."""
+    for form, says in [({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}, "wat"),
+                       ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format must be"),
+                       ({"type": "yaml"}, "response_format must be")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                           response_format=form)
+        assert refused.value.param == "response_format" and says in refused.value.message, refused.value.message
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as both:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       tools=tools, tool_choice="required", response_format={"type": "json_object"})
+    assert both.value.param == "response_format"
+
+
+def test_constrained_requests_beside_others_change_none_of_their_texts(client):
+    """In one batch: two constrained chats (each waits for its token before its next mask) and two greedy
+    completions; the completions get their solo texts, the constrained ones theirs."""
+    plain = [("Quartz and granite", dict(temperature=0, max_tokens=20)),
+             ("Rivers under ice", dict(temperature=0, max_tokens=14))]
+    solo = [streamed_text(client, prompt, **kwargs)[0] for prompt, kwargs in plain]
+    constrained = dict(max_tokens=60, temperature=0.7, seed=4)
+    solo_json = structured(client, PERSON, **constrained)
+    together = concurrently([lambda p=p, k=k: streamed_text(client, p, **k)[0] for p, k in plain] +
+                            [lambda: structured(client, PERSON, **constrained)] * 2)
+    assert together == solo + [solo_json] * 2
 
 
 @pytest.mark.cuda
