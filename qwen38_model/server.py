@@ -480,11 +480,12 @@ class Server:
             _, content = ThinkingSplit(prompt.opened).feed(reply, final=True)
             calls = []
             if parse_tools:
-                content, calls = ToolCallSplit().feed(content, final=True)
+                split = ToolCallSplit()
+                content, _ = split.feed(content, final=True)
+                calls = split.calls
             message = {"role": "assistant", "content": content or ""}
             if calls:
-                message["tool_calls"] = message_tool_calls([{k: v for k, v in c.items() if k != "index"} for c in calls],
-                                                           len(messages))
+                message["tool_calls"] = message_tool_calls(calls, len(messages))
             try:
                 return self.tokenizer.encode(self.render(messages + [message], kwargs, add_generation_prompt=False))
             except RequestError:
@@ -697,11 +698,12 @@ class Choice:
             if finish is not None and self.tool_split.calls:
                 finish = "tool_calls"
         if not delta:
+            calls = self.tool_split.calls if self.tool_split is not None else []
             message = {"role": "assistant", "content": text or (None if calls else text)}
             if self.thinking.reasoned:
                 message["reasoning_content"] = reasoning
             if calls:
-                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
+                message["tool_calls"] = calls
             return {"index": self.index, "message": message, "logprobs": self.logprob_part(), "finish_reason": finish}
         content = {} if self.role_sent else {"role": "assistant"}
         if reasoning:

@@ -886,9 +886,56 @@ def test_thinking_goes_to_reasoning_content():
     assert pieces == [("abc", ""), ("", "def"), ("", "")]
 
 
+def streamed_calls(deltas) -> list[tuple[str, str, str]]:
+    """A stream's tool calls as (id, name, arguments): each call's first delta has its id, type and name (its
+    index the next), the arguments its deltas' pieces joined."""
+    calls = {}
+    for d in [d for delta in deltas for d in delta.tool_calls or []]:
+        if d.index not in calls:
+            assert d.index == len(calls) and d.id.startswith("call_") and d.type == "function" and d.function.name
+            calls[d.index] = [d.id, d.function.name, ""]
+        else:
+            assert d.id is None and d.function.name is None
+        calls[d.index][2] += d.function.arguments or ""
+    return [tuple(c) for c in calls.values()]
+
+
+def test_tool_call_arguments_stream_as_they_arrive():
+    """ToolCallSplit fed a character at a time (the finest stream): the call's name goes out once its block's
+    head has come, its arguments piece by piece while the block is open, and they join to the arguments the
+    whole reply parses to; a block whose JSON breaks after its head becomes content, as in the whole reply."""
+    from qwen38_model.chat_reply import ToolCallSplit
+
+    def fed(reply: str, pieces: list[str]):
+        split, content, deltas = ToolCallSplit(), "", []
+        for i, piece in enumerate(pieces):
+            text, new = split.feed(piece, final=i == len(pieces) - 1)
+            content, deltas = content + text, deltas + [(i, d) for d in new]
+        return split, content, deltas
+
+    call = '<tool_call>\n{"name": "search", "arguments": {"query": "a \\"quoted\\" {brace}", "n": [1, 2]}}\n</tool_call>'
+    reply = "Let me look.\n" + call + "\n" + call.replace("search", "fetch")
+    whole, whole_content, _ = fed(reply, [reply])
+    split, content, deltas = fed(reply, list(reply) + [""])
+    assert content == whole_content == "Let me look." and len(split.calls) == len(whole.calls) == 2
+    for index, complete in enumerate(split.calls):
+        mine = [(i, d) for i, d in deltas if d["index"] == index]
+        assert mine[0][1]["function"]["name"] == complete["function"]["name"] and mine[0][1]["id"] == complete["id"]
+        assert "".join(d["function"]["arguments"] for _, d in mine) == complete["function"]["arguments"] == \
+            whole.calls[index]["function"]["arguments"] == '{"query": "a \\"quoted\\" {brace}", "n": [1, 2]}'
+        assert len(mine) > 10  # piece by piece, before the block closed
+        assert mine[-1][0] < reply.index("</tool_call>", reply.index(complete["function"]["name"]))
+    broken = "Hm. " + call.replace('"n": [1, 2]}}', '"n": [1, 2}}')
+    split, content, deltas = fed(broken, list(broken) + [""])
+    whole, whole_content, _ = fed(broken, [broken])
+    assert content == whole_content == broken and not split.calls and not whole.calls
+    assert deltas and deltas[0][1]["function"]["name"] == "search"  # what went out before the JSON broke
+
+
 def test_tool_calls_parsed_from_the_reply():
     """As vLLM's hermes parser reads Qwen's tool calls: with tools (rendered by the chat template), the reply's
-    <tool_call> blocks are message.tool_calls (one delta per complete call streamed), finish_reason tool_calls,
+    <tool_call> blocks are message.tool_calls (streamed: the name, then the arguments piece by piece, joining to
+    the whole answer's), finish_reason tool_calls,
     the text outside them content (null when empty); a block that is not JSON stays content; tool_choice
     "none" parses nothing; "required" and a named function make the reply start with the call (the prompt
     ends with it opened), a name not among the tools is a 400; a tool message and an assistant's tool_calls
@@ -907,13 +954,10 @@ def test_tool_calls_parsed_from_the_reply():
             whole = client.chat.completions.create(**args).choices[0]
             chunks = [c.choices[0] for c in client.chat.completions.create(**args, stream=True)]
             deltas = [c.delta for c in chunks]
-            streamed = [d for c in deltas for d in c.tool_calls or []]
-            assert all(d.id.startswith("call_") and d.type == "function" for d in streamed)
-            assert [d.index for d in streamed] == list(range(len(streamed)))
             content = "".join(d.content or "" for d in deltas)
             assert (content or None) == whole.message.content and chunks[-1].finish_reason == whole.finish_reason
-            assert [(d.function.name, d.function.arguments) for d in streamed] == \
-                [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+            assert [call[1:] for call in streamed_calls(deltas)] == [(c.function.name, c.function.arguments)
+                                                                     for c in whole.message.tool_calls or []]
             return whole
 
         one = both(call % "Paris")
@@ -924,7 +968,7 @@ def test_tool_calls_parsed_from_the_reply():
         two = both("Checking both.\n" + call % "Paris" + "\n" + call % "Rome")
         assert two.message.content == "Checking both." and two.finish_reason == "tool_calls"
         assert [json.loads(c.function.arguments)["city"] for c in two.message.tool_calls] == ["Paris", "Rome"]
-        bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'
+        bad = '<tool_call>\n{"name": get_weather, "arguments": {"city": "Oslo"}}</tool_call>'
         malformed = both("Hm. " + bad)
         assert malformed.message.content == "Hm. " + bad and not malformed.message.tool_calls
         assert malformed.finish_reason == "length"  # the scripted model sends no end token
@@ -938,15 +982,11 @@ def test_tool_calls_parsed_from_the_reply():
         assert json.loads(forced.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
         model.reply = '{"city": "Rome"}}\n</tool_call>'
         named = dict(type="function", function=dict(name="get_weather"))
-        for stream in (False, True):
-            if stream:
-                deltas = [c.choices[0].delta for c in client.chat.completions.create(**args, tool_choice=named,
-                                                                                      stream=True) if c.choices]
-                calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
-            else:
-                calls = client.chat.completions.create(**args, tool_choice=named).choices[0].message.tool_calls
-            assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
-                [("get_weather", {"city": "Rome"})]
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(**args, tool_choice=named, stream=True)
+                  if c.choices]
+        whole = client.chat.completions.create(**args, tool_choice=named).choices[0].message.tool_calls
+        assert [(name, arguments) for _, name, arguments in streamed_calls(deltas)] == \
+            [(c.function.name, c.function.arguments) for c in whole] == [("get_weather", '{"city": "Rome"}')]
         with pytest.raises(openai.BadRequestError) as unknown:
             client.chat.completions.create(**args, tool_choice=dict(type="function", function=dict(name="other")))
         assert unknown.value.param == "tool_choice" and "not among the tools" in unknown.value.message
