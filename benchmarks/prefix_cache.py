@@ -29,8 +29,10 @@ than its budget; `qwen38 serve` has no "off": --cache-gb must be > 0):
 
 Per request: prompt tokens, `usage.prompt_tokens_details.cached_tokens`, the cacheable prefix (the tokens of
 the request's messages but the last, rendered by the template without the generation prompt, where that is a
-prefix of the prompt's tokens: the earlier turns of a chat, the shared system prompt or prefix), the hit
-fraction (cached / prompt) and the fraction of the cacheable prefix restored, TTFT (request sent -> the first
+prefix of the prompt's tokens: the earlier turns of a chat, the shared system prompt or prefix; 0 where the
+template renders them otherwise once more follows), the history (the prompt's tokens before the last message's
+text, its header included, whatever the template does), the hit fraction (cached / prompt) and the fractions of
+the cacheable prefix and of the history restored, TTFT (request sent -> the first
 streamed chunk with text, content or reasoning; also to the first content chunk), with the cache and without.
 Totals from turn 2 on. Identity: every reply text (content and reasoning) and token count of the cached run
 equal to the uncached replay's; the first request that differs.
