@@ -197,7 +197,6 @@ def test_cuda_batched_generate_equals_eager_batched(cuda_model):
     assert torch.equal(graph, eager)
 
 
-@pytest.mark.cuda
 class ChainConstraint:
     """A constraint whose allowed tokens depend on the token just chosen (as a grammar's do): after token p, the
     five tokens (7p + k) % V; complete after `length` tokens."""
@@ -274,6 +273,7 @@ def test_cuda_constrained_sequences_wait_for_their_tokens_in_the_graphs(cuda_mod
     check_constrained(cuda_model, rows, constrained_run(cuda_model, rows, "cuda", use_graph=True))
 
 
+@pytest.mark.cuda
 def test_cuda_logprobs_bias_and_frequency_penalty_through_the_selection_graphs(cuda_model):
     """On the GPU, the selection graphs (captured per slot and config) with logprobs, a logit bias and a
     frequency penalty: each sequence's tokens are those of its solo generate() run (the single-sequence
