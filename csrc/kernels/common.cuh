@@ -96,48 +96,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(shared_address(p)));
 }
-
-// ---- mbarrier and the bulk copy engine (sm_90; PTX ISA: mbarrier, cp.async.bulk) --------------------------------
-// A producer thread announces a stage's bytes (expect_tx) and issues bulk copies that complete on the stage's
-// "full" barrier; consumers wait on its phase, read, and arrive on its "empty" barrier, which the producer waits on
-// before it refills the stage. No __syncthreads in the loop: each warp waits only for the data it reads.
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
-}
-// Spins until the barrier's phase with this parity has completed.
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(shared_address(bar)),
-      "r"(parity)
-      : "memory");
-}
-// bytes (a multiple of 16; src and dst 16-byte aligned) from global to this block's shared memory by the copy
-// engine, counted against bar's expected transaction bytes.
-__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar))
-               : "memory");
-}
-// The double at p's shared-memory address in block `rank` of the cluster (distributed shared memory).
-__device__ __forceinline__ double load_cluster_shared(const double* p, int rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(p)), "r"(rank));
-  double v;
-  asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(remote) : "memory");
-  return v;
-}
 #endif
 
 }  // namespace qwen38
