@@ -60,6 +60,7 @@ import time
 import torch
 
 from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
+from benchmarks.serving import require_server_packages, serving_model
 
 CACHE_GB = 4.0  # `qwen38 serve --cache-gb`'s default
 TARGET_HIT = 0.9  # issue 23 item 4: from turn 2 on >= 90% of the prompt tokens cached
@@ -415,33 +416,13 @@ def main(argv=None) -> dict:
            args.max_batch) < 1 or not args.cache_gb > 0:
         raise SystemExit("--conversations, --turns, --max-tokens, --system-tokens, --fewshot-tokens, --requests and "
                          "--max-batch must be >= 1, --cache-gb > 0")
-    try:
-        import openai  # noqa: F401
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"benchmarks.prefix_cache needs openai, starlette and uvicorn ({e})") from None
-    if not args.tiny and not torch.cuda.is_available():
-        raise SystemExit("benchmarks.prefix_cache needs a CUDA GPU (or --tiny)")
+    require_server_packages("prefix_cache", args.tiny)
 
     from qwen38_model.model import default_kv_dtype
-    from qwen38_model.tokenizer import load_tokenizer
 
     env = env_info()
     start = time.perf_counter()
-    if args.tiny:
-        from qwen38_model import Qwen38ForCausalLM
-        from qwen38_model.default_model import default_model_path
-
-        path = args.model or default_model_path()
-        model = Qwen38ForCausalLM.from_pretrained(path, device="cpu")
-        tokenizer, name = load_tokenizer(path), "tiny"
-    else:
-        from benchmarks.decode import build_model
-
-        model = build_model(args.model, "int8")
-        tokenizer = load_tokenizer(args.model) if args.model else chat_tokenizer(model.config.vocab_size)
-        name = "checkpoint" if args.model else "synthetic-27b-q8_0"
+    model, tokenizer, name = serving_model(args.model, args.tiny, chat_tokenizer)
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()

@@ -57,6 +57,7 @@ import time
 import torch
 
 from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
+from benchmarks.serving import require_server_packages, serving_model
 
 VOCAB_27B = 248320
 CACHE_BYTES = int(4e9)  # `qwen38 serve --cache-gb`'s default
@@ -286,35 +287,15 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--join-after must be in [1, --new-tokens): found {args.join_after}")
     check_at = CHECK_AT if CHECK_AT in args.clients else max(args.clients)
     args.check_solo = max(0, min(args.check_solo, check_at))
-    try:
-        import openai  # noqa: F401
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"benchmarks.serve needs openai, starlette and uvicorn ({e})") from None
-    if not args.tiny and not torch.cuda.is_available():
-        raise SystemExit("benchmarks.serve needs a CUDA GPU (or --tiny)")
+    require_server_packages("serve", args.tiny)
 
     from qwen38_model.model import default_kv_dtype
     from qwen38_model.scheduler import PREFILL_INTERLEAVE, default_max_batch
     from qwen38_model.server import Server, serving_in_thread
-    from qwen38_model.tokenizer import load_tokenizer
 
     env = env_info()
     start = time.perf_counter()
-    if args.tiny:
-        from qwen38_model import Qwen38ForCausalLM
-        from qwen38_model.default_model import default_model_path
-
-        path = args.model or default_model_path()
-        model = Qwen38ForCausalLM.from_pretrained(path, device="cpu")
-        tokenizer, name = load_tokenizer(path), "tiny"
-    else:
-        from benchmarks.decode import build_model
-
-        model = build_model(args.model, "int8")
-        tokenizer = load_tokenizer(args.model) if args.model else benchmark_tokenizer(model.config.vocab_size)
-        name = "checkpoint" if args.model else "synthetic-27b-q8_0"
+    model, tokenizer, name = serving_model(args.model, args.tiny, benchmark_tokenizer)
     load_s = time.perf_counter() - start
     eos = tuple(model.config.eos_token_ids)
     model.config = dataclasses.replace(model.config, eos_token_ids=())  # every request runs to max_tokens
