@@ -463,14 +463,14 @@ class Qwen38ForCausalLM(nn.Module):
 
     def _batch_engine(self, max_batch: int, max_seq_len: int, kv_dtype, use_graph, exact: bool) -> BatchEngine:
         """The batch engine is kept between calls while it fits (its graphs are captured once); exact: the
-        caller asked for max_seq_len (generate()'s max_seq_len: the KV cache size). Building one frees the
-        speculative engine first, and the other way round."""
-        engine = getattr(self, "_batch", None)
-        if (engine is None or engine.max_batch < max_batch or engine.max_seq_len < max_seq_len
+        caller asked for max_seq_len (generate()'s max_seq_len: the KV cache size). The model holds one engine,
+        this or the speculative one (self._engine): building one frees the other first."""
+        engine = getattr(self, "_engine", None)
+        if (not isinstance(engine, BatchEngine) or engine.max_batch < max_batch or engine.max_seq_len < max_seq_len
                 or (exact and engine.max_seq_len != max_seq_len)
                 or engine.kv_dtype != kv_dtype or (use_graph is not None and engine.use_graph != use_graph)):
-            self._batch = self._engine = engine = None
-            engine = self._batch = BatchEngine(self, max_batch, max_seq_len, kv_dtype, use_graph)
+            self._engine = engine = None  # free the old buffers before allocating the new ones
+            engine = self._engine = BatchEngine(self, max_batch, max_seq_len, kv_dtype, use_graph)
         return engine
 
     @staticmethod
@@ -485,13 +485,13 @@ class Qwen38ForCausalLM(nn.Module):
 
     def _speculative_engine(self, size: int, kv_dtype, use_graph, num_draft_tokens: int,
                             draft_vocab_size: int | None) -> SpeculativeEngine:
-        """The speculative engine (static buffers, captured graphs) is kept between calls while it fits;
-        building one frees the batch engine first, and the other way round."""
+        """The speculative engine (static buffers, captured graphs) is kept between calls while it fits; it
+        takes the batch engine's place (self._engine), as _batch_engine says."""
         engine = getattr(self, "_engine", None)
-        if (engine is None or engine.max_seq_len < size or engine.kv_dtype != kv_dtype
+        if (not isinstance(engine, SpeculativeEngine) or engine.max_seq_len < size or engine.kv_dtype != kv_dtype
                 or (use_graph is not None and engine.use_graph != use_graph)
                 or engine.k_max != num_draft_tokens or engine.draft_vocab_size != draft_vocab_size):
-            self._engine = self._batch = engine = None  # free the old buffers before allocating the new ones
+            self._engine = engine = None  # free the old buffers before allocating the new ones
             engine = self._engine = SpeculativeEngine(self, size, kv_dtype, use_graph, num_draft_tokens,
                                                       draft_vocab_size=draft_vocab_size)
         return engine

@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from ..speculative import SpeculativeEngine
 from ..state import KVCache
 from .options import (HelpFormatter, add_generation_options, add_model_argument, check_generation_args,
                       generation_kwargs, report_sampling)
@@ -90,8 +91,8 @@ def memory_line(model) -> str:
     process's resident set on the CPU."""
     # The engine of the last generate() holds the state: fixed-size buffers, allocated once (the batch engine's
     # slot 0 is the sequence's; a speculative engine has a state of its own).
-    batch = getattr(model, "_batch", None)
-    state = batch.slots.slot(0) if batch is not None else model._engine.state
+    engine = model._engine
+    state = engine.state if isinstance(engine, SpeculativeEngine) else engine.slots.slot(0)
     kv = gdn = 0
     for layer in state.layers + ([state.mtp_cache] if state.mtp_cache is not None else []):
         size = sum(t.numel() * t.element_size() for t in state.tensors(layer))

@@ -90,14 +90,14 @@ def test_read_ahead_past_a_stop_is_rolled_back(oracle_model):
     rewound and the reply's kept tokens prefilled, so the next turn feeds only its own tokens + 1."""
     model, conversation = oracle_model, Conversation()
     stop = model.generate(torch.tensor([TURNS[0]]), max_new_tokens=3, eos_token_id=[])[0, -1].item()
-    model._batch.read_ahead = 3
+    model._engine.read_ahead = 3
     try:
         model.generate(torch.tensor([TURNS[0]]), max_new_tokens=8, eos_token_id=[stop], conversation=conversation)
         assert conversation.tokens[-1] == stop and conversation.snapshot.position == len(conversation.tokens) - 1
         reply = model.generate(torch.tensor([TURNS[1]]), max_new_tokens=5, eos_token_id=[], conversation=conversation)
         assert model.last_generation_stats.prompt_tokens == len(TURNS[1]) + 1
     finally:
-        model._batch.read_ahead = 0
+        model._engine.read_ahead = 0
     history = conversation.tokens[:len(conversation.tokens) - 5]
     assert reply[0, len(TURNS[1]):].tolist() == from_scratch(model, history, max_new_tokens=5, eos_token_id=[])
 

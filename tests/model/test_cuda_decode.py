@@ -134,7 +134,7 @@ def test_conversation_through_the_graph_continues_exactly(oracle_dir):
     turns = [[5, 17, 99, 3], [42, 7], [8, 150, 23, 61, 2]]
     first = model.generate(torch.tensor([turns[0]]), max_new_tokens=3, eos_token_id=[])[0, len(turns[0]):].tolist()
     stop = first[-1]
-    slot = model._batch.slots.slot(0)
+    slot = model._engine.slots.slot(0)
     addresses = [t.data_ptr() for layer in slot.layers for t in slot.tensors(layer)]
     conversation, history = Conversation(), []
     for k, turn in enumerate(turns):
@@ -149,7 +149,7 @@ def test_conversation_through_the_graph_continues_exactly(oracle_dir):
         assert reply == scratch[0, len(history):].tolist()
         history += reply
         assert conversation.tokens == history
-    slot = model._batch.slots.slot(0)
+    slot = model._engine.slots.slot(0)
     assert [t.data_ptr() for layer in slot.layers for t in slot.tensors(layer)] == addresses
 
 
@@ -159,6 +159,6 @@ def test_kv_cache_defaults_to_bfloat16_on_cuda(oracle_dir, prompt):
 
     model = Qwen38ForCausalLM.from_pretrained(oracle_dir / "mini-q8_0.gguf", device="cuda")
     model.generate(prompt, max_new_tokens=2, eos_token_id=[])
-    for state in (model._batch.slots.slot(0), model.new_state(8)):
+    for state in (model._engine.slots.slot(0), model.new_state(8)):
         caches = [layer for layer in state.layers if isinstance(layer, KVCache)]
         assert caches and all(c.k.dtype == c.v.dtype == torch.bfloat16 for c in caches)

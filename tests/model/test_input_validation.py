@@ -84,7 +84,7 @@ def test_a_gguf_run_stops_on_llama_cpp_stop_set(oracle_dir, model):
     assert tokenizer.tokenizer.token_to_id("<|im_end|>") == 502
     assert model.config.eos_token_ids == tuple(tokenizer.eos_token_ids) == (500, 502)
     model.generate(PROMPT, max_new_tokens=2)
-    assert model._batch.samplers[0].eos.nonzero().flatten().tolist() == [500, 502]  # the run's stop set
+    assert model._engine.samplers[0].eos.nonzero().flatten().tolist() == [500, 502]  # the run's stop set
 
 
 def test_non_finite_logits_are_reported(oracle_dir):
