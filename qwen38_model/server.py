@@ -50,6 +50,9 @@ REQUEST_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, 
 # Message boundaries of a chat prompt the prefill snapshots for the prefix cache, besides the first (the system
 # prompt's end): the last this many, where the earlier turns of a continued chat end.
 BREAK_MESSAGES = 4
+# The user message history_ids renders after a conversation so that the template writes its last message as an
+# earlier one (what a next request, which goes on from it, renders); its text is never part of a cached prefix.
+HISTORY_SENTINEL = "(the next message)"
 
 
 class RequestError(Exception):
@@ -454,25 +457,58 @@ class Server:
         and after each of the last BREAK_MESSAGES, the last one included: its end without the generation
         prompt is where the next turn of the chat goes on), as token counts: the prefill snapshots the state
         there for the prefix cache, so a shared system prompt and the earlier turns of a chat are restored, not
-        prefilled, by the requests that share them. A boundary counts only where the template renders the
-        messages before it as a prefix of the whole prompt, tokens included (a template may render history
-        differently once more follows, e.g. Qwen's drops old thinking)."""
+        prefilled, by the requests that share them. Each boundary is the end of messages[:k] as the template
+        renders them with a message after them (history_ids), and counts only where that is a prefix of the
+        whole prompt, tokens included (a template may render history differently once more follows, e.g.
+        Qwen's drops old thinking)."""
         messages, kwargs = prompt.messages, prompt.kwargs
         ends = sorted({1} | set(range(max(1, len(messages) - BREAK_MESSAGES + 1), len(messages) + 1)))
         breaks = []
         for k in ends:
             try:
-                prefix = self.tokenizer.encode(self.render(messages[:k], kwargs, add_generation_prompt=False))
+                prefix = self.history_ids(messages[:k], kwargs)
             except RequestError:  # a template may refuse a prefix (one that must end on a user message)
                 continue
-            if 0 < len(prefix) < len(ids) and ids[: len(prefix)] == prefix:
+            if prefix is not None and 0 < len(prefix) < len(ids) and ids[: len(prefix)] == prefix:
                 breaks.append(len(prefix))
         return tuple(sorted(set(breaks)))
+
+    def history_ids(self, messages: list[dict], kwargs: dict) -> list[int] | None:
+        """The token ids of messages as the template renders them with another message after them, up to the
+        end of the last one: the prefix a later request that goes on from them shares. Not simply the
+        render of messages alone, without the generation prompt: a template may write its last message
+        otherwise than an earlier one. Qwen3's writes a reasoning block, even an empty one
+        (`<think>\\n\\n</think>\\n\\n`), into an assistant message after the last user message, an earlier
+        one as its content only, so that messages ending on an assistant reply render as no prefix of the
+        next request's prompt, which has a user message after the reply. So they are rendered once alone
+        (the last message's end, as the template writes it last) and once with a user message after them
+        (HISTORY_SENTINEL): where the two part, the rest of the first (the last message as written last, e.g.
+        its think block, then its text and end) is matched by its longest tail that the second goes on with
+        (its text and end, the think block gone): the last message ends there. A template that writes the
+        last message as an earlier one renders the first as a prefix of the second: all of it. None where
+        no tail matches; the render alone where the template refuses the one with a message after it."""
+        alone = self.tokenizer.encode(self.render(messages, kwargs, add_generation_prompt=False))
+        try:
+            followed = self.tokenizer.encode(self.render(
+                messages + [{"role": "user", "content": HISTORY_SENTINEL}], kwargs, add_generation_prompt=False))
+        except RequestError:
+            return alone
+        parted = 0
+        while parted < min(len(alone), len(followed)) and alone[parted] == followed[parted]:
+            parted += 1
+        rest = alone[parted:]
+        if parted == len(followed):  # no template writes more of a conversation alone than with a message after
+            return None
+        for n in range(len(rest), 0, -1):  # the longest tail of rest that followed goes on with at `parted`
+            if rest[len(rest) - n] == followed[parted] and followed[parted: parted + n] == rest[len(rest) - n:]:
+                return followed[: parted + n]
+        return alone if not rest else None
 
     def next_turn(self, prompt: ChatPrompt, body: dict):
         """For a chat request: the function from its reply's text to the token ids of its history with the reply
         as a next request renders it (the thinking split off, which Qwen's template drops from the history;
-        tool calls as message.tool_calls), without the generation prompt; None where the template refuses it."""
+        tool calls as message.tool_calls; the reply written as an earlier message, not as the last one:
+        history_ids), up to the reply's end; None where the template refuses it."""
         messages, kwargs = prompt.messages, prompt.kwargs
         parse_tools = bool(kwargs.get("tools")) and body.get("tool_choice") != "none"
 
@@ -486,8 +522,8 @@ class Server:
             message = {"role": "assistant", "content": content or ""}
             if calls:
                 message["tool_calls"] = message_tool_calls(calls, len(messages))
-            try:
-                return self.tokenizer.encode(self.render(messages + [message], kwargs, add_generation_prompt=False))
+            try:  # rendered as the next request renders it, a message after the reply (history_ids)
+                return self.history_ids(messages + [message], kwargs)
             except RequestError:
                 return None
 

@@ -1149,3 +1149,75 @@ def test_the_prefix_cache_hits_at_message_boundaries(client, local):
     again = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=4, temperature=0)
     history = len(tokenizer.encode(tokenizer.apply_chat_template(turn2[:-1], add_generation_prompt=False)))
     assert again.usage.prompt_tokens_details.cached_tokens >= history > system_tokens  # the reply, rendered back
+
+
+QWEN3_STYLE_TEMPLATE = __import__("pathlib").Path(__file__).parent / "data" / "qwen3_style_chat_template.jinja"
+
+
+def test_the_prefix_cache_restores_the_history_under_a_qwen3_style_template(local):
+    """Qwen3's templates write the reasoning block (an empty one too) into an assistant message after the last
+    user message, the last one included, and an earlier assistant message as its content only. With such a
+    template (the built-in one with that rule, tests/model/data) turns 2 and 3 of a chat restore exactly all of
+    their history but the new user message (the reply cached as the next turn renders it, not as the last
+    message), a few-shot prompt restores its last example (the boundary after an assistant message), and every
+    reply is the one a server that caches nothing gives."""
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.server import Server, serving_in_thread
+    from qwen38_model.tokenizer import load_tokenizer
+
+    model = local[0]
+    tokenizer = load_tokenizer(default_model_path())
+    tokenizer.chat_template = QWEN3_STYLE_TEMPLATE.read_text(encoding="utf-8")
+    off = {"enable_thinking": False}
+    system = {"role": "system", "content": "You answer in one short line. Keep to the facts. " * 3}
+    user = "<|im_start|>user\n"
+    last = [{"role": "user", "content": "Two and two?"}, {"role": "assistant", "content": "Four."}]
+    assert tokenizer.apply_chat_template([system] + last, add_generation_prompt=False).endswith(
+        "assistant\n<think>\n\n</think>\n\nFour.<|im_end|>\n")  # the template's rule, as Qwen3's
+    assert tokenizer.apply_chat_template([system] + last + [{"role": "user", "content": "Hm."}],
+                                         add_generation_prompt=False).count("<think>") == 0
+
+    def before_last_user(messages: list[dict]) -> int:
+        """The prompt's tokens up to the start of its last (user) message: the history a cache can restore."""
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **off)
+        ids, prefix = tokenizer.encode(text), tokenizer.encode(text[: text.rindex(user)])
+        assert ids[: len(prefix)] == prefix
+        return len(prefix)
+
+    def run(cache_bytes: int) -> list[tuple[str, int, int, int]]:
+        """(content, completion tokens, cached tokens, expected cached tokens) of each request: a 3-turn chat,
+        then two few-shot requests sharing their examples."""
+        server = Server(model, tokenizer, MODEL, max_context=1024, max_queue=1, cache_bytes=cache_bytes,
+                        log=sys.stdout, max_batch=1)
+        results = []
+        with serving_in_thread(server) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+            def ask(messages: list[dict]) -> str:
+                answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                        extra_body={"chat_template_kwargs": off})
+                while server.scheduler.running or server.scheduler.waiting:  # the next turn's prefill done
+                    time.sleep(0.01)
+                content = answer.choices[0].message.content or ""
+                results.append((content, answer.usage.completion_tokens,
+                                answer.usage.prompt_tokens_details.cached_tokens, before_last_user(messages)))
+                return content
+
+            chat = [system]
+            for question in ("What is two and two?", "And three and three?", "Name a colour."):
+                chat.append({"role": "user", "content": question})
+                chat.append({"role": "assistant", "content": ask(chat)})
+            examples = [system]
+            for question, reply in (("Capital of France?", "Paris."), ("Capital of Spain?", "Madrid.")):
+                examples += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+            for question in ("Capital of Italy?", "Capital of Peru?"):
+                ask(examples + [{"role": "user", "content": question}])
+        return results
+
+    cached, uncached = run(1 << 26), run(1)
+    assert [(content, n) for content, n, _, _ in cached] == [(content, n) for content, n, _, _ in uncached]
+    assert all(hit == 0 for _, _, hit, _ in uncached)  # the replay restored nothing: the comparison is real
+    (_, _, hit1, _), (_, _, hit2, history2), (_, _, hit3, history3), (_, _, few1, _), (_, _, few2, shared) = cached
+    assert hit1 == 0 and few1 > 0  # the system prompt, from the chat
+    assert hit2 == history2 and hit3 == history3 > history2  # all but the new user message: the reply rendered back
+    assert few2 == shared  # the last example's end: a boundary after an assistant message
