@@ -458,22 +458,23 @@ class Server:
         prompt is where the next turn of the chat goes on), as token counts: the prefill snapshots the state
         there for the prefix cache, so a shared system prompt and the earlier turns of a chat are restored, not
         prefilled, by the requests that share them. Each boundary is the end of messages[:k] as the template
-        renders them with a message after them (history_ids), and counts only where that is a prefix of the
-        whole prompt, tokens included (a template may render history differently once more follows, e.g.
-        Qwen's drops old thinking)."""
+        renders them with a message after them (history_ids; the prompt itself is that render, the rest of the
+        messages and the generation prompt after them), and counts only where that is a prefix of the whole
+        prompt, tokens included (a template may render history differently once more follows, e.g. Qwen's
+        drops old thinking)."""
         messages, kwargs = prompt.messages, prompt.kwargs
         ends = sorted({1} | set(range(max(1, len(messages) - BREAK_MESSAGES + 1), len(messages) + 1)))
         breaks = []
         for k in ends:
             try:
-                prefix = self.history_ids(messages[:k], kwargs)
+                prefix = self.history_ids(messages[:k], kwargs, followed=ids)
             except RequestError:  # a template may refuse a prefix (one that must end on a user message)
                 continue
             if prefix is not None and 0 < len(prefix) < len(ids) and ids[: len(prefix)] == prefix:
                 breaks.append(len(prefix))
         return tuple(sorted(set(breaks)))
 
-    def history_ids(self, messages: list[dict], kwargs: dict) -> list[int] | None:
+    def history_ids(self, messages: list[dict], kwargs: dict, followed: list[int] | None = None) -> list[int] | None:
         """The token ids of messages as the template renders them with another message after them, up to the
         end of the last one: the prefix a later request that goes on from them shares. Not simply the
         render of messages alone, without the generation prompt: a template may write its last message
@@ -486,13 +487,16 @@ class Server:
         its think block, then its text and end) is matched by its longest tail that the second goes on with
         (its text and end, the think block gone): the last message ends there. A template that writes the
         last message as an earlier one renders the first as a prefix of the second: all of it. None where
-        no tail matches; the render alone where the template refuses the one with a message after it."""
+        no tail matches; the render alone where the template refuses the one with a message after it.
+        followed: the ids of a render with more after messages, when the caller has one (the prompt that goes on
+        from them), in place of the sentinel's."""
         alone = self.tokenizer.encode(self.render(messages, kwargs, add_generation_prompt=False))
-        try:
-            followed = self.tokenizer.encode(self.render(
-                messages + [{"role": "user", "content": HISTORY_SENTINEL}], kwargs, add_generation_prompt=False))
-        except RequestError:
-            return alone
+        if followed is None:
+            try:
+                followed = self.tokenizer.encode(self.render(
+                    messages + [{"role": "user", "content": HISTORY_SENTINEL}], kwargs, add_generation_prompt=False))
+            except RequestError:
+                return alone
         parted = 0
         while parted < min(len(alone), len(followed)) and alone[parted] == followed[parted]:
             parted += 1
