@@ -291,11 +291,7 @@ class BatchEngine:
         if not self.free_slots():
             raise RuntimeError("no free slot: admit a sequence when free_slots() > 0")
         seq._admitted_at = time.perf_counter()
-        staging = self.staging
-        if seq.start is None:
-            staging.clear()
-        else:
-            staging.restore(seq.start)
+        staging = self._staging_at(seq.start)
         seq.stats = GenerationStats(prompt_tokens=seq.history.shape[0] - staging.position, graph=self.use_graph)
         logits = yield from self._prefill(staging, seq.history, chunk_size, seq.breaks, seq.break_snapshots, progress)
         if logits is None:  # start holds the whole history
@@ -468,13 +464,17 @@ class BatchEngine:
         prefix, or None), prefilled in the staging state in the chunks an admission would use, so each
         sequence is bitwise the one admitted alone. A generator, one chunk per next(), like admit(); no
         admission may run meanwhile (both use the staging state)."""
-        staging = self.staging
-        if start is None:
-            staging.clear()
-        else:
-            staging.restore(start)
+        staging = self._staging_at(start)
         logits = yield from self._prefill(staging, history, chunk_size)
         return staging.snapshot(), logits[0].clone()
+
+    def _staging_at(self, start: StateSnapshot | None) -> Qwen38State:
+        """The staging state, emptied, or restored to start."""
+        if start is None:
+            self.staging.clear()
+        else:
+            self.staging.restore(start)
+        return self.staging
 
     def extend(self, start: StateSnapshot, history: torch.Tensor, chunk_size: int) -> StateSnapshot:
         """The state after history (int32, on the device) from start, a snapshot of its prefix: prefilled in a
