@@ -28,9 +28,9 @@ than its budget; `qwen38 serve` has no "off": --cache-gb must be > 0):
   earlier messages) before --requests different user messages.
 
 Per request: prompt tokens, `usage.prompt_tokens_details.cached_tokens`, the cacheable prefix (the tokens of
-the request's messages but the last, rendered by the template without the generation prompt, where that is a
-prefix of the prompt's tokens: the earlier turns of a chat, the shared system prompt or prefix; 0 where the
-template renders them otherwise once more follows), the history (the prompt's tokens before the last message's
+the request's messages but the last as the prompt renders them, cut at the last one's end as the server cuts a
+message boundary, Server.history_ids: the earlier turns of a chat, the shared system prompt or prefix; 0 where
+the server finds no such boundary), the history (the prompt's tokens before the last message's
 text, its header included, whatever the template does), the hit fraction (cached / prompt) and the fractions of
 the cacheable prefix and of the history restored, TTFT (request sent -> the first
 streamed chunk with text, content or reasoning; also to the first content chunk), with the cache and without.
@@ -118,23 +118,25 @@ def text_of(tokenizer, rng: random.Random, tokens: int) -> str:
             return text if text.endswith(".") else text + "."
 
 
-def cacheable_prefix(tokenizer, messages: list[dict], kwargs: dict) -> tuple[int, int]:
-    """(cacheable, history) of a request: cacheable, the tokens of messages[:-1] as the template renders them
-    without the generation prompt where that is a prefix of the whole prompt's tokens, else 0 (the server's rule for
-    a message boundary, Server.message_breaks: what it can restore at best); history, the prompt's tokens before the
-    last message's text (where the prompt and the prompt with that text replaced part: the earlier messages as
-    this prompt renders them, and the last message's header, `<|im_start|>user\\n` in ChatML), whatever the template
-    does with the earlier turns."""
-    def ids(ms: list[dict], generation: bool) -> list[int]:
-        return tokenizer.encode(tokenizer.apply_chat_template(ms, add_generation_prompt=generation, **kwargs))
+def cacheable_prefix(server, messages: list[dict], kwargs: dict) -> tuple[int, int]:
+    """(cacheable, history) of a request: cacheable, the tokens of messages[:-1] as a later message's render has
+    them (Server.history_ids against this prompt, the server's rule for a message boundary, Server.message_breaks:
+    what it can restore at best), else 0; history, the prompt's tokens before the last message's text (where the
+    prompt and the prompt with that text replaced part: the earlier messages as this prompt renders them, and the
+    last message's header, `<|im_start|>user\n` in ChatML), whatever the template does with the earlier turns."""
+    tokenizer = server.tokenizer
 
-    prompt = ids(messages, True)
-    history = min(common_prefix(prompt, ids(messages[:-1] + [{**messages[-1], "content": other}], True))
+    def ids(ms: list[dict]) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(ms, add_generation_prompt=True, **kwargs))
+
+    prompt = ids(messages)
+    history = min(common_prefix(prompt, ids(messages[:-1] + [{**messages[-1], "content": other}]))
                   for other in ("Alpha", "Zulu"))
     if len(messages) < 2:
         return 0, history
-    prefix = ids(messages[:-1], False)
-    return (len(prefix) if len(prefix) < len(prompt) and prompt[:len(prefix)] == prefix else 0), history
+    prefix = server.history_ids(messages[:-1], kwargs, followed=prompt)
+    return (len(prefix) if prefix is not None and len(prefix) < len(prompt) and prompt[:len(prefix)] == prefix
+            else 0), history
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -210,7 +212,7 @@ def run_chat_trace(client, server, name, tokenizer, args, thinking: bool, seed: 
             result = chat(client, server, name, messages, args.max_tokens, kwargs)
             record = dict(conversation=c, turn=turn, messages=messages, kwargs=kwargs,
                                 max_tokens=args.max_tokens, **result)
-            record["cacheable"], record["history"] = cacheable_prefix(tokenizer, messages, kwargs)
+            record["cacheable"], record["history"] = cacheable_prefix(server, messages, kwargs)
             records.append(record)
             reply = {"role": "assistant", "content": result["content"]}
             if args.send_reasoning and result["reasoning"]:
@@ -242,7 +244,7 @@ def run_shared_trace(client, server, name, tokenizer, args, fewshot: bool, seed:
     for i, messages in enumerate(shared_prefix_requests(tokenizer, args, fewshot, seed)):
         result = chat(client, server, name, messages, args.max_tokens, kwargs)
         record = dict(request=i, messages=messages, kwargs=kwargs, max_tokens=args.max_tokens, **result)
-        record["cacheable"], record["history"] = cacheable_prefix(tokenizer, messages, kwargs)
+        record["cacheable"], record["history"] = cacheable_prefix(server, messages, kwargs)
         records.append(record)
     return records
 

@@ -3,6 +3,7 @@ server in-process, streamed openai chat requests, the chat trace (thinking off a
 few-shot traces, their replay on a server that caches nothing. A smoke test of the script (its timings mean nothing
 on the CPU), and of what it measures: from turn 2 on each request restores its whole earlier conversation, every
 request after the first its shared prefix, and the replies are those without the cache."""
+import contextlib
 import json
 import pathlib
 import subprocess
@@ -68,23 +69,43 @@ def test_chat_tokenizer_round_trips_every_id():
     assert text.startswith("<|im_start|>user\nHello there.<|im_end|>\n<|im_start|>assistant\n")
 
 
+@contextlib.contextmanager
+def tiny_server(tokenizer):
+    """A server on the built-in model that serves nothing here: its history_ids is the cut under test."""
+    from qwen38_model import Qwen38ForCausalLM
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.server import Server
+
+    model = Qwen38ForCausalLM.from_pretrained(default_model_path(), device="cpu")
+    server = Server(model, tokenizer, "tiny", max_context=64, max_queue=1, cache_bytes=1, max_batch=1)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 def test_cacheable_prefix_is_the_history_as_the_prompt_renders_it():
     tokenizer = chat_tokenizer(600)
-    messages = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello."},
-                {"role": "user", "content": "More words."}]
-    cacheable, history = cacheable_prefix(tokenizer, messages, {"enable_thinking": False})
-    prefix = tokenizer.encode(tokenizer.apply_chat_template(messages[:2], add_generation_prompt=False))
-    header = tokenizer.encode("<|im_start|>user\n")
-    assert cacheable == len(prefix) and history == len(prefix) + len(header)
-    assert cacheable_prefix(tokenizer, messages[:1], {}) == (0, len(header))
-    # A template that renders the last assistant message otherwise than an earlier one (as Qwen's writes a think
-    # block into the last): the history is no prefix, nothing at a message boundary is cacheable.
-    tokenizer.chat_template = tokenizer.chat_template.replace(
-        "{{- '<|im_start|>assistant\\n' }}\n{%- if message.reasoning_content %}",
-        "{{- '<|im_start|>assistant\\n' }}\n{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}\n"
-        "{%- if message.reasoning_content %}")
-    assert "loop.last" in tokenizer.chat_template
-    assert cacheable_prefix(tokenizer, messages, {"enable_thinking": False})[0] == 0
+    with tiny_server(tokenizer) as server:
+        messages = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "More words."}]
+        cacheable, history = cacheable_prefix(server, messages, {"enable_thinking": False})
+        prefix = tokenizer.encode(tokenizer.apply_chat_template(messages[:2], add_generation_prompt=False))
+        header = tokenizer.encode("<|im_start|>user\n")
+        assert cacheable == len(prefix) and history == len(prefix) + len(header)
+        assert cacheable_prefix(server, messages[:1], {}) == (0, len(header))
+        # A template that renders the last assistant message otherwise than an earlier one (as Qwen's writes a think
+        # block into the last): messages[:2] alone is no prefix of the prompt, but the server's cut (the assistant
+        # message's end as the prompt renders it) still is, the same tokens as with the plain template.
+        tokenizer.chat_template = tokenizer.chat_template.replace(
+            "{{- '<|im_start|>assistant\\n' }}\n{%- if message.reasoning_content %}",
+            "{{- '<|im_start|>assistant\\n' }}\n{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}\n"
+            "{%- if message.reasoning_content %}")
+        assert "loop.last" in tokenizer.chat_template
+        alone = tokenizer.encode(tokenizer.apply_chat_template(messages[:2], add_generation_prompt=False))
+        assert alone != prefix  # the think block: the render alone is not the history
+        assert cacheable_prefix(server, messages, {"enable_thinking": False}) == (len(prefix),
+                                                                                 len(prefix) + len(header))
 
 
 def test_common_prefix():
