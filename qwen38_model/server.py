@@ -338,8 +338,13 @@ class Server:
             body = await read_json(request)
             self.check_fields(body, chat)
             prompt = self.chat_request(body) if chat else None
-            ids = self.prompt_ids(body, prompt)
-            kwargs = self.generation_kwargs(body, len(ids))
+            prompts = self.prompt_ids(body, prompt)
+            ids = prompts[0]  # a chat's one prompt
+            kwargs = self.generation_kwargs(body, max(len(p) for p in prompts))
+            if len(prompts) * kwargs["n"] > self.max_batch:
+                raise RequestError(400, f"prompt: {len(prompts)} prompts x n {kwargs['n']} choices are "
+                                        f"{len(prompts) * kwargs['n']} sequences, more than the {self.max_batch} "
+                                        "this server decodes at once", "prompt")
             logprobs = request_logprobs(body, chat)
             if logprobs is not None and self.scheduler is not None and self.scheduler.engine is None:
                 raise RequestError(400, "logprobs are not available with --speculative (one sequence at a time "
@@ -353,7 +358,7 @@ class Server:
             return error_response(e.status, str(e), e.param, e.code)
         if self.scheduler is None:
             return error_response(503, "this server has no model to run")
-        if not self.scheduler.has_room(kwargs["n"]):
+        if not self.scheduler.has_room(len(prompts) * kwargs["n"]):
             waiting = self.scheduler.waiting
             self.log.write(f"- POST {request.url.path} 429: {waiting} waiting\n")
             busy = error_response(429, f"the server is busy: {waiting} requests already wait for one of its "
@@ -364,9 +369,13 @@ class Server:
         # The next turn's prefix is cached where the template renders the reply back (not for a forced tool call:
         # its reply lacks the prompt's part of the call).
         next_turn = self.next_turn(prompt, body) if chat and not prompt.forced else None
-        job = Job(ids, kwargs, cfg, resolve_seed(kwargs["seed"], None), asyncio.get_running_loop(), logprobs=logprobs,
-                  breaks=breaks, next_turn=next_turn, constraints=constraints)
-        reply = Reply(self, job, request, chat, body.get("stream") is True,
+        # Several prompts: each its own Job (they batch together), all with the request's one seed, so that choice
+        # p * n + j (prompt p, sample j) samples with seed + j as the request with prompt p alone does (as vLLM
+        # runs each prompt of a list with the request's sampling parameters, its seed among them).
+        seed, loop, events = resolve_seed(kwargs["seed"], None), asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [Job(ids, kwargs, cfg, seed, loop, events=PromptEvents(events, p), logprobs=logprobs, breaks=breaks,
+                    next_turn=next_turn, constraints=constraints) for p, ids in enumerate(prompts)]
+        reply = Reply(self, jobs, events, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
                       parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none",
                       forced=prompt.forced if chat else "")
@@ -399,31 +408,34 @@ class Server:
                 raise RequestError(400, f"stream_options must be {{\"include_usage\": bool}}, found {options!r}",
                                    "stream_options")
 
-    def prompt_ids(self, body: dict, chat: ChatPrompt | None) -> list[int]:
-        """The prompt's token ids: a chat's rendered prompt (chat_request), else the completion's prompt."""
+    def prompt_ids(self, body: dict, chat: ChatPrompt | None) -> list[list[int]]:
+        """The token ids of each prompt: a chat's rendered prompt (chat_request), else the completion's prompt
+        or prompts, as OpenAI takes them: a string, a list of token ids, or a non-empty list of strings or of
+        token-id lists (not both)."""
         if chat is not None:
-            text = chat.text
+            texts = [chat.text]
         else:
             prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # one prompt in a list (of strings, or of token-id lists)
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in prompt):
-                vocab = len(self.tokenizer)
-                if not all(0 <= t < vocab for t in prompt):
-                    raise RequestError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-                return prompt
-            if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-                raise RequestError(400, f"prompt: {len(prompt)} prompts in one request are not supported yet "
-                                        "send one prompt a request", "prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise RequestError(400, "prompt must be a non-empty string, a list of token ids, or a list of "
-                                        "one of them", "prompt")
-            text = prompt
-        ids = self.tokenizer.encode(text)
-        if not ids:
+            if is_token_ids(prompt):
+                prompts = [prompt]
+            elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                          or all(is_token_ids(p) for p in prompt)):
+                prompts = prompt  # several prompts (or one in a list)
+            else:
+                prompts = [prompt]
+            if not all(is_token_ids(p) or (isinstance(p, str) and p) for p in prompts):
+                raise RequestError(400, "prompt must be a non-empty string, a list of token ids, or a non-empty "
+                                        "list of strings or of token-id lists", "prompt")
+            vocab = len(self.tokenizer)
+            if not all(0 <= t < vocab for p in prompts if is_token_ids(p) for t in p):
+                raise RequestError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            if all(is_token_ids(p) for p in prompts):
+                return prompts
+            texts = prompts
+        out = [self.tokenizer.encode(text) for text in texts]
+        if not all(out):
             raise RequestError(400, "the prompt encodes to no tokens", "prompt")
-        return ids
+        return out
 
     def chat_prompt(self, body: dict) -> str:
         return self.chat_request(body).text
@@ -661,18 +673,19 @@ class Choice:
     """One choice of a reply (one sequence): its text so far, what of it was sent, how it finished, and, in a
     chat, the splits of its text into reasoning, content and tool calls."""
 
-    def __init__(self, index: int, reply: "Reply", opened: bool, parse_tools: bool):
-        self.index, self.chat = index, reply.chat
-        self.stop_strings = reply.job.kwargs.get("stop_strings") or []
+    def __init__(self, index: int, reply: "Reply", job: Job, j: int, opened: bool, parse_tools: bool):
+        """index: the choice's in the answer (p * n + j: prompt p's job, its sequence j)."""
+        self.index, self.chat, self.job, self.j = index, reply.chat, job, j
+        self.stop_strings = job.kwargs.get("stop_strings") or []
         self.decoder = reply.server.tokenizer.stream_decoder(skip_special_tokens=True)
         self.text, self.sent, self.count, self.finish = "", 0, 0, "length"
         self.thinking = ThinkingSplit(opened) if self.chat else None
         self.tool_split = ToolCallSplit() if parse_tools else None  # tools given, tool_choice not "none"
         self.role_sent = False  # streamed chat: the first chunk's delta carries the role
-        self.constraint = reply.job.constraints[index] if reply.job.constraints else None  # response_format
+        self.constraint = job.constraints[j] if job.constraints else None  # response_format
         self.last_token = None
         self.tokenizer = reply.server.tokenizer
-        self.top = reply.job.logprobs  # alternatives per token with logprobs; None: no logprobs asked
+        self.top = job.logprobs  # alternatives per token with logprobs; None: no logprobs asked
         # With logprobs: (token, its text's offset in the choice's text, TokenLogprobs) per token fed, and how
         # many of them went out in an answer already.
         self.logprobs, self.logprobs_sent = [], 0
@@ -759,18 +772,21 @@ class Choice:
 
 
 class Reply:
-    """One request's answer: the whole JSON body, or its server-sent events; one Choice per sequence."""
+    """One request's answer: the whole JSON body, or its server-sent events; one Choice per sequence. A
+    completion of several prompts is one Job per prompt (events: their shared queue, PromptEvents), its
+    choices in order p * n + j (prompt p, its choice j), as OpenAI and vLLM index them."""
 
-    def __init__(self, server: Server, job: Job, request: Request, chat: bool, stream: bool,
-                 include_usage: bool = False, parse_tools: bool = False, forced: str = ""):
+    def __init__(self, server: Server, jobs: list[Job], events: asyncio.Queue, request: Request, chat: bool,
+                 stream: bool, include_usage: bool = False, parse_tools: bool = False, forced: str = ""):
         """forced: the start of the reply that the prompt already holds (forced_tool_call), read first."""
-        self.server, self.job, self.request, self.chat, self.stream = server, job, request, chat, stream
-        self.include_usage = include_usage
+        self.server, self.jobs, self.queue, self.request = server, jobs, events, request
+        self.chat, self.stream, self.include_usage = chat, stream, include_usage
         opened = False
         if chat:  # the prompt ends inside <think> (the template's thinking on): the reply starts reasoning
-            tail = server.tokenizer.decode(job.ids[-16:])
+            tail = server.tokenizer.decode(jobs[0].ids[-16:])
             opened = tail.rfind(THINK_START) > tail.rfind(THINK_END)
-        self.choices = [Choice(i, self, opened, parse_tools) for i in range(job.n)]
+        self.choices = [Choice(p * job.n + j, self, job, j, opened, parse_tools)
+                        for p, job in enumerate(jobs) for j in range(job.n)]
         for choice in self.choices:
             if forced:  # held by the tool split until the call closes (or the reply ends)
                 choice.tool_split.feed(forced)
@@ -785,18 +801,21 @@ class Reply:
         """Submits the job; yields (choice index, text piece) as its tokens arrive and (index, None) once that
         choice's sequence has ended (its finish reason set). Each choice ends when the scheduler says so, after
         the prefix cache and the gauges have it: at its end token, max_tokens, the stop string the engine sees, or
-        a stop string the reply sees first, which has the scheduler free its slot. Whatever is left of the job
-        when this ends (the client gone) is dropped."""
-        server, job = self.server, self.job
-        server.scheduler.submit(job)
+        a stop string the reply sees first, which has the scheduler free its slot. Whatever is left of the jobs
+        when this ends (the client gone, or one prompt's job failed) is dropped."""
+        server = self.server
+        for job in self.jobs:
+            server.scheduler.submit(job)
         watcher = asyncio.create_task(self.watch_disconnect())
         done = False
         try:
-            running = set(range(job.n))
+            running = set(range(len(self.choices)))
             while running:
-                i, value = await job.events.get()
+                p, (j, value) = await self.queue.get()
                 if isinstance(value, BaseException):
                     raise value
+                job = self.jobs[p]
+                i = p * job.n + j
                 choice = self.choices[i]
                 if value is None:
                     if choice.finish != "stop":
@@ -818,38 +837,44 @@ class Reply:
                 choice.last_token = arrived
                 token, logprobs = value if isinstance(value, tuple) else (value, None)
                 if choice.feed(token, server.eos, logprobs):
-                    server.scheduler.stop(job, i)  # a no-op when the engine ended it at the same token
+                    server.scheduler.stop(job, j)  # a no-op when the engine ended it at the same token
                 if piece := choice.ready():
                     yield i, piece
             done = True
         finally:
             watcher.cancel()
-            server.scheduler.cancel(job)  # no await here: a task cancelled by the ASGI stack (the client left)
-            # is cancelled again at every await of its cleanup
+            for job in self.jobs:  # no await here: a task cancelled by the ASGI stack (the client left) is
+                server.scheduler.cancel(job)  # cancelled again at every await of its cleanup
             self.write_log(", ".join(c.finish for c in self.choices) if done else "ended early (cancelled or failed)")
-            self.record(job.started)
+            self.record(any(job.started for job in self.jobs))
 
     async def watch_disconnect(self) -> None:
         """The body has been read: the next ASGI message is the client going away (the server's writes to
         a closed connection may not fail, so this is what notices)."""
         while (await self.request.receive())["type"] != "http.disconnect":
             pass
-        self.server.scheduler.cancel(self.job)  # its slots are freed at the scheduler's next iteration
+        for job in self.jobs:
+            self.server.scheduler.cancel(job)  # its slots are freed at the scheduler's next iteration
 
     def cached(self) -> int:
-        return self.job.cached or 0
+        return sum(job.cached or 0 for job in self.jobs)
+
+    def prompt_tokens(self) -> int:
+        """Each prompt's tokens once (its n choices share them), summed over the prompts."""
+        return sum(len(job.ids) for job in self.jobs)
 
     def write_log(self, finish: str) -> None:
         """One line on the server's log: id, route, tokens in (cached) and out, time to first token, tok/s."""
         now, path = time.monotonic(), self.request.url.path
-        prompt, count = len(self.job.ids), self.count
-        cached = "? cached" if self.job.cached is None else f"{self.job.cached} cached"
+        prompt, count = self.prompt_tokens(), self.count
+        cached = "? cached" if any(job.cached is None for job in self.jobs) else f"{self.cached()} cached"
         if self.first_token is None:
             timing = "no token"
         else:
             rate = (count - 1) / (now - self.first_token) if count > 1 and now > self.first_token else 0.0
             timing = f"TTFT {self.first_token - self.started:.3f} s, {rate:.1f} tok/s"
-        choices = f" x {self.job.n} choices" if self.job.n > 1 else ""
+        n = self.jobs[0].n
+        choices = (f" ({len(self.jobs)} prompts)" if len(self.jobs) > 1 else "") + (f" x {n} choices" if n > 1 else "")
         self.server.log.write(f"{self.id} POST {path}: {prompt} tokens in ({cached}){choices}, {count} out, {timing}, "
                               f"{finish}\n")
         self.server.log.flush()
@@ -858,7 +883,7 @@ class Reply:
         """The request into the server's metrics (as vLLM: every request that ran, finished or not)."""
         if not ran:
             return
-        metrics, now, prompt = self.server.metrics, time.monotonic(), len(self.job.ids)
+        metrics, now, prompt = self.server.metrics, time.monotonic(), self.prompt_tokens()
         metrics.prompt_tokens += prompt
         metrics.generation_tokens += self.count
         metrics.cache_queries += prompt
@@ -870,7 +895,7 @@ class Reply:
             metrics.itl.observe(gap)
 
     def usage(self) -> dict:
-        prompt, count = len(self.job.ids), self.count
+        prompt, count = self.prompt_tokens(), self.count
         return {"prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count,
                 "prompt_tokens_details": {"cached_tokens": self.cached()}}
 
@@ -1083,6 +1108,23 @@ def request_logprobs(body: dict, chat: bool) -> int | None:
         raise RequestError(400, f"logprobs must be an integer in [0, {COMPLETION_LOGPROBS}] (a completion's: the "
                                 f"alternatives per token), found {logprobs!r}", "logprobs")
     return logprobs
+
+
+def is_token_ids(prompt) -> bool:
+    """Whether a completion's prompt is a non-empty list of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in prompt)
+
+
+class PromptEvents:
+    """A Job's events queue (what the scheduler pushes (i, value) into, on the event loop) as prompt p's part of
+    the request's one queue: its items arrive there as (p, (i, value)), so one Reply reads every prompt's."""
+
+    def __init__(self, queue: asyncio.Queue, p: int):
+        self.queue, self.p = queue, p
+
+    def put_nowait(self, item) -> None:
+        self.queue.put_nowait((self.p, item))
 
 
 def integer(body: dict, name: str, default: int) -> int:

@@ -708,9 +708,6 @@ def test_nothing_is_silently_ignored(client, server):
         client.chat.completions.create(**{**chat, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:,"}}]}]})
     assert "only text parts" in image.value.message
-    with pytest.raises(openai.BadRequestError) as several:
-        client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=2)
-    assert several.value.param == "prompt" and "2 prompts" in several.value.message
     # The accepted ones are used: no-op values pass, text parts join, kwargs reach the template.
     plain = client.chat.completions.create(**chat, extra_body={"response_format": {"type": "text"}, "logit_bias": {},
                                                                "frequency_penalty": 0, "logprobs": False,
@@ -738,6 +735,63 @@ def test_completion_prompt_as_token_ids(client):
         assert (same.choices[0].text, same.usage.prompt_tokens) == (text.choices[0].text, len(ids))
     with pytest.raises(openai.BadRequestError):
         client.completions.create(prompt=[10**9], **args)
+
+
+# Two prompts of their own first words (no request restores another's prefix but its own).
+SEVERAL = ["Marbles rolled across the floor", "Nightingales sing in"]
+
+
+def test_several_prompts_in_one_completion(client, server):
+    """prompt as a list of P prompts (strings or token-id lists), n choices each: choice p * n + j is prompt p's
+    sample j, the text of the request with prompt p alone (greedy; sampled, with the same seed: seed + j); usage
+    sums each prompt's tokens once and every choice's; streamed, each chunk carries its choice's index."""
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.tokenizer import load_tokenizer
+
+    args = dict(model=MODEL, max_tokens=8, temperature=0)
+    alone = [client.completions.create(prompt=prompt, n=2, **args) for prompt in SEVERAL]
+    whole = client.completions.create(prompt=SEVERAL, n=2, **args)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [(c.text, c.finish_reason) for c in whole.choices] == \
+        [(c.text, c.finish_reason) for a in alone for c in a.choices]
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    # cached_tokens sums the prompts' (each goes on from a prompt a solo run cached: both are restored).
+    longer = [prompt + " and on" for prompt in SEVERAL]
+    both = client.completions.create(prompt=longer, **args)
+    cached = both.usage.prompt_tokens_details.cached_tokens
+    assert sum(a.usage.prompt_tokens - 1 for a in alone) <= cached < both.usage.prompt_tokens
+    assert [c.text for c in both.choices] == [client.completions.create(prompt=p, **args).choices[0].text
+                                              for p in longer]
+    chunks = list(client.completions.create(prompt=SEVERAL, n=2, stream=True,
+                                            stream_options={"include_usage": True}, **args))
+    assert all(len(c.choices) == 1 for c in chunks[:-1]) and chunks[-1].choices == []
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text and mine[-1].finish_reason == choice.finish_reason
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    tokenizer = load_tokenizer(default_model_path())
+    ids = client.completions.create(prompt=[tokenizer.encode(p) for p in SEVERAL], n=2, **args)
+    assert [c.text for c in ids.choices] == [c.text for c in whole.choices]
+    assert ids.usage.prompt_tokens == whole.usage.prompt_tokens
+    sampled = dict(model=MODEL, max_tokens=8, temperature=0.9, seed=21, extra_body={"top_k": 40})
+    together = client.completions.create(prompt=SEVERAL, n=2, **sampled)
+    solo = [client.completions.create(prompt=p, **{**sampled, "seed": 21 + j}).choices[0].text
+            for p in SEVERAL for j in range(2)]
+    assert [c.text for c in together.choices] == solo
+    # What is refused names prompt (or n): an empty list, mixed kinds, junk, more sequences than the slots.
+    for prompt in ([], ["one", [1, 2]], [[1, 2], []], ["one", ""], [["one"]], [1, "two"], [None]):
+        status, answer = post(server + "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}).encode())
+        assert status == 400 and answer["error"]["param"] == "prompt", (prompt, answer)
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.completions.create(model=MODEL, prompt=["a", "b", "c"], n=2, max_tokens=2)
+    assert too_many.value.param == "prompt" and "6 sequences" in too_many.value.message
+    with pytest.raises(openai.BadRequestError) as large_n:
+        client.completions.create(model=MODEL, prompt=["a", "b"], n=SLOTS + 1, max_tokens=2)
+    assert large_n.value.param == "n"
+    assert client.completions.create(model=MODEL, prompt=["a"] * SLOTS, max_tokens=2).usage.completion_tokens >= SLOTS
 
 
 def test_stream_usage_only_when_asked_and_the_role_first(client):
