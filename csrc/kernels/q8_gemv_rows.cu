@@ -7,7 +7,15 @@
 //   convert it on the FP64 pipe: from 8 rows they are compute-bound (T = 8 cost 2.68x T = 1), and more rows
 //   ran in passes that read the weights again. Here one mma.sync m16n8k32.s8 is one Q8_0 block for 16 weight
 //   rows x 8 rows of x, exact in int32, so the int8 work is nearly free and the cost left is the scaling:
-//   per block and output one int -> double conversion (a DADD, int_to_double) and one DFMA, as in the GEMV.
+//   per block and output one int -> double conversion (a DADD, int_to_double), one DMUL and one DFMA.
+// - No conversion per output: the GEMV forms double(wd * xd) (an fp32 product, then F2F to double) for every
+//   block and output; the conversions to double run at a quarter of the DFMA rate, and that form, 4 per thread
+//   and piece and n8 tile, kept this kernel at 2.6x the T = 1 time whatever T (NOTES). wd * xd is exact in fp32
+//   (both are fp16 values: 11 + 11 significant bits, as the int8 producers write them), so
+//   fma(int_to_double(s) * double(wd), double(xd), acc) is the GEMV's fma(int_to_double(s), double(wd * xd), acc)
+//   bit for bit: s * wd (<= 20 + 11 bits) and s * wd * xd are exact in double, and each form rounds once, in the
+//   FMA. The scales are converted to double once per piece, one per thread of the block, into a 2-entry buffer a
+//   piece ahead of the math (the raw copies of piece p + 1 have landed when piece p is computed).
 // - The GEMV's order (q8_gemv.cu): block b of a row goes to partial sum ("chain") b mod (16 * PARTS), each chain
 //   summed in block order; then for each part q the 16 chains 16q + m are added by the xor butterfly over m
 //   (m with m ^ 8, then ^ 4, ^ 2, ^ 1), and the parts in order. A block of 16 warps takes the rows' 512-byte
@@ -20,9 +28,9 @@
 //   quarter of the probe), the same piece of its rows of x, and their scales, into a kStages cp.async ring;
 //   rows past N and rows of x past T are zero-filled, not read (a clamped row repeated the same addresses).
 //   Fragments come from shared memory by ldmatrix, rows padded by 16 bytes (conflict-free, as q8_gemm.cu).
-// - Tile: 16 weight rows x 8 * NT rows of x a block (NT = 2 for PARTS = 1, 1 for PARTS = 4: the chains a thread
-//   holds are PARTS * NT * 4 doubles); more rows of x run in more blocks, x fastest, so the blocks that share a
-//   weight tile run together and read it from HBM once.
+// - Tile: 16 weight rows x 8 * NT rows of x a block (NT = 2 for PARTS = 1 from 9 rows, else 1: the chains a
+//   thread holds are PARTS * NT * 4 doubles, and an n8 tile past T is math for nothing); more rows of x run in
+//   more blocks, x fastest, so the blocks that share a weight tile run together and read it from HBM once.
 #include "q8_gemv.h"
 
 #include <cstdlib>
@@ -35,7 +43,7 @@ namespace {
 
 constexpr int kRowWarps = 16;  // one warp per chain of a part: warp w computes block w of every piece
 constexpr int kRowsThreads = kRowWarps * 32;
-constexpr int kStages = 4;     // pieces in flight: 3 x 8 KB of weights a block, 48 KB an SM at 2 blocks
+constexpr int kStages = 5;     // pieces in flight: 3 x 8 KB of weights a block past the one computed and the one converted
 constexpr int kPitch = 512 + 16;  // a row's piece in shared memory, padded: ldmatrix phases hit distinct banks
 
 template <int NT>
@@ -45,9 +53,16 @@ struct RowsStage {
   static constexpr int kWdOffset = kXOffset + kCols * kPitch;  // [16 rows][16 blocks] fp16
   static constexpr int kXdOffset = kWdOffset + 16 * 16 * 2;    // [kCols][16 blocks] float
   static constexpr int kBytes = kXdOffset + kCols * 16 * 4;
-  static constexpr int kSharedBytes = kStages * kBytes;
+  // The scales of a piece as doubles, [16 weight rows then kCols rows of x][17] (a row padded by one double: the
+  // 8 rows a warp reads at once fall in distinct banks); 2 entries, piece p in p % 2.
+  static constexpr int kScaleRows = 16 + kCols;
+  static constexpr int kScalePitch = 17;
+  static constexpr int kScaleBytes = kScaleRows * kScalePitch * 8;
+  static constexpr int kRingBytes = kStages * kBytes;
+  static constexpr int kSharedBytes = kRingBytes + 2 * kScaleBytes;
   static constexpr int kPartialBytes = kRowWarps * 16 * kCols * 8;  // the chains at the end, over the ring
-  static_assert(kPartialBytes <= kSharedBytes, "the partials reuse the ring");
+  static_assert(kPartialBytes <= kRingBytes, "the partials reuse the ring");
+  static_assert(16 * kScaleRows <= kRowsThreads, "one scale a thread");
   static_assert(kBytes % 16 == 0, "stages stay 16-byte aligned");
 };
 
@@ -74,25 +89,29 @@ __global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q
   // of x row tid - 16 as four copies (16 <= tid < 16 + 4 kCols).
   const int copy_row = tid >> 5, copy_chunk = tid & 31;
   const bool w_in = row0 + copy_row < a.N, x_in = col0 + copy_row < a.T && copy_row < S::kCols;
-  const int8_t* w_src = a.weight_q + static_cast<size_t>(w_in ? row0 + copy_row : 0) * a.K + 16 * copy_chunk;
-  const int8_t* x_src = static_cast<const int8_t*>(a.x) +
-                        static_cast<size_t>(x_in ? col0 + copy_row : 0) * a.x_stride + 16 * copy_chunk;
+  // 32-bit element offsets from the kernel's pointer arguments, not pointers (registers: the PARTS = 4 form spilled
+  // with four 64-bit source pointers; q8_0_gemv_rows_supported keeps N * K below 2^31).
+  const uint32_t w_off = static_cast<uint32_t>(w_in ? row0 + copy_row : 0) * a.K + 16 * copy_chunk;
+  const uint32_t x_off = static_cast<uint32_t>(x_in ? col0 + copy_row : 0) * a.x_stride + 16 * copy_chunk;
   const int scale_row = tid < 16 ? tid : (tid - 16) >> 2;
   const bool wd_copy = tid < 16, xd_copy = tid >= 16 && tid < 16 + 4 * S::kCols;
   const bool wd_in = wd_copy && row0 + scale_row < a.N, xd_in = xd_copy && col0 + scale_row < a.T;
-  const __half* wd_src = a.weight_d + static_cast<size_t>(wd_in ? row0 + scale_row : 0) * blocks;
-  const float* xd_src = a.x_d + static_cast<size_t>(xd_in ? col0 + scale_row : 0) * a.x_d_stride + 4 * ((tid - 16) & 3);
+  const uint32_t wd_off = static_cast<uint32_t>(wd_in ? row0 + scale_row : 0) * blocks;
+  const uint32_t xd_off = static_cast<uint32_t>(xd_in ? col0 + scale_row : 0) * a.x_d_stride + 4 * ((tid - 16) & 3);
   auto issue = [&](int p) {  // piece p into its stage (a commit group either way: the count stays uniform)
     if (p < pieces) {
       unsigned char* s = smem + (p % kStages) * S::kBytes;
-      cp_async<16>(s + copy_row * kPitch + 16 * copy_chunk, w_src + 512 * p, w_in);
-      if (copy_row < S::kCols) cp_async<16>(s + S::kXOffset + copy_row * kPitch + 16 * copy_chunk, x_src + 512 * p, x_in);
+      cp_async<16>(s + copy_row * kPitch + 16 * copy_chunk, a.weight_q + w_off + 512 * p, w_in);
+      if (copy_row < S::kCols) {
+        cp_async<16>(s + S::kXOffset + copy_row * kPitch + 16 * copy_chunk,
+                     static_cast<const int8_t*>(a.x) + x_off + 512 * p, x_in);
+      }
       // Scales: 16 blocks a piece (K % 512 == 0: pieces are whole), 32 bytes a weight row, 64 a row of x.
       if (wd_copy) {
-        cp_async<16>(s + S::kWdOffset + 32 * tid, wd_src + 16 * p, wd_in);
-        cp_async<16>(s + S::kWdOffset + 32 * tid + 16, wd_src + 16 * p + 8, wd_in);
+        cp_async<16>(s + S::kWdOffset + 32 * tid, a.weight_d + wd_off + 16 * p, wd_in);
+        cp_async<16>(s + S::kWdOffset + 32 * tid + 16, a.weight_d + wd_off + 16 * p + 8, wd_in);
       }
-      if (xd_copy) cp_async<16>(s + S::kXdOffset + 16 * (tid - 16), xd_src + 16 * p, xd_in);
+      if (xd_copy) cp_async<16>(s + S::kXdOffset + 16 * (tid - 16), a.x_d + xd_off + 16 * p, xd_in);
     }
     cp_async_commit();
   };
@@ -111,36 +130,55 @@ __global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q
   const int b_off = S::kXOffset + ((lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0)) * kPitch + warp * 32 +
                     ((lane >> 3) & 1) * 16;
 
+  // This thread's scale conversion: weight row tid / 16 (tid < 256), else row of x (tid - 256) / 16; block tid % 16.
+  const int convert_row = tid >> 4, convert_block = tid & 15;
+  const bool converts = convert_row < S::kScaleRows;
+  auto convert = [&](int p) {  // piece p's landed fp16 / fp32 scales into doubles, entry p % 2
+    if (!converts || p >= pieces) return;
+    const unsigned char* s = smem + (p % kStages) * S::kBytes;
+    const double v = convert_row < 16
+                         ? static_cast<double>(__half2float(reinterpret_cast<const __half*>(s + S::kWdOffset)[tid]))
+                         : static_cast<double>(reinterpret_cast<const float*>(s + S::kXdOffset)[tid - 256]);
+    reinterpret_cast<double*>(smem + S::kRingBytes + (p & 1) * S::kScaleBytes)[convert_row * S::kScalePitch +
+                                                                              convert_block] = v;
+  };
+
   pdl_wait_for_predecessor();  // x, x_d and out may belong to the predecessor
 #pragma unroll
   for (int p = 0; p < kStages - 1; ++p) issue(p);
+  cp_async_wait<kStages - 2>();
+  __syncthreads();
+  convert(0);
   for (int p0 = 0; p0 < pieces; p0 += PARTS) {
 #pragma unroll
     for (int u = 0; u < PARTS; ++u) {
       const int p = p0 + u;
       if (p >= pieces) break;  // block-uniform
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // piece p landed for every thread; every warp is done with piece p - 1's stage
+      cp_async_wait<kStages - 3>();
+      // Piece p + 1 landed for every thread, piece p's scales are converted; every warp is done with piece p - 1
+      // (its stage is refilled next) and with entry (p + 1) % 2 of the scales.
+      __syncthreads();
       issue(p + kStages - 1);
+      convert(p + 1);
       const unsigned char* s = smem + (p % kStages) * S::kBytes;
       uint32_t frag_a[4];
       ldmatrix_x4(frag_a, s + a_off);
       uint32_t frag_b[4];  // NT == 1: matrices 2 and 3 repeat 0 and 1 (rows 0-7)
       ldmatrix_x4(frag_b, s + b_off);
-      const __half* wd = reinterpret_cast<const __half*>(s + S::kWdOffset);
-      const float* xd = reinterpret_cast<const float*>(s + S::kXdOffset);
-      const float wd_lo = __half2float(wd[group * 16 + warp]), wd_hi = __half2float(wd[(group + 8) * 16 + warp]);
+      const double* scale = reinterpret_cast<const double*>(smem + S::kRingBytes + (p & 1) * S::kScaleBytes);
+      const double wd_lo = scale[group * S::kScalePitch + warp], wd_hi = scale[(group + 8) * S::kScalePitch + warp];
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const uint32_t b[2] = {frag_b[2 * j], frag_b[2 * j + 1]};
         int c[4];
         mma_s8(c, frag_a, b);
-        const float xd0 = xd[(8 * j + 2 * quad) * 16 + warp], xd1 = xd[(8 * j + 2 * quad + 1) * 16 + warp];
+        const double* xd = scale + (16 + 8 * j + 2 * quad) * S::kScalePitch + warp;
+        const double xd0 = xd[0], xd1 = xd[S::kScalePitch];
         // c0, c1: weight row `group`, x rows 2 quad, 2 quad + 1; c2, c3: weight row group + 8.
-        acc[u][j][0] = fma(int_to_double(c[0]), static_cast<double>(wd_lo * xd0), acc[u][j][0]);
-        acc[u][j][1] = fma(int_to_double(c[1]), static_cast<double>(wd_lo * xd1), acc[u][j][1]);
-        acc[u][j][2] = fma(int_to_double(c[2]), static_cast<double>(wd_hi * xd0), acc[u][j][2]);
-        acc[u][j][3] = fma(int_to_double(c[3]), static_cast<double>(wd_hi * xd1), acc[u][j][3]);
+        acc[u][j][0] = fma(int_to_double(c[0]) * wd_lo, xd0, acc[u][j][0]);
+        acc[u][j][1] = fma(int_to_double(c[1]) * wd_lo, xd1, acc[u][j][1]);
+        acc[u][j][2] = fma(int_to_double(c[2]) * wd_hi, xd0, acc[u][j][2]);
+        acc[u][j][3] = fma(int_to_double(c[3]) * wd_hi, xd1, acc[u][j][3]);
       }
     }
   }
@@ -206,11 +244,13 @@ int q8_0_gemv_rows_min_rows() {
 bool q8_0_gemv_rows_supported(const Q8GemvArgs& a, int parts) {
   const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
   return (parts == 1 || parts == 4) && a.K % 512 == 0 && a.x_stride % 16 == 0 && a.x_d_stride % 4 == 0 &&
+         static_cast<int64_t>(a.N) * a.K < (int64_t{1} << 31) && static_cast<int64_t>(a.T) * a.x_stride < (int64_t{1} << 31) &&
          aligned(a.weight_q, 16) && aligned(a.x, 16) && aligned(a.weight_d, 16) && aligned(a.x_d, 16);
 }
 
 cudaError_t q8_0_gemv_rows_launch(const Q8GemvArgs& a, int parts, cudaStream_t stream) {
-  return parts == 1 ? launch_rows<1, 2>(a, stream) : launch_rows<4, 1>(a, stream);
+  if (parts != 1) return launch_rows<4, 1>(a, stream);
+  return a.T <= 8 ? launch_rows<1, 1>(a, stream) : launch_rows<1, 2>(a, stream);
 }
 
 }  // namespace qwen38
