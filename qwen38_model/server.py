@@ -9,7 +9,8 @@ Sampling fields a request leaves out take the checkpoint's settings, as vLLM tak
 config. Every bad request is an OpenAI-style JSON error, never a traceback; a field the server does not
 implement is one, never ignored. A chat reply's `<think>` part is its reasoning_content and, with `tools`, its
 `<tool_call>` blocks are message.tool_calls (chat_reply.py). A chat's response_format json_object / json_schema
-constrains its reply to that JSON (structured.py)."""
+constrains its reply to that JSON, and tool_choice "required" or a named function to tool calls whose arguments
+match the function's parameters (structured.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -181,13 +182,12 @@ class ApiKey:
 
 @dataclass
 class ChatPrompt:
-    """A chat request's messages and template arguments as the template takes them, and its prompt text (with
-    `forced`, a forced tool call's start, appended); opened: the template's prompt opens the thinking."""
+    """A chat request's messages and template arguments as the template takes them, and its prompt text;
+    opened: the template's prompt opens the thinking."""
 
     messages: list[dict]
     kwargs: dict
     text: str
-    forced: str
     opened: bool
 
 
@@ -350,7 +350,7 @@ class Server:
                 raise RequestError(400, "logprobs are not available with --speculative (one sequence at a time "
                                         "through generate(), which reports none)", "logprobs")
             cfg = self.sampling_config(kwargs, logprobs is not None)
-            constraints = self.constraints(response_schema(body), kwargs["n"]) if chat else None
+            constraints = self.constraints(body, prompt, kwargs["n"]) if chat else None
             if constraints:
                 cfg = dataclasses.replace(cfg, token_mask=True)
         except RequestError as e:
@@ -366,9 +366,7 @@ class Server:
             busy.headers["Retry-After"] = "1"
             return busy
         breaks = self.message_breaks(prompt, ids) if chat else ()
-        # The next turn's prefix is cached where the template renders the reply back (not for a forced tool call:
-        # its reply lacks the prompt's part of the call).
-        next_turn = self.next_turn(prompt, body) if chat and not prompt.forced else None
+        next_turn = self.next_turn(prompt, body) if chat else None  # where the template renders the reply back
         # Several prompts: each its own Job (they batch together), all with the request's one seed, so that choice
         # p * n + j (prompt p, sample j) samples with seed + j as the request with prompt p alone does (as vLLM
         # runs each prompt of a list with the request's sampling parameters, its seed among them).
@@ -377,8 +375,7 @@ class Server:
                     next_turn=next_turn, constraints=constraints) for p, ids in enumerate(prompts)]
         reply = Reply(self, jobs, events, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
-                      parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none",
-                      forced=prompt.forced if chat else "")
+                      parse_tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none")
         return StreamingResponse(reply.events(), media_type="text/event-stream") if reply.stream else \
             await reply.whole()
 
@@ -443,20 +440,14 @@ class Server:
     def chat_request(self, body: dict) -> ChatPrompt:
         """The chat template's text for the request's messages (content as a string or a list of text parts,
         joined by newlines as vLLM joins them) and its chat_template_kwargs (enable_thinking, ...), rendered
-        once; with a forced tool call (forced_tool_call) appended. A forced call or a constrained reply
-        (response_format) closes the thinking the template opens: the reply is the call, or the JSON."""
+        once."""
         messages, kwargs = self.chat_messages(body)
-        text = self.render(messages, kwargs)
-        opened = text.rfind(THINK_START) > text.rfind(THINK_END)
-        forced = forced_tool_call(body, kwargs.get("tools", []))
-        constrained = response_schema(body) is not None
-        if forced and constrained:
+        if forced_tools(body, kwargs.get("tools", [])) and response_schema(body) is not None:
             raise RequestError(400, "response_format constrains the reply, a forced tool call (tool_choice "
                                     f"{body['tool_choice']!r:.80}) makes it a call: ask for one of them",
                                "response_format")
-        if (forced or constrained) and opened:  # the prompt opens the thinking: close it (the reply is the answer)
-            text += "\n" + THINK_END + "\n\n"
-        return ChatPrompt(messages, kwargs, text + forced, forced, opened)
+        text = self.render(messages, kwargs)
+        return ChatPrompt(messages, kwargs, text, text.rfind(THINK_START) > text.rfind(THINK_END))
 
     def render(self, messages: list[dict], kwargs: dict, add_generation_prompt: bool = True) -> str:
         try:
@@ -641,21 +632,41 @@ class Server:
             kwargs["stop_strings"] = stop
         return kwargs
 
-    def constraints(self, schema: dict | None, n: int) -> list | None:
-        """One constraint per choice for a response_format's JSON schema (None without one); a 400 naming
-        response_format where the grammar library rejects the schema, or where nothing can apply it."""
-        if schema is None:
+    def constraints(self, body: dict, prompt: ChatPrompt, n: int) -> list | None:
+        """One constraint per choice of a chat whose reply is constrained (None otherwise): to its
+        response_format's JSON schema, or, for a tool_choice that forces a call, to tool calls of the functions
+        it allows (forced_tools). Where the prompt leaves the thinking open, the reply thinks first and the
+        constraint begins after its `</think>` (structured.py, as vLLM). A 400 naming the field where the
+        grammar library rejects a schema (response_format, or tools[i].function.parameters), or where nothing
+        can apply it."""
+        schema, tools = response_schema(body), prompt.kwargs.get("tools", [])
+        forced = forced_tools(body, tools)
+        if schema is None and not forced:
             return None
+        field = "response_format" if schema is not None else "tool_choice"
         if self.scheduler is not None and self.scheduler.engine is None:
-            raise RequestError(400, "response_format is not available with --speculative (one sequence at a time "
-                                    "through generate(), which constrains nothing)", "response_format")
+            raise RequestError(400, f"{field} is not available with --speculative (one sequence at a time through "
+                                    "generate(), which constrains nothing)", field)
         if self.json_constraints is None:
             raise RequestError(503, "this server has no model to run")
+        json_constraints = self.json_constraints
         try:
-            grammar = self.json_constraints.grammar(schema)
-            return [self.json_constraints.constraint(grammar) for _ in range(n)]
+            if schema is not None:
+                grammar = json_constraints.grammar(schema, prompt.opened)
+            else:
+                functions = []
+                for i in forced:
+                    function, param = tools[i]["function"], f"tools[{i}].function.parameters"
+                    try:
+                        functions.append((function["name"],
+                                          json_constraints.schema_grammar(function_parameters(function, param))))
+                    except ValueError as e:
+                        raise RequestError(400, f"{param}: {e}", param) from None
+                grammar = json_constraints.tool_call_grammar(functions, several=body["tool_choice"] == "required",
+                                                             thinking=prompt.opened)
+            return [json_constraints.constraint(grammar) for _ in range(n)]
         except ValueError as e:
-            raise RequestError(400, f"response_format: {e}", "response_format") from None
+            raise RequestError(400, f"{field}: {e}", field) from None
 
     def sampling_config(self, kwargs: dict, logprobs: bool = False) -> SamplingConfig:
         """generation_kwargs' sampling fields as the engine's per-sequence SamplingConfig (as generate() builds
@@ -682,7 +693,7 @@ class Choice:
         self.thinking = ThinkingSplit(opened) if self.chat else None
         self.tool_split = ToolCallSplit() if parse_tools else None  # tools given, tool_choice not "none"
         self.role_sent = False  # streamed chat: the first chunk's delta carries the role
-        self.constraint = job.constraints[j] if job.constraints else None  # response_format
+        self.constraint = job.constraints[j] if job.constraints else None  # response_format, a forced call
         self.last_token = None
         self.tokenizer = reply.server.tokenizer
         self.top = job.logprobs  # alternatives per token with logprobs; None: no logprobs asked
@@ -777,8 +788,7 @@ class Reply:
     choices in order p * n + j (prompt p, its choice j), as OpenAI and vLLM index them."""
 
     def __init__(self, server: Server, jobs: list[Job], events: asyncio.Queue, request: Request, chat: bool,
-                 stream: bool, include_usage: bool = False, parse_tools: bool = False, forced: str = ""):
-        """forced: the start of the reply that the prompt already holds (forced_tool_call), read first."""
+                 stream: bool, include_usage: bool = False, parse_tools: bool = False):
         self.server, self.jobs, self.queue, self.request = server, jobs, events, request
         self.chat, self.stream, self.include_usage = chat, stream, include_usage
         opened = False
@@ -787,9 +797,6 @@ class Reply:
             opened = tail.rfind(THINK_START) > tail.rfind(THINK_END)
         self.choices = [Choice(p * job.n + j, self, job, j, opened, parse_tools)
                         for p, job in enumerate(jobs) for j in range(job.n)]
-        for choice in self.choices:
-            if forced:  # held by the tool split until the call closes (or the reply ends)
-                choice.tool_split.feed(forced)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.started, self.first_token, self.gaps = time.monotonic(), None, []
 
@@ -821,7 +828,7 @@ class Reply:
                     if choice.finish != "stop":
                         choice.text += choice.decoder.flush()
                         if choice.constraint is not None and choice.constraint.complete():
-                            choice.finish = "stop"  # the JSON is complete: the grammar ended it, as an end token
+                            choice.finish = "stop"  # the grammar ended it (the JSON, or the call, is complete)
                     running.discard(i)
                     if piece := choice.ready(final=True):
                         yield i, piece
@@ -950,7 +957,7 @@ def response_schema(body: dict) -> dict | None:
 
 
 def request_tools(body: dict) -> list:
-    """The request's OpenAI function tools (checked), and its tool_choice (forced_tool_call says what each
+    """The request's OpenAI function tools (checked), and its tool_choice (forced_tools says what each
     means)."""
     tools = body.get("tools")
     tools = [] if tools is None else tools
@@ -960,32 +967,43 @@ def request_tools(body: dict) -> list:
             and isinstance(t["function"].get("parameters", {}), dict) for t in tools):
         raise RequestError(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\", "
                                 "\"description\"?, \"parameters\"?}}", "tools")
-    forced_tool_call(body, tools)  # checks tool_choice
+    forced_tools(body, tools)  # checks tool_choice
     return tools
 
 
-def forced_tool_call(body: dict, tools: list) -> str:
-    """What the reply is made to begin with for the request's tool_choice: "none" (the tools rendered, no call
-    parsed, as vLLM) and "auto" nothing; "required" an opened `<tool_call>` block, and a named function
-    (`{"type": "function", "function": {"name": ...}}`, one of the tools) the block with the call's name
-    written, its arguments left to the model. The text is appended to the prompt (after closing the thinking
-    a prompt opens: a forced call is the reply's start) and read as the reply's beginning. Forced, not
-    constrained: the model may still write arguments that are not JSON, which are then content text."""
+def forced_tools(body: dict, tools: list) -> list[int]:
+    """The tools (their indices) a reply must call for the request's tool_choice: "none" (the tools rendered,
+    no call parsed, as vLLM) and "auto" none; "required" all of them (one call or more), a named function
+    (`{"type": "function", "function": {"name": ...}}`, one of the tools) that one (one call). The reply is then
+    constrained to such calls (Server.constraints)."""
     choice = body.get("tool_choice")
     if choice in (None, "none", "auto"):
-        return ""
+        return []
     if not tools:
         raise RequestError(400, f"tool_choice {choice!r} needs tools", "tool_choice")
     if choice == "required":
-        return TOOL_START + "\n"
+        return list(range(len(tools)))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):
         raise RequestError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                                 f"\"function\": {{\"name\": ...}}}}, found {choice!r:.100}", "tool_choice")
-    if name not in [t["function"]["name"] for t in tools]:
+    names = [t["function"]["name"] for t in tools]
+    if name not in names:
         raise RequestError(400, f"tool_choice names {name!r:.100}, which is not among the tools", "tool_choice")
-    return TOOL_START + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
+    return [names.index(name)]
+
+
+def function_parameters(function: dict, param: str) -> dict:
+    """A function tool's parameters schema (none: no arguments, an empty object), typed as an object where it
+    names no type: a call's arguments are a JSON object (Qwen's template and the tool-call parser read one);
+    a 400 naming param for a schema of another type."""
+    parameters = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+    kind = parameters.get("type", "object")
+    if kind != "object":
+        raise RequestError(400, f"{param} must be an object schema (a call's arguments are a JSON object), found "
+                                f"type {kind!r:.40}", param)
+    return {"type": "object", **parameters}
 
 
 def message_tool_calls(calls, index: int) -> list[dict]:
