@@ -74,6 +74,12 @@ __device__ __forceinline__ void cp_async(Dst* dst, const Src* src, bool fill) {
                  : "memory");
   }
 }
+// The same copy to a shared-memory address already in the .shared state space (a kernel that computes its stage
+// addresses once, not a generic-to-shared conversion per copy).
+template <typename Src>
+__device__ __forceinline__ void cp_async16_shared(uint32_t dst, const Src* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most kPending of this thread's committed groups are still in flight (0: all have landed). Other
 // threads' copies are visible only after a barrier that follows their waits.
@@ -90,6 +96,11 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(shared_address(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_shared(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"

@@ -7,12 +7,13 @@
 //   convert it on the FP64 pipe: from 8 rows they are compute-bound (T = 8 cost 2.68x T = 1), and more rows
 //   ran in passes that read the weights again. Here one mma.sync m16n8k32.s8 is one Q8_0 block for 16 weight
 //   rows x 8 rows of x, exact in int32, so the int8 work is nearly free and the cost left is the scaling:
-//   per block and output one int -> double conversion (a DADD, int_to_double), one DMUL and one DFMA.
+//   per block and output one int -> double conversion (a DADD: the mma adds a bias that keeps the sum positive),
+//   one DMUL and one DFMA.
 // - No conversion per output: the GEMV forms double(wd * xd) (an fp32 product, then F2F to double) for every
 //   block and output; the conversions to double run at a quarter of the DFMA rate, and that form, 4 per thread
 //   and piece and n8 tile, kept this kernel at 2.6x the T = 1 time whatever T (NOTES). wd * xd is exact in fp32
 //   (both are fp16 values: 11 + 11 significant bits, as the int8 producers write them), so
-//   fma(int_to_double(s) * double(wd), double(xd), acc) is the GEMV's fma(int_to_double(s), double(wd * xd), acc)
+//   fma(double(s) * double(wd), double(xd), acc) is the GEMV's fma(int_to_double(s), double(wd * xd), acc)
 //   bit for bit: s * wd (<= 20 + 11 bits) and s * wd * xd are exact in double, and each form rounds once, in the
 //   FMA. The scales are converted to double once per piece, one per thread of the block, into a 2-entry buffer a
 //   piece ahead of the math (the raw copies of piece p + 1 have landed when piece p is computed).
@@ -53,24 +54,31 @@ struct RowsStage {
   static constexpr int kWdOffset = kXOffset + kCols * kPitch;  // [16 rows][16 blocks] fp16
   static constexpr int kXdOffset = kWdOffset + 16 * 16 * 2;    // [kCols][16 blocks] float
   static constexpr int kBytes = kXdOffset + kCols * 16 * 4;
-  // The scales of a piece as doubles, [16 weight rows then kCols rows of x][17] (a row padded by one double: the
-  // 8 rows a warp reads at once fall in distinct banks); 2 entries, piece p in p % 2.
+  // The scales of a piece as doubles, [16 blocks][16 weight rows, then kCols rows of x, then 2 of padding]: the
+  // lanes of a warp read one block's row (broadcasts, and the two rows of x of a lane as one 16-byte load); 2
+  // entries, piece p in p % 2.
   static constexpr int kScaleRows = 16 + kCols;
-  static constexpr int kScalePitch = 17;
-  static constexpr int kScaleBytes = kScaleRows * kScalePitch * 8;
+  static constexpr int kScalePitch = kScaleRows + 2;
+  static constexpr int kScaleBytes = 16 * kScalePitch * 8;
   static constexpr int kRingBytes = kStages * kBytes;
   static constexpr int kSharedBytes = kRingBytes + 2 * kScaleBytes;
   static constexpr int kPartialBytes = kRowWarps * 16 * kCols * 8;  // the chains at the end, over the ring
   static_assert(kPartialBytes <= kRingBytes, "the partials reuse the ring");
   static_assert(16 * kScaleRows <= kRowsThreads, "one scale a thread");
-  static_assert(kBytes % 16 == 0, "stages stay 16-byte aligned");
+  static_assert(kBytes % 16 == 0 && kScaleBytes % 16 == 0, "stages stay 16-byte aligned");
 };
 
-__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+// The block dot plus kDotBias, so the sum is never negative and becomes a double with one DADD (int_to_double's
+// trick without its sign flip): |sum| <= 32 * 128 * 128 = 2^19.
+constexpr int kDotBias = 1 << 20;
+__device__ __forceinline__ void mma_s8_biased(int (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                "{%10, %10, %10, %10};"
                : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(kDotBias));
+}
+__device__ __forceinline__ double biased_dot_to_double(int biased) {
+  return __hiloint2double(0x43300000, biased) - (4503599627370496.0 + kDotBias);  // 2^52 + biased, exact
 }
 
 template <int PARTS, int NT>
@@ -83,37 +91,59 @@ __global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q
   const int row0 = blockIdx.y * 16, col0 = blockIdx.x * S::kCols;
   const int blocks = a.K >> 5;
   const int pieces = blocks >> 4;  // K % 512 == 0 (q8_0_gemv_rows_supported)
+  const uint32_t ring = shared_address(smem);
 
   // This thread's copies into a stage (16 bytes each): weight row tid / 32, bytes 16 (tid % 32) of the piece;
   // x row tid / 32 likewise (threads below 32 kCols); the 32 scale bytes of weight row tid (tid < 16) and the 64
-  // of x row tid - 16 as four copies (16 <= tid < 16 + 4 kCols).
+  // of x row tid - 16 as four copies (16 <= tid < 16 + 4 kCols). Sources as 32-bit element offsets from the
+  // kernel's pointer arguments (registers; q8_0_gemv_rows_supported keeps N * K below 2^31).
   const int copy_row = tid >> 5, copy_chunk = tid & 31;
-  const bool w_in = row0 + copy_row < a.N, x_in = col0 + copy_row < a.T && copy_row < S::kCols;
-  // 32-bit element offsets from the kernel's pointer arguments, not pointers (registers: the PARTS = 4 form spilled
-  // with four 64-bit source pointers; q8_0_gemv_rows_supported keeps N * K below 2^31).
+  const bool copies_x = copy_row < S::kCols;
+  const bool w_in = row0 + copy_row < a.N, x_in = col0 + copy_row < a.T && copies_x;
   const uint32_t w_off = static_cast<uint32_t>(w_in ? row0 + copy_row : 0) * a.K + 16 * copy_chunk;
   const uint32_t x_off = static_cast<uint32_t>(x_in ? col0 + copy_row : 0) * a.x_stride + 16 * copy_chunk;
+  const uint32_t copy_dst = copy_row * kPitch + 16 * copy_chunk;
   const int scale_row = tid < 16 ? tid : (tid - 16) >> 2;
   const bool wd_copy = tid < 16, xd_copy = tid >= 16 && tid < 16 + 4 * S::kCols;
   const bool wd_in = wd_copy && row0 + scale_row < a.N, xd_in = xd_copy && col0 + scale_row < a.T;
   const uint32_t wd_off = static_cast<uint32_t>(wd_in ? row0 + scale_row : 0) * blocks;
   const uint32_t xd_off = static_cast<uint32_t>(xd_in ? col0 + scale_row : 0) * a.x_d_stride + 4 * ((tid - 16) & 3);
+  const uint32_t scale_dst = wd_copy ? S::kWdOffset + 32 * tid : S::kXdOffset + 16 * (tid - 16);
+
+  // This thread's scale conversion: scale row tid / 16 (weight rows, then rows of x), block tid % 16.
+  const int convert_row = tid >> 4;
+  const bool converts = convert_row < S::kScaleRows, converts_wd = convert_row < 16;  // both warp-uniform
+  const uint32_t convert_src = converts_wd ? S::kWdOffset + 2 * tid : S::kXdOffset + 4 * (tid - 256);
+  const uint32_t convert_dst = ((tid & 15) * S::kScalePitch + convert_row) * 8;
+
+  // Stage offsets (from the ring's start) of the next piece to copy, to convert and to compute: advanced by one
+  // stage a piece, wrapping (no modulo of the piece index in the loop).
+  uint32_t issue_at = 0, convert_at = 0, compute_at = 0;
+  const auto advance = [](uint32_t& at) { at = at + S::kBytes == S::kRingBytes ? 0 : at + S::kBytes; };
   auto issue = [&](int p) {  // piece p into its stage (a commit group either way: the count stays uniform)
     if (p < pieces) {
-      unsigned char* s = smem + (p % kStages) * S::kBytes;
-      cp_async<16>(s + copy_row * kPitch + 16 * copy_chunk, a.weight_q + w_off + 512 * p, w_in);
-      if (copy_row < S::kCols) {
-        cp_async<16>(s + S::kXOffset + copy_row * kPitch + 16 * copy_chunk,
-                     static_cast<const int8_t*>(a.x) + x_off + 512 * p, x_in);
-      }
+      const uint32_t s = ring + issue_at;
+      cp_async16_shared(s + copy_dst, a.weight_q + w_off + 512 * p, w_in);
+      if (copies_x) cp_async16_shared(s + S::kXOffset + copy_dst, static_cast<const int8_t*>(a.x) + x_off + 512 * p, x_in);
       // Scales: 16 blocks a piece (K % 512 == 0: pieces are whole), 32 bytes a weight row, 64 a row of x.
       if (wd_copy) {
-        cp_async<16>(s + S::kWdOffset + 32 * tid, a.weight_d + wd_off + 16 * p, wd_in);
-        cp_async<16>(s + S::kWdOffset + 32 * tid + 16, a.weight_d + wd_off + 16 * p + 8, wd_in);
+        cp_async16_shared(s + scale_dst, a.weight_d + wd_off + 16 * p, wd_in);
+        cp_async16_shared(s + scale_dst + 16, a.weight_d + wd_off + 16 * p + 8, wd_in);
+      } else if (xd_copy) {
+        cp_async16_shared(s + scale_dst, a.x_d + xd_off + 16 * p, xd_in);
       }
-      if (xd_copy) cp_async<16>(s + S::kXdOffset + 16 * (tid - 16), a.x_d + xd_off + 16 * p, xd_in);
     }
     cp_async_commit();
+    advance(issue_at);
+  };
+  auto convert = [&](int p) {  // piece p's landed fp16 / fp32 scales into doubles, entry p % 2
+    if (converts && p < pieces) {
+      const unsigned char* src = smem + convert_at + convert_src;
+      const double v = converts_wd ? static_cast<double>(__half2float(*reinterpret_cast<const __half*>(src)))
+                                   : static_cast<double>(*reinterpret_cast<const float*>(src));
+      *reinterpret_cast<double*>(smem + S::kRingBytes + (p & 1) * S::kScaleBytes + convert_dst) = v;
+    }
+    advance(convert_at);
   };
 
   double acc[PARTS][NT][4];
@@ -126,22 +156,11 @@ __global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q
 
   // ldmatrix row addresses of this lane (q8_gemm.cu's A and B patterns): A = the 16 weight rows (matrices rows
   // 0-7 / 8-15 x bytes 0-15 / 16-31 of block `warp`), B = 16 rows of x as two n8 tiles.
-  const int a_off = (lane & 15) * kPitch + warp * 32 + (lane >> 4) * 16;
-  const int b_off = S::kXOffset + ((lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0)) * kPitch + warp * 32 +
-                    ((lane >> 3) & 1) * 16;
-
-  // This thread's scale conversion: weight row tid / 16 (tid < 256), else row of x (tid - 256) / 16; block tid % 16.
-  const int convert_row = tid >> 4, convert_block = tid & 15;
-  const bool converts = convert_row < S::kScaleRows;
-  auto convert = [&](int p) {  // piece p's landed fp16 / fp32 scales into doubles, entry p % 2
-    if (!converts || p >= pieces) return;
-    const unsigned char* s = smem + (p % kStages) * S::kBytes;
-    const double v = convert_row < 16
-                         ? static_cast<double>(__half2float(reinterpret_cast<const __half*>(s + S::kWdOffset)[tid]))
-                         : static_cast<double>(reinterpret_cast<const float*>(s + S::kXdOffset)[tid - 256]);
-    reinterpret_cast<double*>(smem + S::kRingBytes + (p & 1) * S::kScaleBytes)[convert_row * S::kScalePitch +
-                                                                              convert_block] = v;
-  };
+  const uint32_t a_off = (lane & 15) * kPitch + warp * 32 + (lane >> 4) * 16;
+  const uint32_t b_off = S::kXOffset + ((lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0)) * kPitch + warp * 32 +
+                         ((lane >> 3) & 1) * 16;
+  // This lane's scales in an entry: weight rows group and group + 8 of block `warp`, rows of x 2 quad and + 1.
+  const uint32_t wd_at = (warp * S::kScalePitch + group) * 8, xd_at = (warp * S::kScalePitch + 16 + 2 * quad) * 8;
 
   pdl_wait_for_predecessor();  // x, x_d and out may belong to the predecessor
 #pragma unroll
@@ -160,25 +179,25 @@ __global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q
       __syncthreads();
       issue(p + kStages - 1);
       convert(p + 1);
-      const unsigned char* s = smem + (p % kStages) * S::kBytes;
       uint32_t frag_a[4];
-      ldmatrix_x4(frag_a, s + a_off);
+      ldmatrix_x4_shared(frag_a, ring + compute_at + a_off);
       uint32_t frag_b[4];  // NT == 1: matrices 2 and 3 repeat 0 and 1 (rows 0-7)
-      ldmatrix_x4(frag_b, s + b_off);
-      const double* scale = reinterpret_cast<const double*>(smem + S::kRingBytes + (p & 1) * S::kScaleBytes);
-      const double wd_lo = scale[group * S::kScalePitch + warp], wd_hi = scale[(group + 8) * S::kScalePitch + warp];
+      ldmatrix_x4_shared(frag_b, ring + compute_at + b_off);
+      advance(compute_at);
+      const unsigned char* entry = smem + S::kRingBytes + (p & 1) * S::kScaleBytes;
+      const double wd_lo = *reinterpret_cast<const double*>(entry + wd_at);
+      const double wd_hi = *reinterpret_cast<const double*>(entry + wd_at + 64);
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const uint32_t b[2] = {frag_b[2 * j], frag_b[2 * j + 1]};
         int c[4];
-        mma_s8(c, frag_a, b);
-        const double* xd = scale + (16 + 8 * j + 2 * quad) * S::kScalePitch + warp;
-        const double xd0 = xd[0], xd1 = xd[S::kScalePitch];
+        mma_s8_biased(c, frag_a, b);
+        const double2 xd = *reinterpret_cast<const double2*>(entry + xd_at + 64 * j);
         // c0, c1: weight row `group`, x rows 2 quad, 2 quad + 1; c2, c3: weight row group + 8.
-        acc[u][j][0] = fma(int_to_double(c[0]) * wd_lo, xd0, acc[u][j][0]);
-        acc[u][j][1] = fma(int_to_double(c[1]) * wd_lo, xd1, acc[u][j][1]);
-        acc[u][j][2] = fma(int_to_double(c[2]) * wd_hi, xd0, acc[u][j][2]);
-        acc[u][j][3] = fma(int_to_double(c[3]) * wd_hi, xd1, acc[u][j][3]);
+        acc[u][j][0] = fma(biased_dot_to_double(c[0]) * wd_lo, xd.x, acc[u][j][0]);
+        acc[u][j][1] = fma(biased_dot_to_double(c[1]) * wd_lo, xd.y, acc[u][j][1]);
+        acc[u][j][2] = fma(biased_dot_to_double(c[2]) * wd_hi, xd.x, acc[u][j][2]);
+        acc[u][j][3] = fma(biased_dot_to_double(c[3]) * wd_hi, xd.y, acc[u][j][3]);
       }
     }
   }
