@@ -24,7 +24,7 @@ from qwen38_model.engine import BatchEngine, Sequence, run_batch
 from qwen38_model.generation import StopCondition
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.scratch import Scratch
-from qwen38_model.speculative import MAX_DRAFT_TOKENS, SpeculativeEngine, head_rows, run_speculative
+from qwen38_model.speculative import MAX_DRAFT_TOKENS, Speculation, head_rows
 
 CONTEXT = 512  # the KV rows every timed pass attends over (a short chat's context)
 
@@ -71,14 +71,15 @@ def plain_greedy(model, prompt: torch.Tensor, new_tokens: int, kv_dtype) -> tupl
 def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor, adaptive: bool,
                     draft_vocab: int | None = None):
     # Room for the timing and profiling replays after the run (each consumes up to k + 1 positions).
-    engine = SpeculativeEngine(model, prompt.shape[0] + new_tokens + 24 * (k + 1), kv_dtype, True, k, forced_drafts=True,
-                               draft_vocab_size=draft_vocab)
-    engine.forced.zero_()
-    engine.forced[: forced.shape[0]].copy_(forced)
-    tokens, stats, _ = run_speculative(engine, prompt, SamplingConfig(), new_tokens, 0, StopCondition(frozenset()),
-                                       chunk_size=4096, adaptive=adaptive)
+    speculation = Speculation(k, draft_vocab, adaptive=adaptive, forced_drafts=True)
+    engine = BatchEngine(model, 1, prompt.shape[0] + new_tokens + 24 * (k + 1), kv_dtype, use_graph=True,
+                         speculation=speculation)
+    engine.mtp.forced[: forced.shape[0]].copy_(forced)
+    seq = Sequence(prompt, SamplingConfig(), 0, new_tokens, StopCondition(frozenset()))
+    run_batch(engine, [seq], chunk_size=4096)
+    stats = seq.stats
     # The step graph's own time, replayed back to back (what a step costs whatever it emits).
-    graph = engine.graphs[(SamplingConfig(), k)]
+    graph = engine.mtp.graphs[(SamplingConfig(), k)]
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(12):
@@ -86,7 +87,7 @@ def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor
     stop.record()
     stop.synchronize()
     step_s = start.elapsed_time(stop) * 1e-3 / 12
-    result = dict(tokens=tokens, decode_tok_s=stats.decode_tok_s, tokens_per_step=stats.tokens_per_step,
+    result = dict(tokens=seq.tokens, decode_tok_s=stats.decode_tok_s, tokens_per_step=stats.tokens_per_step,
                   steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted, step_s=step_s,
                   capture_s=stats.capture_s, kernel_split_ms=kernel_split(graph.replay, steps=4))
     del engine, graph

@@ -29,6 +29,13 @@ GPU runs this step's layers), advances the constraint by its token, writes the a
 slot's device row and only then launches the selections. The other sequences' tokens are read as soon, not
 READ_BEHIND launches late: their tokens do not change, only the host's lead over the GPU (one step instead
 of READ_BEHIND) while a constrained sequence decodes.
+
+The step is pluggable: the plain step above, or (speculation: speculative.MTPStep) the MTP step, which drafts
+k tokens with the model's MTP block and verifies them in one pass of the trunk over k+1 rows of one slot, a
+whole step (drafts, verify, selection, acceptance) one graph per (sampling config, k). Either way a launch
+leaves in `emitted` the tokens each slot's row chose (1, or the MTP step's a+1) and in `accepted` how many
+beyond the first; the ring copies both and read() hands each sequence its tokens. Both steps, like every
+prefill, advance a state's MTP part by the MTP rule (state.py), so a snapshot of either drafts as well.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ from .generation import GenerationStats, StopCondition, keep_only
 from .sampling import TOP_LOGPROBS, SamplerState, SamplingConfig, check_logit_bias, mask_words, select_next_token
 from .scratch import Scratch
 from .slots import SlotStates
+from .speculative import MTPStep, Speculation, SpeculativeStats
 from .state import BAD_POSITION, BAD_TOKEN, Qwen38State, StateSnapshot
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # step graphs by row count; the engine's max_batch is always one
@@ -93,7 +101,9 @@ class Sequence:
     start_logits: torch.Tensor | None = None
     # Filled by the engine.
     slot: int = -1
-    launched: int = 0  # tokens selected on the device so far (the prefill's, then one per step)
+    # Tokens selected on the device so far (the prefill's, then one per step); with the MTP step a lower bound
+    # (one per step launched), raised to the true count as each step is read.
+    launched: int = 0
     done: bool = False
     error: Exception | None = None
     nonfinite: bool = False
@@ -114,23 +124,34 @@ class Sequence:
 
 class BatchEngine:
     def __init__(self, model, max_batch: int, max_seq_len: int, kv_dtype: torch.dtype, use_graph: bool | None = None,
-                 name: str = "max_seq_len", batch_invariant: bool = True):
+                 name: str = "max_seq_len", batch_invariant: bool = True, speculation: Speculation | None = None):
         """batch_invariant: every row of a step gets the bits of a one-row call (Scratch.rowwise: the Q8_0 GEMV
         at every row count, in passes of 8 rows from 9). False: the int8 tensor-core GEMM from 8 rows, which
         sums a row in another order than the GEMV, so a sequence's tokens may change when its batch crosses 8
-        rows; faster from 16 rows (benchmarks/batch.py measures both)."""
+        rows; faster from 16 rows (benchmarks/batch.py measures both). speculation: the MTP step instead of the
+        plain one (max_batch 1: speculative.MTPStep says why)."""
         self.model = model
+        self.speculation = speculation
         self.batch_invariant = batch_invariant
         self.device = model.device
         self.max_batch, self.max_seq_len, self.kv_dtype = max_batch, max_seq_len, kv_dtype
         self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
         if self.use_graph and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        mtp = model.mtp is not None  # the slots' snapshots then restore into the speculative engine's state too
-        self.slots = SlotStates(model.config, max_batch, max_seq_len, self.device, kv_dtype, name, mtp)
+        mtp = model.mtp is not None  # every state then holds the block's part (state.py's MTP rule)
+        # The MTP step: its k+1 verify rows, and room past max_seq_len for steps in flight beyond the last token
+        # read (each writes up to k+1 positions).
+        self.mtp = None if speculation is None else MTPStep(model, max_batch, speculation)
+        rows = 1 if self.mtp is None else self.mtp.rows
+        spare = 0 if self.mtp is None else (READ_BEHIND + 3) * rows
+        self.slots = SlotStates(model.config, max_batch, max_seq_len + spare, self.device, kv_dtype, name, mtp, spare)
         self.buckets = tuple(b for b in BUCKETS if b < max_batch) + (max_batch,)
         vocab = model.config.vocab_size
-        self.tokens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+        # What each slot's row chose at the last launch (column 0 the plain step's token, the pending one the next
+        # step consumes), and the MTP step's count past the first: its pending token is emitted[s, accepted[s]].
+        self.emitted = torch.zeros(max_batch, rows, dtype=torch.int32, device=self.device)
+        self.accepted = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+        self.tokens = self.emitted[:, 0]
         self.nonfinite = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
         self.logits = torch.zeros(max_batch, vocab, device=self.device)  # every bucket's step writes its rows here
         # Each slot's logprob outputs (cfg.logprobs selections write them; the ring copies them).
@@ -152,19 +173,24 @@ class BatchEngine:
         self.read_ahead = READ_BEHIND if self.use_graph else 0
         on_gpu = self.device.type == "cuda"
         ring = self.read_ahead + 2  # an admission and a step may both launch before the host reads
-        # Per launch: the tokens, the error flags and the samplers' non-finite flags of every slot.
-        self.host_tokens = torch.zeros(ring, max_batch, dtype=torch.int32, pin_memory=on_gpu)
+        # Per launch: the tokens (and the MTP step's counts), the error flags and the samplers' non-finite flags
+        # of every slot.
+        self.host_tokens = torch.zeros(ring, max_batch, rows, dtype=torch.int32, pin_memory=on_gpu)
+        self.host_accepted = torch.zeros(ring, max_batch, dtype=torch.int32, pin_memory=on_gpu)
         self.host_flags = torch.zeros(ring, max_batch, dtype=torch.int32, pin_memory=on_gpu)
         self.host_nonfinite = torch.zeros(ring, max_batch, dtype=torch.bool, pin_memory=on_gpu)
         # And the logprob outputs, copied only by launches that selected a sequence asking for them.
         self.host_logprob = torch.zeros(ring, max_batch, pin_memory=on_gpu)
         self.host_top_ids = torch.zeros(ring, max_batch, TOP_LOGPROBS, dtype=torch.int32, pin_memory=on_gpu)
         self.host_top_logprobs = torch.zeros(ring, max_batch, TOP_LOGPROBS, pin_memory=on_gpu)
-        self.launches: deque = deque()  # (ring index, event, [(slot, sequence)]) in launch order
+        self.launches: deque = deque()  # (ring index, event, [(slot, sequence)], MTP draft count) in launch order
+        self._step_event = None  # the event of the last MTP step read (its successor's time is measured from it)
         self.next_ring = 0
         self._finished: list[Sequence] = []  # finished while a launch waited for a ring entry (_record)
         # Where a sequence is prefilled before it moves into its slot (admit says why).
         self.staging = Qwen38State(model.config, max_seq_len, self.device, kv_dtype, mtp=mtp)
+        if self.mtp is not None:
+            self.mtp.bind(self)
 
     def _sampler(self, vocab: int, slot: int | None = None) -> SamplerState:
         """A sampler state; a slot's writes its non-finite flag and logprob outputs into the engine's rows
@@ -182,33 +208,56 @@ class BatchEngine:
         return next(b for b in self.buckets if b >= rows)
 
     def run_rows(self, rows: int) -> None:
-        """The model over rows 0..rows-1 (slot b's pending token at its position), logits into self.logits."""
-        s = self.slots
-        logits = self.model.run(self.tokens[:rows], s.positions[:rows], s.rows(rows), self.scratch[rows])
-        self.logits[:rows].copy_(logits)
+        """The plain step's model pass over rows 0..rows-1 (slot b's pending token at its position), logits into
+        self.logits; with the MTP block, each row's pair by the MTP rule (state.py)."""
+        m, s, scratch = self.model, self.slots, self.scratch[rows]
+        batch = s.rows(rows)
+        residual, delta = m.trunk(self.tokens[:rows], s.positions[:rows], batch, scratch)
+        normed = m.final_norm(residual, delta, scratch)
+        if batch.mtp_cache is not None:
+            m.mtp_pairs(batch.mtp_hidden, self.tokens[:rows], s.positions[:rows], batch.mtp_cache, scratch)
+            batch.mtp_hidden.copy_(normed.x)
+        self.logits[:rows].copy_(m.lm_head(normed, scratch))
 
-    def capture(self, buckets=None) -> None:
-        """Capture the step of each bucket (default: all) not captured yet. The warm-up steps write the
-        states of the slots they cover, so no sequence may be active."""
-        todo = [b for b in (buckets or self.buckets) if b not in self.step_graphs]
-        if not todo or not self.use_graph:
-            return
-        if any(self.active):
-            raise RuntimeError("step graphs are captured while no sequence is active (the warm-up writes the slots)")
+    def graph(self, run, warm_up) -> torch.cuda.CUDAGraph:
+        """The one capture of every graph the engine replays (step, selection, MTP step): warm_up() eagerly (it
+        allocates every scratch buffer the capture then finds, on inputs that are valid whatever the engine
+        holds), then run() captured, both on a side stream, the graph's temporaries in the engine's pool (graphs
+        replay one after another on one stream, so they may share it). capture_begin/end, not torch.cuda.graph's
+        context, which would synchronize the device and empty the cache: a selection graph is captured while
+        other sequences decode."""
         stream = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
-        with torch.cuda.stream(side):  # the warm-up allocates every scratch buffer, off the capture
-            self.tokens.zero_()  # valid inputs for the warm-up: token 0 at position 0 (generation.py says why)
-            self.slots.positions.zero_()
-            for b in todo:
-                self.run_rows(b)
-        stream.wait_stream(side)
-        for b in todo:
+        with torch.cuda.stream(side):
+            warm_up()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.run_rows(b)
-            self.step_graphs[b] = graph
+            graph.capture_begin(pool=self.pool)
+            try:
+                run()
+            finally:
+                graph.capture_end()
+        stream.wait_stream(side)
+        return graph
+
+    def capture(self, buckets=None) -> None:
+        """Capture the plain step of each bucket (default: all) not captured yet. The warm-up steps write the
+        states of the slots they cover, so no sequence may be active. (The MTP step's graphs are per sampling
+        config: admit() captures them.)"""
+        todo = [b for b in (buckets or self.buckets) if b not in self.step_graphs]
+        if not todo or not self.use_graph or self.mtp is not None:
+            return
+        if any(self.active):
+            raise RuntimeError("step graphs are captured while no sequence is active (the warm-up writes the slots)")
+
+        def warm_up():
+            # Valid inputs for the warm-up: token 0 at position 1 (the MTP rule's pair then sits at 0).
+            self.tokens.zero_()
+            self.slots.positions.fill_(1)
+            self.run_rows(b)
+
+        for b in todo:
+            self.step_graphs[b] = self.graph(lambda: self.run_rows(b), warm_up)
             self.scratch[b].freeze()
         self.slots.flags.zero_()
 
@@ -229,23 +278,11 @@ class BatchEngine:
                           self.slots.positions[slot : slot + 1] if position is None else position)
 
     def _capture_select(self, slot: int, cfg: SamplingConfig) -> torch.cuda.CUDAGraph:
-        # Warmed up on a throwaway sampler, token and position (it must not advance the slot's), captured with
-        # capture_begin/end on a side stream: torch.cuda.graph's context would synchronize the device and
-        # empty the cache, a stall in the middle of serving.
-        stream = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(stream)
-        with torch.cuda.stream(side):
-            dummy = self._sampler(self.model.config.vocab_size)
-            self._select(slot, cfg, dummy, torch.zeros(1, dtype=torch.int32, device=self.device),
-                         torch.zeros(1, dtype=torch.int32, device=self.device))
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.pool)
-            try:
-                self._select(slot, cfg)
-            finally:
-                graph.capture_end()
-        stream.wait_stream(side)
+        # Warmed up on a throwaway sampler, token and position: it must not advance the slot's.
+        dummy = self._sampler(self.model.config.vocab_size)
+        zero = torch.zeros(1, dtype=torch.int32, device=self.device)
+        graph = self.graph(lambda: self._select(slot, cfg),
+                           lambda: self._select(slot, cfg, dummy, zero, torch.zeros_like(zero)))
         mine = [key for key in self.select_graphs if key[0] == slot]
         if len(mine) >= SELECT_GRAPHS_PER_SLOT:
             # Replays already launched keep their graph's executable alive until the device is done with it
@@ -280,6 +317,9 @@ class BatchEngine:
             raise ValueError("a sequence's constraint and its config's token_mask flag go together: found "
                              f"{'a' if seq.constraint is not None else 'no'} constraint with "
                              f"cfg.token_mask={seq.cfg.token_mask}")
+        if self.mtp is not None and (seq.cfg.logprobs or seq.cfg.token_mask):
+            raise ValueError("the MTP step reports no logprobs and takes no token mask (speculative decoding: plain "
+                             "decode for logprobs and structured output)")
         return bias
 
     def admit(self, seq: Sequence, chunk_size: int, progress=None):
@@ -292,10 +332,13 @@ class BatchEngine:
             raise RuntimeError("no free slot: admit a sequence when free_slots() > 0")
         seq._admitted_at = time.perf_counter()
         staging = self._staging_at(seq.start)
-        seq.stats = GenerationStats(prompt_tokens=seq.history.shape[0] - staging.position, graph=self.use_graph)
+        stats = GenerationStats if self.mtp is None else SpeculativeStats
+        seq.stats = stats(prompt_tokens=seq.history.shape[0] - staging.position, graph=self.use_graph)
         logits = yield from self._prefill(staging, seq.history, chunk_size, seq.breaks, seq.break_snapshots, progress)
         if logits is None:  # start holds the whole history
             logits = seq.start_logits[None]
+        if self.mtp is not None:
+            self.mtp.admit(seq)  # (its capture's warm-up writes the slot: before the sequence moves in)
         slot = self.active.index(None)
         seq.slot, self.active[slot] = slot, seq
         state = self.slots.slot(slot)
@@ -305,6 +348,7 @@ class BatchEngine:
         if bias is not None:
             self.samplers[slot].set_logit_bias(bias)
         self.logits[slot].copy_(logits[0])
+        self.accepted[slot].zero_()  # the pending token is the one selected here, emitted[slot, 0]
         state.device_position.fill_(state.position - 1)
         if seq.constraint is not None:
             self._load_mask(slot, seq)
@@ -318,6 +362,14 @@ class BatchEngine:
 
     def step(self) -> None:
         """One decode step over every active sequence (a no-op with none)."""
+        if self.mtp is not None:
+            seq = self.active[0]
+            if seq is not None and seq.launched < seq.max_new_tokens:
+                k = self.mtp.launch(seq, self.use_graph)
+                seq.launched += 1
+                seq._steps += 1
+                self._record([(0, seq)], k)
+            return
         top = max((s for s, seq in enumerate(self.active) if seq is not None), default=-1)
         if top < 0:
             return
@@ -355,12 +407,15 @@ class BatchEngine:
             self.mask_copied[slot] = torch.cuda.Event()
             self.mask_copied[slot].record()
 
-    def _record(self, selected: list) -> None:
+    def _record(self, selected: list, draft_count: int | None = None) -> None:
+        """The launch just made (an MTP step's with its draft count) into the ring."""
         if len(self.launches) == self.host_tokens.shape[0]:
             self._finished.extend(self.read(wait=True))  # never overwrite a launch's tokens before they are read
         i = self.next_ring
         self.next_ring = (i + 1) % self.host_tokens.shape[0]
-        self.host_tokens[i].copy_(self.tokens, non_blocking=True)
+        self.host_tokens[i].copy_(self.emitted, non_blocking=True)
+        if self.mtp is not None:
+            self.host_accepted[i].copy_(self.accepted, non_blocking=True)
         self.host_flags[i].copy_(self.slots.flags, non_blocking=True)
         self.host_nonfinite[i].copy_(self.nonfinite, non_blocking=True)
         if any(seq.cfg.logprobs for _, seq in selected):
@@ -369,16 +424,16 @@ class BatchEngine:
             self.host_top_logprobs[i].copy_(self.top_logprobs, non_blocking=True)
         event = None
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=self.mtp is not None)  # the draft policy times MTP steps
             event.record()
-        self.launches.append((i, event, selected))
+        self.launches.append((i, event, selected, draft_count))
 
     def read(self, wait: bool) -> list[Sequence]:
         """Read the launches whose tokens have arrived (all in flight beyond read_ahead, and with wait=True the
         oldest at least); returns the sequences that finished (since the last call)."""
         finished, self._finished = self._finished, []
         while self.launches:
-            i, event, selected = self.launches[0]
+            i, event, selected, draft_count = self.launches[0]
             must = wait or len(self.launches) > self.read_ahead
             if not must and (event is None or not event.query()):  # (the CPU: read_ahead 0, every launch is due)
                 break
@@ -386,11 +441,19 @@ class BatchEngine:
                 event.synchronize()
             self.launches.popleft()
             for slot, seq in selected:
-                if not seq.done and self._deliver(seq, int(self.host_tokens[i, slot]), int(self.host_flags[i, slot]),
-                                                  bool(self.host_nonfinite[i, slot]),
-                                                  self._logprobs(i, slot) if seq.cfg.logprobs else None):
+                if seq.done:
+                    continue
+                accepted = 0
+                if draft_count is not None:
+                    accepted = int(self.host_accepted[i, slot])
+                    self.mtp.read(seq, draft_count, accepted, self._step_event, event)
+                    seq.launched += accepted
+                tokens = self.host_tokens[i, slot, : accepted + 1].tolist()
+                if self._deliver(seq, tokens, int(self.host_flags[i, slot]), bool(self.host_nonfinite[i, slot]),
+                                 self._logprobs(i, slot) if seq.cfg.logprobs else None):
                     self._finish(seq)
                     finished.append(seq)
+            self._step_event = event if draft_count is not None else None
             wait = False
         return finished
 
@@ -399,9 +462,10 @@ class BatchEngine:
         return TokenLogprobs(float(self.host_logprob[i, slot]),
                              list(zip(self.host_top_ids[i, slot, :k].tolist(), self.host_top_logprobs[i, slot, :k].tolist())))
 
-    def _deliver(self, seq: Sequence, token: int, flag: int, nonfinite: bool,
+    def _deliver(self, seq: Sequence, tokens: list[int], flag: int, nonfinite: bool,
                  logprobs: TokenLogprobs | None = None) -> bool:
-        """One token of seq read (with its logprobs when seq asks for them); whether seq is done."""
+        """The tokens one launch chose for seq, read (with its logprobs when seq asks for them: one token a
+        launch then); whether seq is done."""
         if flag:
             seq.error = RuntimeError(flag_message(flag, self.model.config.vocab_size, self.max_seq_len))
             return True
@@ -409,6 +473,13 @@ class BatchEngine:
         if not seq.tokens:  # the prefill's token: time to first token
             seq._first_token_at = time.perf_counter()
             seq.stats.prefill_s = seq._first_token_at - seq._admitted_at
+        for token in tokens:
+            if self._take(seq, token, logprobs):
+                return True
+        return False
+
+    def _take(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> bool:
+        """One token of seq; whether seq is done."""
         done = seq.stop.done(token) or len(seq.tokens) >= seq.max_new_tokens
         if seq.constraint is not None and not seq.constraint.advance(token):
             seq.error = RuntimeError(f"the sequence's constraint rejected token {token}, which its mask allowed: "
@@ -430,7 +501,14 @@ class BatchEngine:
         seq.stats.decode_s = time.perf_counter() - seq._first_token_at if seq.tokens else 0.0
         if seq.keep_state and seq.error is None:
             state = self.slots.slot(seq.slot)
-            if seq._steps == len(seq.tokens) - 1:  # each step consumed a token of the reply: the state is exact
+            # The state is exact when it consumed the reply's tokens but the last and nothing else. Each plain
+            # step consumed its row's token (a row that selected nothing, its token again: only the count of
+            # steps tells); each MTP step moved the position by what it consumed.
+            if self.mtp is not None:
+                consumed = state.sync_position() - seq.history.shape[0]
+            else:
+                consumed = seq._steps
+            if consumed == len(seq.tokens) - 1:
                 state.sync_position()
             else:
                 # Steps past the stop (read-behind), and steps with nothing left to select, fed junk into the
@@ -576,6 +654,6 @@ def run_batch(engine: BatchEngine, sequences: list[Sequence], chunk_size: int, p
         engine.read(wait=False)
     engine.drain()
     for seq in sequences:
-        seq.stats.capture_s = capture_s
+        seq.stats.capture_s += capture_s  # (an MTP step's graphs are captured at its admission)
         if seq.error is not None:
             raise seq.error

@@ -1,14 +1,12 @@
-"""What every decoding loop shares: a generation's statistics, its stop condition, the text streamer, the
-seed, and undoing the steps a read-behind loop ran past a stop. The loops themselves are engine.py's (one
-sequence or many: BatchEngine) and speculative.py's (MTP drafts and verify)."""
+"""What decoding shares: a generation's statistics, its stop condition, the text streamer, the seed, and
+undoing the steps a read-behind loop ran past a stop. The loop itself is engine.py's (BatchEngine: one
+sequence or many, the plain step or speculative.py's MTP step)."""
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
 
 import torch
-
-from .state import StateSnapshot
 
 
 @dataclass
@@ -84,20 +82,12 @@ def resolve_seed(seed: int | None, generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
 
 
-def check_run(engine, history: torch.Tensor, max_new_tokens: int, start: StateSnapshot | None) -> None:
-    if history.shape[0] + max_new_tokens > engine.max_seq_len:
-        raise ValueError(f"context overflow: {history.shape[0]} prompt tokens + max_new_tokens {max_new_tokens} > "
-                         f"max_seq_len {engine.max_seq_len}")
-    if start is not None and start.position >= history.shape[0]:
-        raise ValueError(f"the start snapshot holds {start.position} tokens: the history ({history.shape[0]}) must "
-                         "extend it by at least one token to prefill")
-
-
 def keep_only(model, state, prompt_end, reply: list[int]) -> None:
     """Replays past a stop fed discarded tokens into the recurrent states: rewind to the end of the prompt
     and prefill the reply's tokens that belong to the history (all but the last, which the next turn
-    feeds), so that the next turn processes only its own tokens. Done after the reply has been read: the
-    stream has ended, and the next turn's first token does not wait for it."""
+    feeds), so that the next turn processes only its own tokens; the prefill advances the MTP part by the MTP
+    rule (state.py), the mark holding its carry. Done after the reply has been read: the stream has ended,
+    and the next turn's first token does not wait for it."""
     state.rewind(prompt_end)
     if reply:
         ids = torch.tensor(reply, dtype=torch.int32, device=state.device)

@@ -26,7 +26,7 @@ from .layers import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, embed_into
 from .mtp import MTPBlock
 from .sampling import SamplingConfig, check_logit_bias
 from .scratch import Scratch
-from .speculative import SpeculativeEngine, run_speculative
+from .speculative import Speculation
 from .state import Qwen38State, StateSnapshot, check_kv_dtype
 
 ops = torch.ops.qwen38
@@ -142,11 +142,11 @@ class Qwen38ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.norm.device
 
-    def new_state(self, max_seq_len: int, kv_dtype: torch.dtype | None = None, spare_rows: int = 0) -> Qwen38State:
-        """A state for one sequence; with the MTP block, it holds the block's KV cache too. kv_dtype: default
-        default_kv_dtype(the model's device). spare_rows: see state.check_state_size."""
+    def new_state(self, max_seq_len: int, kv_dtype: torch.dtype | None = None) -> Qwen38State:
+        """A state for one sequence; with the MTP block, it holds the block's KV cache too (advanced by the MTP
+        rule, state.py). kv_dtype: default default_kv_dtype(the model's device)."""
         return Qwen38State(self.config, max_seq_len, self.device, kv_dtype or default_kv_dtype(self.device),
-                           mtp=self.mtp is not None, spare_rows=spare_rows)
+                           mtp=self.mtp is not None)
 
     def embed_tokens(self, ids: torch.Tensor, scratch: Scratch, bad_token: torch.Tensor | None = None) -> torch.Tensor:
         """ids int32 [T] on the model's device (read by the kernel: no host round trip); bad_token: the flag
@@ -183,17 +183,16 @@ class Qwen38ForCausalLM(nn.Module):
         logits, mtp_logits = [], []
         for ids in input_ids.to(self.device, torch.int32):
             # A state of its own for this call only: float32 KV whatever the device (no speed at stake; the
-            # logits of model(ids) are the exact ones on every device).
-            seq_state = state or self.new_state(ids.shape[0], torch.float32)
-            start = seq_state.position
-            positions = seq_state.reserve(ids.shape[0])
-            if self.mtp is None or (state is None and not return_mtp_logits):
-                logits.append(self.prefill(ids, positions, seq_state, logits_to_keep))
-                continue
-            rows, mtp_rows = self._prefill_with_mtp(ids, positions, start, seq_state, logits_to_keep,
-                                                    return_mtp_logits)
-            logits.append(rows)
-            mtp_logits.append(mtp_rows)
+            # logits of model(ids) are the exact ones on every device), with the MTP block's part only when its
+            # logits are asked for.
+            seq_state = state or Qwen38State(self.config, ids.shape[0], self.device, torch.float32,
+                                             mtp=return_mtp_logits)
+            mtp_rows = [] if return_mtp_logits else None
+            logits.append(self.prefill(ids, seq_state.reserve(ids.shape[0]), seq_state, logits_to_keep,
+                                       mtp_logits=mtp_rows))
+            if return_mtp_logits:
+                mtp_logits.append(torch.cat(mtp_rows) if mtp_rows else
+                                  torch.empty(0, self.config.vocab_size, device=self.device))
         return CausalLMOutput(torch.stack(logits), state, torch.stack(mtp_logits) if return_mtp_logits else None)
 
     def _forward_padded(self, input_ids: torch.Tensor, attention_mask, logits_to_keep: int) -> CausalLMOutput:
@@ -201,78 +200,59 @@ class Qwen38ForCausalLM(nn.Module):
         logits = torch.zeros(batch, length, self.config.vocab_size, device=self.device)
         for b, kept in enumerate(kept_positions(attention_mask, input_ids)):
             ids = input_ids[b, kept[0] : kept[-1] + 1].to(self.device, torch.int32)
-            state = self.new_state(ids.shape[0], torch.float32)
+            state = Qwen38State(self.config, ids.shape[0], self.device, torch.float32)
             logits[b, kept[0] : kept[-1] + 1] = self.prefill(ids, state.reserve(ids.shape[0]), state)
         if 0 < logits_to_keep < length:
             logits = logits[:, -logits_to_keep:]
         return CausalLMOutput(logits)
 
-    def _prefill_with_mtp(self, ids: torch.Tensor, positions: torch.Tensor, start: int, state: Qwen38State,
-                          logits_to_keep: int, return_mtp_logits: bool):
-        """prefill() that also runs the MTP block over every pair (h_t, x_{t+1}) whose token is known, the
-        pair with the previous call's last hidden (state.mtp_hidden) first when the state had tokens before
-        `start`. Returns the logits rows and the MTP logits of this call's pairs (None unless asked)."""
-        total = ids.shape[0]
-        first_mtp_kept = (total - 1) - (logits_to_keep if 0 < logits_to_keep < total - 1 else total - 1)
-        mtp_logits = []
-
-        def mtp_pairs(normed: Activation, chunk_start: int, end: int, scratch: Scratch) -> None:
-            h = normed.x
-            if start + chunk_start > 0:  # the pair (h_{p-1}, x_p) of the chunk's first position p is pending
-                hidden, pair_ids = torch.cat([state.mtp_hidden, h[:-1]]), ids[chunk_start:end]
-                pair_positions = positions[chunk_start:end] - 1
-                first_pair = chunk_start - 1  # the pair's t - start: -1 for the previous call's last token
-            else:
-                hidden, pair_ids, pair_positions = h[:-1], ids[1:end], positions[: end - 1]
-                first_pair = 0
-            if hidden.shape[0]:
-                act = self.mtp(hidden, pair_ids, pair_positions, state.mtp_cache, scratch)
-                skip = max(first_mtp_kept - first_pair, 0)
-                if return_mtp_logits and skip < hidden.shape[0]:
-                    mtp_logits.append(self.lm_head(act.rows_from(skip), scratch).clone())  # the chunk's head reuses it
-            state.mtp_hidden.copy_(h[-1:])
-
-        logits = self.prefill(ids, positions, state, logits_to_keep, on_hidden=mtp_pairs)
-        if not return_mtp_logits:
-            return logits, None
-        empty = torch.empty(0, self.config.vocab_size, device=self.device)
-        return logits, torch.cat(mtp_logits) if mtp_logits else empty
-
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen38State, logits_to_keep: int = 0,
-                chunk_size: int = PREFILL_CHUNK, progress=None, on_hidden=None) -> torch.Tensor:
-        """run() over a prompt in chunks of chunk_size tokens, so scratch memory is bounded by the chunk
-        whatever the prompt length; returns the logits of the last logits_to_keep rows (0: all).
-        progress: optional callable(tokens_done, tokens_total), called after each chunk.
-        on_hidden: optional callable(normed, begin, end, scratch) given the normed hidden of every row of the
-        chunk ids[begin:end] (the MTP block's input) before the chunk's LM head; it may use the scratch."""
+                chunk_size: int = PREFILL_CHUNK, progress=None, mtp_logits: list | None = None) -> torch.Tensor:
+        """The stack over a prompt in chunks of chunk_size tokens, so scratch memory is bounded by the chunk
+        whatever the prompt length; returns the logits of the last logits_to_keep rows (0: all). positions:
+        state.reserve(len(ids))'s. A state with the MTP block's part advances it by the MTP rule (state.py)
+        chunk by chunk; mtp_logits: a list the block's logits of the pairs of ids[1:] are appended to, [rows, V]
+        per chunk (the last logits_to_keep pairs only, with logits_to_keep > 0; never the pair of ids[0] with
+        the hidden of a previous call). progress: optional callable(tokens_done, tokens_total), called after
+        each chunk."""
         total = ids.shape[0]
         first_kept = total - (logits_to_keep if 0 < logits_to_keep < total else total)
+        first_kept_pair = total - (logits_to_keep if 0 < logits_to_keep < total - 1 else total - 1)  # an index of ids
+        carried = state.position > total  # the state held tokens before these: h of the last waits in mtp_hidden
         scratch = Scratch(self.device)
         logits = []
         for start in range(0, total, chunk_size):
             end = min(start + chunk_size, total)
             residual, delta = self.trunk(ids[start:end], positions[start:end], state, scratch)
-            if on_hidden is not None:
+            if state.mtp_cache is None:
+                act = self.final_norm(residual, delta, scratch, end - max(start, first_kept)) if end > first_kept else None
+            else:
                 normed = self.final_norm(residual, delta, scratch)
-                on_hidden(normed, start, end, scratch)
-            if end > first_kept:
-                kept = end - max(start, first_kept)
-                if on_hidden is None:
-                    act = self.final_norm(residual, delta, scratch, kept)
-                else:
-                    act = normed.rows_from(end - start - kept)
+                h = normed.x
+                if start > 0 or carried:  # the chunk's first token pairs with the hidden before it
+                    before, first = torch.cat([state.mtp_hidden, h[:-1]]), start
+                else:  # the sequence's first token has none
+                    before, first = h[:-1], 1
+                if before.shape[0]:
+                    pairs = self.mtp_pairs(before, ids[first:end], positions[first:end], state.mtp_cache, scratch)
+                    skip = first_kept_pair - first  # >= 1 from the straddling pair (ids[0]'s): never returned
+                    if mtp_logits is not None and skip < before.shape[0]:
+                        mtp_logits.append(self.lm_head(pairs.rows_from(max(skip, 0)), scratch).clone())
+                state.mtp_hidden.copy_(h[-1:])
+                act = normed.rows_from(max(first_kept - start, 0)) if end > first_kept else None
+            if act is not None:
                 rows = self.lm_head(act, scratch)
                 logits.append(rows if end == total else rows.clone())  # scratch is reused by the next chunk
             if progress is not None:
                 progress(end, total)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen38State, scratch: Scratch,
-            logits_to_keep: int = 0) -> torch.Tensor:
-        """The stack over ids int32 [T] at positions int32 [T] (both on the device), updating state's
-        caches; returns logits float32 [T', V] in a scratch buffer. The decode step is this with T = 1,
-        the token and position tensors held on the device and one Scratch kept across steps."""
-        return self.head(*self.trunk(ids, positions, state, scratch), scratch, logits_to_keep)
+    def mtp_pairs(self, before: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache, scratch: Scratch):
+        """The MTP rule's work (state.py) for tokens ids just consumed at positions: the block over each token's
+        pair with the trunk's normed hidden before it (before float32 [T, D]), at the position before it, into
+        cache (one sequence's, or [B, ...] for B rows that are B sequences). Returns the block's output: row t
+        drafts the token after ids[t]. (A free slot's row sits at position 0 or more: its pair at 0 is junk.)"""
+        return self.mtp(before, ids, (positions - 1).clamp(min=0), cache, scratch)
 
     def trunk(self, ids, positions, state: Qwen38State, scratch: Scratch,
               keep_token_states: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,10 +273,6 @@ class Qwen38ForCausalLM(nn.Module):
         act = scratch.activation(self, "final_norm", *residual.shape, self.final_norm_format)
         ops.add_rms_norm(residual, delta, self.norm, self.config.rms_norm_eps, *act.outs())
         return act
-
-    def head(self, residual, delta, scratch: Scratch, logits_to_keep: int = 0) -> torch.Tensor:
-        """Final norm and LM head over the last logits_to_keep rows (0: all)."""
-        return self.lm_head(self.final_norm(residual, delta, scratch, logits_to_keep), scratch)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, min_new_tokens: int = 0,
@@ -372,24 +348,14 @@ class Qwen38ForCausalLM(nn.Module):
         ids = torch.tensor(history, dtype=torch.int32, device=self.device)
         stop = StopCondition(frozenset(eos), stops, tokenizer)
         seed = resolve_seed(seed, generator)
-        if speculative:
-            engine = self._speculative_engine(size, kv_dtype, use_graph, num_draft_tokens, draft_vocab_size)
-            if bias is not None:
-                engine.sampler.set_logit_bias(bias)  # read by cfg.logit_bias selections; reset() leaves it
-            tokens, self.last_generation_stats, prompt_snapshot = run_speculative(
-                engine, ids, cfg, max_new_tokens, seed, stop, PREFILL_CHUNK, streamer=streamer,
-                prefill_progress=prefill_progress, start=start, keep_state=keep_state,
-                snapshot_prompt=prefix_cache is not None)
-            snapshot = engine.state.snapshot() if keep_state else None
-            nonfinite = bool(engine.sampler.nonfinite)
-        else:
-            on_token = None if streamer is None else (lambda token: streamer.put(torch.tensor([token])))
-            seq = Sequence(ids, cfg, seed, max_new_tokens, stop, start=start, keep_state=keep_state,
-                           snapshot_prompt=prefix_cache is not None, on_token=on_token, logit_bias=bias)
-            engine = self._batch_engine(1, size, kv_dtype, use_graph, exact=max_seq_len is not None)
-            run_batch(engine, [seq], PREFILL_CHUNK, prefill_progress)
-            tokens, self.last_generation_stats = seq.tokens, seq.stats
-            prompt_snapshot, snapshot, nonfinite = seq.prompt_snapshot, seq.snapshot, seq.nonfinite
+        on_token = None if streamer is None else (lambda token: streamer.put(torch.tensor([token])))
+        seq = Sequence(ids, cfg, seed, max_new_tokens, stop, start=start, keep_state=keep_state,
+                       snapshot_prompt=prefix_cache is not None, on_token=on_token, logit_bias=bias)
+        speculation = Speculation(num_draft_tokens, draft_vocab_size) if speculative else None
+        engine = self._batch_engine(1, size, kv_dtype, use_graph, exact=max_seq_len is not None, speculation=speculation)
+        run_batch(engine, [seq], PREFILL_CHUNK, prefill_progress)
+        tokens, self.last_generation_stats = seq.tokens, seq.stats
+        prompt_snapshot, snapshot, nonfinite = seq.prompt_snapshot, seq.snapshot, seq.nonfinite
         if conversation is not None:
             conversation.tokens, conversation.snapshot = history + tokens, snapshot
         if prefix_cache is not None:
@@ -461,16 +427,18 @@ class Qwen38ForCausalLM(nn.Module):
             out[j, input_ids.shape[1] : input_ids.shape[1] + len(seq.tokens)] = torch.tensor(seq.tokens)
         return out.to(input_ids.device)
 
-    def _batch_engine(self, max_batch: int, max_seq_len: int, kv_dtype, use_graph, exact: bool) -> BatchEngine:
-        """The batch engine is kept between calls while it fits (its graphs are captured once); exact: the
-        caller asked for max_seq_len (generate()'s max_seq_len: the KV cache size). The model holds one engine,
-        this or the speculative one (self._engine): building one frees the other first."""
+    def _batch_engine(self, max_batch: int, max_seq_len: int, kv_dtype, use_graph, exact: bool,
+                      speculation: Speculation | None = None) -> BatchEngine:
+        """The model's one engine (self._engine), kept between calls while it fits (its graphs are captured
+        once); exact: the caller asked for max_seq_len (generate()'s max_seq_len: the KV cache size).
+        speculation: its step drafts with the MTP block (one sequence), or None (plain decode)."""
         engine = getattr(self, "_engine", None)
-        if (not isinstance(engine, BatchEngine) or engine.max_batch < max_batch or engine.max_seq_len < max_seq_len
-                or (exact and engine.max_seq_len != max_seq_len)
+        if (engine is None or engine.max_batch < max_batch or engine.max_seq_len < max_seq_len
+                or (exact and engine.max_seq_len != max_seq_len) or engine.speculation != speculation
                 or engine.kv_dtype != kv_dtype or (use_graph is not None and engine.use_graph != use_graph)):
             self._engine = engine = None  # free the old buffers before allocating the new ones
-            engine = self._engine = BatchEngine(self, max_batch, max_seq_len, kv_dtype, use_graph)
+            engine = self._engine = BatchEngine(self, max_batch, max_seq_len, kv_dtype, use_graph,
+                                                speculation=speculation)
         return engine
 
     @staticmethod
@@ -482,16 +450,3 @@ class Qwen38ForCausalLM(nn.Module):
         if cached is not None and (start is None or cached.position > start.position):
             return cached
         return start
-
-    def _speculative_engine(self, size: int, kv_dtype, use_graph, num_draft_tokens: int,
-                            draft_vocab_size: int | None) -> SpeculativeEngine:
-        """The speculative engine (static buffers, captured graphs) is kept between calls while it fits; it
-        takes the batch engine's place (self._engine), as _batch_engine says."""
-        engine = getattr(self, "_engine", None)
-        if (not isinstance(engine, SpeculativeEngine) or engine.max_seq_len < size or engine.kv_dtype != kv_dtype
-                or (use_graph is not None and engine.use_graph != use_graph)
-                or engine.k_max != num_draft_tokens or engine.draft_vocab_size != draft_vocab_size):
-            self._engine = engine = None  # free the old buffers before allocating the new ones
-            engine = self._engine = SpeculativeEngine(self, size, kv_dtype, use_graph, num_draft_tokens,
-                                                      draft_vocab_size=draft_vocab_size)
-        return engine

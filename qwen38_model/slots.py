@@ -25,16 +25,18 @@ class BatchRows:
 
     layers: list[KVCache | GDNState]
     bad_position: torch.Tensor  # int32 [B]: row b's error flag (the ops' per-row flags)
+    # With an MTP block: its caches [B, L, Hkv, hd] and the rows' hidden carries float32 [B, D] (state.py's rule)
+    mtp_cache: KVCache | None = None
+    mtp_hidden: torch.Tensor | None = None
 
 
 class SlotStates:
     def __init__(self, config: Qwen38Config, num_slots: int, max_seq_len: int, device, kv_dtype: torch.dtype,
-                 name: str = "max_seq_len", mtp: bool = False):
-        """mtp: each slot also holds an MTP block's KV cache and hidden carry, as a model's new_state does, so
-        that a slot's snapshots restore into any state of the model (the batched step never runs the block: its
-        cache stays as the prefill leaves it)."""
+                 name: str = "max_seq_len", mtp: bool = False, spare_rows: int = 0):
+        """mtp: each slot also holds an MTP block's KV cache and hidden carry, as a model's new_state does (every
+        step advances them by state.py's MTP rule). spare_rows: see state.check_state_size."""
         check_kv_dtype(kv_dtype)
-        check_batch_state_size(config, num_slots, max_seq_len, device, kv_dtype, name, mtp)
+        check_batch_state_size(config, num_slots, max_seq_len, device, kv_dtype, name, mtp, spare_rows)
         c = config
         self.config, self.num_slots, self.max_seq_len = config, num_slots, max_seq_len
         self.device = torch.device(device)
@@ -62,7 +64,7 @@ class SlotStates:
 
     def rows(self, num_rows: int) -> BatchRows:
         flags = self.flags[:num_rows]
-        caches, gdn = iter(self.kv), iter(zip(self.gdn_conv, self.gdn_recurrent))  # (the MTP cache is not a layer)
+        caches, gdn = iter(self.kv), iter(zip(self.gdn_conv, self.gdn_recurrent))
         layers = []
         for kind in self.config.layer_types:
             if kind == ATTENTION:
@@ -71,7 +73,10 @@ class SlotStates:
             else:
                 conv, recurrent = next(gdn)
                 layers.append(GDNState(conv[:num_rows], recurrent[:num_rows]))
-        return BatchRows(layers, flags)
+        if self.mtp_hidden is None:
+            return BatchRows(layers, flags)
+        k, v = next(caches)  # the MTP block's, last
+        return BatchRows(layers, flags, KVCache(k[:num_rows], v[:num_rows], flags), self.mtp_hidden[:num_rows, 0])
 
     @property
     def nbytes(self) -> int:
@@ -81,8 +86,9 @@ class SlotStates:
 
 
 def check_batch_state_size(config: Qwen38Config, num_slots: int, max_seq_len: int, device, kv_dtype,
-                           name: str = "max_seq_len", mtp: bool = False) -> None:
+                           name: str = "max_seq_len", mtp: bool = False, spare_rows: int = 0) -> None:
     """check_state_size for num_slots sequences of max_seq_len tokens each, before anything is allocated."""
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"the number of sequences must be an integer >= 1, found {num_slots!r}")
-    check_state_size(config, max_seq_len, device, kv_dtype, mtp=mtp, name=name, sequences=num_slots)
+    check_state_size(config, max_seq_len, device, kv_dtype, mtp=mtp, name=name, spare_rows=spare_rows,
+                     sequences=num_slots)

@@ -1,17 +1,21 @@
-"""MTP speculative decoding: the model's MTP block drafts k tokens, one pass of the trunk over the k+1
-tokens [pending, d_1..d_k] verifies them, and the state keeps the longest accepted prefix. A whole step
-(draft, verify, accept, rollback, token and position advance) is one captured CUDA graph per draft count k;
-the host reads the accepted tokens a few steps behind, as in plain decode.
+"""MTP speculative decoding, the engine's MTP step: the model's MTP block drafts k tokens, one pass of the
+trunk over the k+1 tokens [pending, d_1..d_k] verifies them, and the state keeps the longest accepted
+prefix. A whole step (draft, verify, accept, rollback, token and position advance) is one captured CUDA
+graph per draft count k and sampling config; engine.BatchEngine launches it, reads the accepted tokens a few
+steps behind as it reads plain steps, and picks k from what it read (DraftPolicy).
 
-One step, with p = tokens the trunk has consumed and x_p the pending token (chosen, not yet consumed):
-1. The MTP block over the previous verify's rows, teacher-forced: row i pairs the trunk's normed hidden at
-   position p0+i with the token that followed it, at position p0+i (vLLM's convention). This fills the
-   block's KV cache for every accepted position; the row of the last accepted token gives draft d_1.
-   Rows past the accepted ones write MTP KV rows past the sequence's end, overwritten before any read.
-2. k-1 single-row MTP steps on the block's own normed output give d_2..d_k.
+One step, with p = tokens the trunk has consumed and x_p the pending token (chosen, not yet consumed), the
+state's MTP part as the MTP rule leaves it (state.py: pairs up to p-2 in the block's cache, h_{p-1} carried):
+1. The MTP rule for x_p: the block over the pair (h_{p-1}, x_p) at position p-1 (vLLM's convention); its
+   output gives draft d_1.
+2. k-1 single-row MTP steps on the block's own normed output give d_2..d_k (their KV rows, at p.., are
+   rewritten by step 5 before any read).
 3. The trunk over [x_p, d_1..d_k] at positions p..p+k, keeping each GDN layer's state after every token.
 4. select_speculative: the target tokens t_0..t_a (greedy: exactly plain greedy's; sampling: rejection
-   sampling that keeps the target distribution), then the GDN states after token a, p += a + 1.
+   sampling that keeps the target distribution), then the GDN states after token a.
+5. The MTP rule for the accepted drafts: the pairs (h_{p+i}, t_i) at p+i (rows past a write positions past
+   the sequence's end, rewritten before any read), h_{p+a} carried; p += a + 1.
+With k = 0 this is the plain step (engine.BatchEngine.run_rows) of one row.
 
 Every row of the verify is computed in the decode step's float order (attention: the same splits; the
 GEMV: T < 8 rows share weight loads but not arithmetic; GDN: sequential per token), so greedy output is
@@ -25,16 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from .formats import Activation
-from .generation import GenerationStats, StopCondition, check_run, keep_only
+from .generation import GenerationStats
 from .layers import INT_GEMM_MIN_ROWS, DenseLinear, Q8Linear
-from .sampling import SamplerState, SamplingConfig, select_next_token, select_speculative
+from .sampling import SamplingConfig, select_next_token, select_speculative
 from .scratch import Scratch
-from .state import StateSnapshot
 
 # The verify's k+1 rows must stay on the GEMV (the int8 GEMM from INT_GEMM_MIN_ROWS rows sums in another
 # order, which would break greedy equality with plain decode).
 MAX_DRAFT_TOKENS = INT_GEMM_MIN_ROWS - 2
-READ_BEHIND = 4  # steps in flight before the host waits for the oldest one's tokens
 
 # The adaptive draft length (host side, from what is read back): expected tokens per step over the step's
 # time. Step times are measured as the run goes (CUDA events between consecutive replays); until a draft
@@ -120,251 +122,146 @@ def head_rows(lm_head: Q8Linear | DenseLinear, rows: int) -> Q8Linear | DenseLin
     return lm_head.first_rows(rows, "mtp.draft_head")
 
 
-class SpeculativeEngine:
-    """Static buffers and captured step graphs (one per draft count k in 0..k_max and sampling config) for
-    one sequence of up to max_seq_len tokens. forced_drafts: drafts are read from self.forced (a token
-    sequence indexed by position) instead of the MTP block's argmax, which still runs: the test harness for
-    0%, partial and 100% acceptance, and the benchmark's perfect draft."""
+@dataclass(frozen=True)
+class Speculation:
+    """What the MTP step drafts: up to num_draft_tokens tokens a step, the count adapting to the acceptance
+    seen (DraftPolicy; adaptive=False: always num_draft_tokens), from token ids below draft_vocab_size (None:
+    the whole vocabulary; the verify scores it all either way). forced_drafts: the drafts are read from
+    MTPStep.forced (a token sequence indexed by position) instead of the MTP block's argmax, which still runs:
+    the test harness for 0%, partial and 100% acceptance, and the benchmark's perfect draft."""
 
-    def __init__(self, model, max_seq_len: int, kv_dtype, use_graph: bool | None, num_draft_tokens: int,
-                 forced_drafts: bool = False, draft_vocab_size: int | None = None):
+    num_draft_tokens: int = 3
+    draft_vocab_size: int | None = None
+    adaptive: bool = True
+    forced_drafts: bool = False
+
+
+class MTPStep:
+    """The MTP step of a BatchEngine (BatchEngine(speculation=...)): its buffers and its graphs, one per
+    (sampling config, k), over slot 0. Its rows are one slot's k+1 verify rows. The CUDA ops take B rows of B
+    slots (the plain step's batched-rows mode of attention and gdn_step) or T rows of one sequence (this
+    verify), not B slots x T rows: the step serves one sequence, and more than one MTP slot needs [B, T]
+    kernels. (The CPU reference ops would run more, but not through the code CUDA would run.)"""
+
+    def __init__(self, model, max_batch: int, speculation: Speculation):
         if model.mtp is None:
             raise ValueError(f"speculative='mtp' needs a checkpoint with the MTP block ({model.config.source} has "
                              "none: a GGUF converted with --no-mtp, or an HF folder without mtp.* tensors)")
-        if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], found {num_draft_tokens}")
-        vocab = model.config.vocab_size
-        if draft_vocab_size is not None and not 1 <= draft_vocab_size <= vocab:
-            raise ValueError(f"draft_vocab_size must be in [1, {vocab}], found {draft_vocab_size}")
-        self.model = model
-        self.device = model.device
-        self.k_max = num_draft_tokens
-        self.draft_vocab_size = draft_vocab_size
-        self.draft_head = model.lm_head if draft_vocab_size in (None, vocab) else head_rows(model.lm_head, draft_vocab_size)
-        rows = num_draft_tokens + 1
-        self.max_seq_len = max_seq_len
-        self.kv_dtype = kv_dtype
-        self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
-        if self.use_graph and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model on a CUDA device")
-        # Steps in flight may run past the last token read: room for them, and for the MTP pass's rows.
-        capacity = max_seq_len + (READ_BEHIND + 3) * rows
-        self.state = model.new_state(capacity, kv_dtype, spare_rows=capacity - max_seq_len)
-        self.state.keep_token_states(rows)
-        dev, D = self.device, model.config.hidden_size
-
-        def ints(n, fill=0):
-            return torch.full((n,), fill, dtype=torch.int32, device=dev)
-
-        self.base = self.state.device_position  # p: tokens consumed = the pending token's position
-        self.num_accepted = ints(1)  # a of the last verify
-        # The last verify's t_0..t_a, -1 past a (the MTP pass clamps them; the trunk reads only t_a). Zeros, a
-        # valid id, until the first step: a capture's warm-up runs before any prefill (warm_up).
-        self.tokens = ints(rows)
-        self.hidden = torch.zeros(rows, D, device=dev)  # the last verify's normed trunk hidden rows
-        self.drafts = ints(num_draft_tokens)
-        self.verify_ids = ints(rows)
-        self.row_index = torch.arange(rows, dtype=torch.int32, device=dev)
-        self.dummy_position = ints(1)  # select_next_token advances a position; the engine keeps its own
-        self.forced = ints(capacity + rows) if forced_drafts else None
-        self.sampler = SamplerState.empty(model.config.vocab_size, dev)
-        # A Scratch per row count: the MTP pass (rows), the drafts (1), each verify (k + 1). Buffers are
-        # allocated by the warm-up before any capture and never again (frozen).
-        self.scratch = {name: Scratch(dev) for name in ("mtp_pass", "draft")}
-        self.scratch.update({k: Scratch(dev) for k in range(rows)})
+        if max_batch != 1:
+            raise ValueError(f"speculative decoding runs one sequence at a time: max_batch must be 1, found {max_batch} "
+                             "(several MTP slots need attention and gdn_step kernels over B slots x T verify rows)")
+        k_max, vocab = speculation.num_draft_tokens, model.config.vocab_size
+        if isinstance(k_max, bool) or not isinstance(k_max, int) or not 1 <= k_max <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], found {k_max}")
+        draft_vocab = speculation.draft_vocab_size
+        if draft_vocab is not None and not 1 <= draft_vocab <= vocab:
+            raise ValueError(f"draft_vocab_size must be in [1, {vocab}], found {draft_vocab}")
+        self.model, self.speculation, self.k_max, self.rows = model, speculation, k_max, k_max + 1
+        self.draft_counts = range(k_max + 1) if speculation.adaptive else (k_max,)
+        self.draft_head = model.lm_head if draft_vocab in (None, vocab) else head_rows(model.lm_head, draft_vocab)
+        dev = model.device
+        self.drafts = torch.zeros(k_max, dtype=torch.int32, device=dev)
+        self.verify_ids = torch.zeros(self.rows, dtype=torch.int32, device=dev)
+        self.row_index = torch.arange(self.rows, dtype=torch.int32, device=dev)
+        self.dummy_position = torch.zeros(1, dtype=torch.int32, device=dev)  # select_next_token advances one
+        # A Scratch per row count: the pending token's pair (1 row), the drafts (1), each verify (k + 1, with
+        # step 5's k pairs). Buffers are allocated by the warm-ups and never again (frozen).
+        self.scratch = {name: Scratch(dev) for name in ("pair", "draft")}
+        self.scratch.update({k: Scratch(dev) for k in range(self.rows)})
         self.graphs: dict[tuple[SamplingConfig, int], torch.cuda.CUDAGraph] = {}
-        self.read_ahead = READ_BEHIND if self.use_graph else 0
+        self.policy: DraftPolicy | None = None  # the admitted sequence's (admit)
+
+    def bind(self, engine) -> None:
+        """The engine's tensors the step reads and writes: slot 0's state (its GDN layers keep per-token states
+        for the verify), token row, accepted count, sampler."""
+        self.engine = engine
+        self.state = engine.slots.slot(0)
+        self.state.keep_token_states(self.rows)
+        self.forced = None
+        if self.speculation.forced_drafts:
+            self.forced = torch.zeros(self.state.max_seq_len + self.rows, dtype=torch.int32, device=engine.device)
 
     # --- the step ------------------------------------------------------------------------------------
     def step(self, k: int, cfg: SamplingConfig) -> None:
-        m, state = self.model, self.state
-        first = self.base - self.num_accepted - 1  # the previous verify's first position
-        act = m.mtp(self.hidden, self.tokens.clamp(min=0), first + self.row_index, state.mtp_cache,
-                    self.scratch["mtp_pass"])
+        m, e, state = self.model, self.engine, self.state
+        base = state.device_position  # p: the pending token's position
+        row, accepted = e.emitted[0], e.accepted[:1]  # the last step's t_0..t_a and a
+        torch.index_select(row, 0, accepted, out=self.verify_ids[:1])  # x_p = t_a
+        act = m.mtp_pairs(state.mtp_hidden, self.verify_ids[:1], base, state.mtp_cache, self.scratch["pair"])
         if k > 0:
             self._draft(act, k)
-        torch.index_select(self.tokens, 0, self.num_accepted, out=self.verify_ids[:1])  # x_p = t_a
         self.verify_ids[1 : k + 1].copy_(self.drafts[:k])
         scratch = self.scratch[k]
-        positions = self.base + self.row_index[: k + 1]
+        positions = base + self.row_index[: k + 1]
         residual, delta = m.trunk(self.verify_ids[: k + 1], positions, state, scratch, keep_token_states=k > 0)
         normed = m.final_norm(residual, delta, scratch)
-        self.hidden[: k + 1].copy_(normed.x)
         logits = m.lm_head(normed, scratch)
-        self.tokens.fill_(-1)
+        sampler = e.samplers[0]
         if k > 0:
-            select_speculative(logits, self.drafts[:k], self.sampler, cfg, self.tokens[: k + 1], self.num_accepted)
-            state.accept(self.num_accepted.long())
+            select_speculative(logits, self.drafts[:k], sampler, cfg, row[: k + 1], accepted)
+            state.accept(accepted.long())
+            m.mtp_pairs(normed.x[:k], row[:k].clamp(min=0), positions[1:], state.mtp_cache, scratch)  # -1 past a
         else:
-            select_next_token(logits[0], self.sampler, cfg, self.tokens[:1], self.dummy_position)
-            self.num_accepted.zero_()
-        self.base.add_(self.num_accepted + 1)
+            select_next_token(logits[0], sampler, cfg, row[:1], self.dummy_position)
+            accepted.zero_()
+        torch.index_select(normed.x, 0, accepted, out=state.mtp_hidden)  # h of the last token consumed
+        base.add_(accepted + 1)
 
     def _draft(self, act: Activation, k: int) -> None:
-        """d_1 from the MTP pass's row a (the last accepted token), then d_2..d_k from single-row steps."""
-        m, scratch = self.model, self.scratch["draft"]
-        row = Activation(act.format, *(None if t is None else scratch.empty("mtp_row", name, (1, *t.shape[1:]), t.dtype)
-                                       for name, t in zip(("x", "q", "q_lo", "d"), act.outs())))
-        for src, dst in zip(act.outs(), row.outs()):
-            if src is not None:
-                torch.index_select(src, 0, self.num_accepted, out=dst)
+        """d_1 from the pending token's pair, then d_2..d_k from single-row steps."""
+        m, scratch, base = self.model, self.scratch["draft"], self.state.device_position
+        row = act
         best = scratch.empty("mtp_row", "argmax", (), torch.int64)
         for j in range(k):
             torch.argmax(self.draft_head(row, scratch)[0], out=best)
             self.drafts[j : j + 1].copy_(best)
             if j + 1 < k:
-                row = m.mtp(row.x, self.drafts[j : j + 1], self.base + j, self.state.mtp_cache, scratch)
+                row = m.mtp(row.x, self.drafts[j : j + 1], base + j, self.state.mtp_cache, scratch)
         if self.forced is not None:
-            positions = (self.base + self.row_index[1 : k + 1]).long()
+            positions = (base + self.row_index[1 : k + 1]).long()
             torch.index_select(self.forced, 0, positions, out=self.drafts[:k])
-
-    # --- graphs --------------------------------------------------------------------------------------
-    def capture(self, cfg: SamplingConfig, draft_counts) -> None:
-        """Capture the step for cfg and each k (once each). Must run before reset(): the warm-up steps
-        write the state. The warm-up allocates every scratch buffer, then the scratches are frozen."""
-        todo = [k for k in draft_counts if (cfg, k) not in self.graphs]
-        if not todo:
-            return
-        stream = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(stream)
-        with torch.cuda.stream(side):
-            for k in todo:
-                self.warm_up(k, cfg)
-        stream.wait_stream(side)
-        for k in todo:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.step(k, cfg)
-            self.graphs[(cfg, k)] = graph
-        for scratch in self.scratch.values():
-            scratch.freeze()
 
     def warm_up(self, k: int, cfg: SamplingConfig) -> None:
         """The step run once before its capture (eagerly: it allocates the scratch buffers), on inputs set
         here to valid values whatever the engine holds (a fresh engine, or one after a generation): the ids
-        it embeds in [0, vocab), every position inside the caches. An invalid id here was a device-side
-        assert in the first capture (issue 20). It writes the state: reset() must follow."""
-        # The MTP pass starts one row before the verify: at base 1 that row is position 0, not -1.
-        self.base.fill_(1)
-        self.num_accepted.zero_()
-        self.tokens.zero_()  # the pending token x_p = tokens[num_accepted]; the MTP pass's ids
+        it embeds in [0, vocab), every position inside the caches (the pending token's pair at 0, not -1). An
+        invalid id here was a device-side assert in the first capture (issue 20). It writes slot 0: an
+        admission follows."""
+        self.state.device_position.fill_(1)
+        self.engine.accepted.zero_()
+        self.engine.emitted.zero_()  # the pending token emitted[0, accepted[0]]
         self.step(k, cfg)
 
-    # --- a generation ----------------------------------------------------------------------------------
-    def reset(self, history: torch.Tensor, seed: int, cfg: SamplingConfig, start: StateSnapshot | None = None) -> None:
-        """Empty state, or `start` copied into the state's own tensors (the graphs keep their addresses); the
-        sampler sees the whole history either way, so the output is the same as from scratch."""
-        if start is None:
-            self.state.clear()
-        else:
-            self.state.restore(start)
-        self.sampler.reset(history, seed, cfg.eos_token_ids)
-
-    def prefill(self, history: torch.Tensor, cfg: SamplingConfig, chunk_size: int, progress=None) -> None:
-        """The prompt (history past the state's position) through the model's chunked prefill, the MTP block
-        over every prompt row but the last (pairs (h_t, x_{t+1})), and t_0 from the last row's logits. The
-        last row's pair (h_{n-1}, t_0) is left to the first step's MTP pass, as if a verify had accepted 0."""
-        m, state = self.model, self.state
-        prompt = history[state.position:]
-        total = prompt.shape[0]
-        positions = state.reserve(total)
-
-        def mtp_pairs(normed: Activation, begin: int, end: int, scratch: Scratch) -> None:
-            rows = end - begin - (end == total)  # rows whose next token is in the prompt
-            if rows > 0:
-                m.mtp(normed.x[:rows], prompt[begin + 1 : begin + 1 + rows], positions[begin : begin + rows],
-                      state.mtp_cache, scratch)
-            if end == total:
-                self.hidden[0].copy_(normed.x[-1])
-
-        logits = m.prefill(prompt, positions, state, logits_to_keep=1, chunk_size=chunk_size, progress=progress,
-                           on_hidden=mtp_pairs)
-        self.tokens.fill_(-1)
-        select_next_token(logits[0], self.sampler, cfg, self.tokens[:1], self.dummy_position)
-        self.num_accepted.zero_()
-
-
-def run_speculative(engine: SpeculativeEngine, history: torch.Tensor, cfg: SamplingConfig, max_new_tokens: int,
-                    seed: int, stop: StopCondition, chunk_size: int, streamer=None, prefill_progress=None,
-                    start: StateSnapshot | None = None, keep_state: bool = False, snapshot_prompt: bool = False,
-                    adaptive: bool = True) -> tuple[list[int], SpeculativeStats, StateSnapshot | None]:
-    """run_generation's contract (generation.py) with speculative steps: each replay emits 1..k+1 tokens."""
-    check_run(engine, history, max_new_tokens, start)
-    policy = DraftPolicy(engine.k_max, adaptive)
-    draft_counts = range(engine.k_max + 1) if adaptive else (engine.k_max,)
-    stats = SpeculativeStats(prompt_tokens=history.shape[0] - (start.position if start else 0), graph=engine.use_graph)
-    if engine.use_graph:
+    # --- the engine's side -----------------------------------------------------------------------------
+    def admit(self, seq) -> None:
+        """A sequence is moving into slot 0: a fresh draft policy, and its config's graphs captured (CUDA)."""
+        self.policy = DraftPolicy(self.k_max, self.speculation.adaptive)
+        todo = [k for k in self.draft_counts if (seq.cfg, k) not in self.graphs]
+        if not self.engine.use_graph or not todo:
+            return
         clock = time.perf_counter()
-        engine.capture(cfg, draft_counts)
-        stats.capture_s = time.perf_counter() - clock
+        for k in todo:
+            self.graphs[(seq.cfg, k)] = self.engine.graph(lambda: self.step(k, seq.cfg), lambda: self.warm_up(k, seq.cfg))
+        for scratch in self.scratch.values():
+            scratch.freeze()
+        self.engine.slots.flags.zero_()
+        seq.stats.capture_s = time.perf_counter() - clock
 
-        def replay(k: int) -> None:
-            engine.graphs[(cfg, k)].replay()
-    else:
-        def replay(k: int) -> None:
-            engine.step(k, cfg)
-    engine.reset(history, seed, cfg, start)
-    on_gpu = engine.device.type == "cuda"
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    rows = engine.k_max + 1
-    slots = engine.read_ahead + 2  # the event of the step before the one read is still needed (its time)
-    host = torch.empty(slots, rows + 1, dtype=torch.int32, pin_memory=on_gpu)  # tokens, then a
-    events: list[torch.cuda.Event | None] = [None] * slots
+    def launch(self, seq, use_graph: bool) -> int:
+        """One step of seq's (k from the policy); returns k."""
+        k = self.policy.next_k()
+        if use_graph:
+            self.graphs[(seq.cfg, k)].replay()
+        else:
+            self.step(k, seq.cfg)
+        return k
 
-    def launch_copy(i: int) -> None:
-        host[i % slots, :rows].copy_(engine.tokens, non_blocking=True)
-        host[i % slots, rows:].copy_(engine.num_accepted, non_blocking=True)
-        if on_gpu:
-            events[i % slots] = torch.cuda.Event(enable_timing=True)
-            events[i % slots].record()
-
-    def step_seconds(i: int) -> float | None:
-        """GPU time between the events of launches i-1 and i: step i's time while the host keeps the GPU
-        fed (it launches ahead), an overestimate when it does not."""
-        return events[(i - 1) % slots].elapsed_time(events[i % slots]) * 1e-3 if on_gpu and i > 1 else None
-
-    sync()
-    clock = time.perf_counter()
-    engine.prefill(history, cfg, chunk_size, prefill_progress)
-    rewind_mark = engine.state.mark() if keep_state else None
-    after_prefill = engine.state.snapshot() if snapshot_prompt else None
-    launch_copy(0)
-    sync()
-    stats.prefill_s = time.perf_counter() - clock
-    clock = time.perf_counter()
-    drafts_of = [0]  # k of each launch (launch 0 is the prefill)
-    launched, read, done = 1, 0, False
-    while not done:
-        # The host must not overwrite a slot before reading it: at most `slots` launches outstanding.
-        while launched <= read + engine.read_ahead and len(stop.tokens) + (launched - read) <= max_new_tokens:
-            k = policy.next_k()
-            replay(k)
-            drafts_of.append(k)
-            launch_copy(launched)
-            launched += 1
-        if read == launched:
-            break
-        if on_gpu:
-            events[read % slots].synchronize()
-        a = int(host[read % slots, rows])
-        k = drafts_of[read]
-        if read > 0:
-            policy.record(k, a, step_seconds(read))
-            stats.steps += 1
-            stats.drafted += k
-            stats.accepted += a
-        for token in host[read % slots, : a + 1].tolist():
-            if streamer is not None:
-                streamer.put(torch.tensor([token]))
-            if stop.done(token) or len(stop.tokens) == max_new_tokens:
-                done = True
-                break
-        read += 1
-    sync()
-    stats.decode_s = time.perf_counter() - clock
-    stats.new_tokens = len(stop.tokens)
-    engine.state.sync_position()  # steps past a stop included
-    if rewind_mark is not None and engine.state.position != history.shape[0] + len(stop.tokens) - 1:
-        keep_only(engine.model, engine.state, rewind_mark, stop.tokens[:-1])  # as plain decode does
-    return stop.tokens, stats, after_prefill
+    def read(self, seq, k: int, a: int, previous, event) -> None:
+        """A step of seq read back: a of its k drafts accepted. previous, event: the CUDA events of the step
+        read before it (None if it was not a step) and of this one; the GPU time between them is this step's
+        while the host keeps the GPU fed (it launches ahead), an overestimate when it does not."""
+        seconds = previous.elapsed_time(event) * 1e-3 if previous is not None and event is not None else None
+        self.policy.record(k, a, seconds)
+        seq.stats.steps += 1
+        seq.stats.drafted += k
+        seq.stats.accepted += a

@@ -1,6 +1,13 @@
 """Per-sequence inference state: a KV cache per attention layer, a conv ring and a recurrent state per
 GDN layer, and the number of tokens consumed so far; with an MTP block, its KV cache and the trunk's last
-normed hidden state (the h of the block's next pair, whose token has not been seen yet)."""
+normed hidden state (the h of the block's next pair, whose token has not been seen yet).
+
+The MTP rule, the one thing advancing a state does to its MTP part, whatever advances it (model.forward and
+every prefill through model.prefill, the plain decode step and the MTP step in engine.py / speculative.py):
+after the trunk has consumed tokens x_0..x_{p-1}, the block's cache holds the pair (h_t, x_{t+1}) at
+position t for every t < p - 1 (h_t: the trunk's normed hidden at t) and mtp_hidden holds h_{p-1}. So each
+consumed token x_t is paired with the hidden before it, at t - 1 (model.mtp_pairs), and mtp_hidden becomes
+the hidden of the last one. A snapshot of any path therefore drafts as well as any other."""
 from __future__ import annotations
 
 import dataclasses
@@ -271,8 +278,8 @@ def check_state_size(config: Qwen38Config, max_seq_len: int, device, kv_dtype: t
     """A ValueError, before anything is allocated, for a state longer than the model's context or larger
     than the device's available memory (a too-large allocation would fail deep inside torch, or get the
     process killed on the CPU). name: what the caller calls the length (the CLI: --max-context).
-    spare_rows: rows of max_seq_len that only steps in flight past the last kept token write (a speculative
-    engine's); they count for the memory, not against the context. sequences: states of that many sequences
+    spare_rows: rows of max_seq_len that only steps in flight past the last kept token write (an MTP step's
+    verify rows, engine.py); they count for the memory, not against the context. sequences: states of that many sequences
     (slots.SlotStates)."""
     limit = config.max_position_embeddings
     if max_seq_len - spare_rows > limit:
@@ -405,15 +412,19 @@ class Qwen38State:
         torch.index_select(self.token_conv, 1, index, out=self.gdn_conv.unsqueeze(1))
         torch.index_select(self.token_recurrent, 1, index, out=self.gdn_recurrent.unsqueeze(1))
 
-    def mark(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """The position and the GDN states, cloned: enough to rewind() here while no KV row below the
-        position is rewritten (decoding only appends) -- an eighth of a snapshot at 16k tokens."""
-        return self.position, self.gdn_conv.clone(), self.gdn_recurrent.clone()
+    def mark(self) -> tuple:
+        """The position, the GDN states and the MTP hidden carry, cloned: enough to rewind() here while no KV
+        row below the position is rewritten (decoding only appends; the MTP rule writes the block's row
+        position - 1 again, with the same pair) -- an eighth of a snapshot at 16k tokens."""
+        hidden = None if self.mtp_hidden is None else self.mtp_hidden.clone()
+        return self.position, self.gdn_conv.clone(), self.gdn_recurrent.clone(), hidden
 
-    def rewind(self, mark: tuple[int, torch.Tensor, torch.Tensor]) -> None:
-        position, conv, recurrent = mark
+    def rewind(self, mark: tuple) -> None:
+        position, conv, recurrent, hidden = mark
         self.gdn_conv.copy_(conv)
         self.gdn_recurrent.copy_(recurrent)
+        if hidden is not None:
+            self.mtp_hidden.copy_(hidden)
         self.position = position
         self.device_position.fill_(position)
 

@@ -9,7 +9,6 @@ import sys
 
 import torch
 
-from ..speculative import SpeculativeEngine
 from ..state import KVCache
 from .options import (HelpFormatter, add_generation_options, add_model_argument, check_generation_args,
                       generation_kwargs, report_sampling)
@@ -89,10 +88,9 @@ def encode_prompt(args: argparse.Namespace, tokenizer, chat: bool) -> torch.Tens
 def memory_line(model) -> str:
     """Weights, the decode state (KV caches + GDN states) and the peak: allocated on the GPU, the
     process's resident set on the CPU."""
-    # The engine of the last generate() holds the state: fixed-size buffers, allocated once (the batch engine's
-    # slot 0 is the sequence's; a speculative engine has a state of its own).
-    engine = model._engine
-    state = engine.state if isinstance(engine, SpeculativeEngine) else engine.slots.slot(0)
+    # The engine of the last generate() holds the state: fixed-size buffers, allocated once (slot 0 is the
+    # sequence's).
+    state = model._engine.slots.slot(0)
     kv = gdn = 0
     for layer in state.layers + ([state.mtp_cache] if state.mtp_cache is not None else []):
         size = sum(t.numel() * t.element_size() for t in state.tensors(layer))

@@ -135,13 +135,14 @@ def test_a_speculative_engine_may_use_the_whole_context(model):
     assert Qwen38State(short, 64 + 28, "cpu", spare_rows=28).max_seq_len == 92
     with pytest.raises(ValueError, match=r"^max_seq_len 65 exceeds the model's context of 64 tokens$"):
         Qwen38State(short, 65 + 28, "cpu", spare_rows=28)
-    from qwen38_model.speculative import SpeculativeEngine
     from qwen38_model.default_model import default_model_path
+    from qwen38_model.engine import BatchEngine
+    from qwen38_model.speculative import Speculation
 
     with_mtp = Qwen38ForCausalLM.from_pretrained(default_model_path(), device="cpu")
     with_mtp.config = dataclasses.replace(with_mtp.config, max_position_embeddings=64)
-    engine = SpeculativeEngine(with_mtp, 64, torch.float32, False, 3)
-    assert engine.state.max_seq_len > engine.max_seq_len == 64
+    engine = BatchEngine(with_mtp, 1, 64, torch.float32, False, speculation=Speculation(3))
+    assert engine.slots.slot(0).max_seq_len > engine.max_seq_len == 64
 
 
 # ---- issue 24 item 3: seeded fuzzing of generate() / forward() values, in a bounded child -------------

@@ -2,20 +2,24 @@
 token for token at 0%, partial and 100% acceptance (drafts forced from the plain run's own tokens), with
 the MTP block's own drafts, and with logits processors; sampling follows the model's distribution end to end
 (chi-square; the selection alone in test_speculative_sampling.py) and is reproducible for a seed; bad
-arguments are errors. A capture's warm-up embeds only valid ids whatever the engine holds (issue 20: it
-read the -1 placeholder), and an id flagged on the device is a RuntimeError at the state's next sync.
-`-m cuda`: the step graphs, on the GGUF model and on the issue's dense small-vocabulary HF checkpoint."""
+arguments are errors. Every path leaves a state's MTP part as the MTP rule says (state.py; model(ids, state=s)
+the reference): plain and speculative turns of a conversation, one or several sequences, a reply read behind
+and rolled back, so a speculative turn after plain ones drafts from a filled cache. A capture's warm-up embeds
+only valid ids whatever the engine holds (issue 20: it read the -1 placeholder), and an id flagged on the
+device is a RuntimeError at the state's next sync. `-m cuda`: the step graphs, on the GGUF model and on the
+issue's dense small-vocabulary HF checkpoint."""
 import pytest
 import torch
 from test_speculative_sampling import chi_square_p
 
 from qwen38_model import Qwen38ForCausalLM, convert, synthetic
 from qwen38_model.conversation import Conversation
+from qwen38_model.engine import BatchEngine, Sequence, run_batch
 from qwen38_model.generation import StopCondition
 from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits
 from qwen38_model.scratch import Scratch
-from qwen38_model.speculative import (MAX_DRAFT_TOKENS, DraftPolicy, SpeculativeEngine, best_draft_count,
-                                      expected_tokens, prior_step_cost, run_speculative)
+from qwen38_model.speculative import (MAX_DRAFT_TOKENS, DraftPolicy, Speculation, best_draft_count, expected_tokens,
+                                      prior_step_cost)
 from qwen38_model.state import BAD_POSITION
 from qwen38_ops.embedding import BAD_TOKEN
 
@@ -50,13 +54,23 @@ def plain(plain_long):
     return plain_long[:NEW_TOKENS]
 
 
+def forced_engine(model, drafts: list[int], k: int, use_graph=False, adaptive=False) -> BatchEngine:
+    """An engine whose MTP step drafts drafts[position] (a token sequence) with k drafts a step."""
+    engine = BatchEngine(model, 1, 64, torch.float32, use_graph,
+                         speculation=Speculation(k, adaptive=adaptive, forced_drafts=True))
+    engine.mtp.forced[: len(drafts)] = torch.tensor(drafts, dtype=torch.int32)
+    return engine
+
+
+def run(engine, prompt: torch.Tensor, cfg=SamplingConfig(), new_tokens=NEW_TOKENS, seed=0):
+    """(tokens, stats) of one sequence of prompt [1, T] through the engine."""
+    seq = Sequence(prompt[0].to(engine.device, torch.int32), cfg, seed, new_tokens, StopCondition(frozenset()))
+    run_batch(engine, [seq], chunk_size=4096)
+    return seq.tokens, seq.stats
+
+
 def forced_run(model, prompt, drafts: list[int], k: int, cfg=SamplingConfig(), adaptive=False):
-    engine = SpeculativeEngine(model, 64, torch.float32, False, k, forced_drafts=True)
-    engine.forced.zero_()
-    engine.forced[: len(drafts)] = torch.tensor(drafts, dtype=torch.int32)
-    tokens, stats, _ = run_speculative(engine, prompt[0].to(torch.int32), cfg, NEW_TOKENS, 0,
-                                       StopCondition(frozenset()), chunk_size=4096, adaptive=adaptive)
-    return tokens, stats
+    return run(forced_engine(model, drafts, k, adaptive=adaptive), prompt, cfg)
 
 
 @pytest.mark.parametrize("k", [1, 3, MAX_DRAFT_TOKENS])
@@ -138,13 +152,10 @@ def test_sampling_follows_the_model_distribution(model, prompt, plain_long):
                  for q in [target(history + list(seq))] for t in q.nonzero()[:, 0].tolist()}
     index = {seq: i for i, seq in enumerate(joint)}
     probs = torch.tensor(list(joint.values()), dtype=torch.float64)
-    engine = SpeculativeEngine(model, 64, torch.float32, False, 2, forced_drafts=True)
-    engine.forced.zero_()
-    engine.forced[: len(history) + len(plain_long)] = torch.tensor(history + plain_long, dtype=torch.int32)
+    engine = forced_engine(model, history + plain_long, 2)
     counts, accepted, rejected = torch.zeros(len(joint), dtype=torch.float64), 0, 0
     for seed in range(500):
-        tokens, stats, _ = run_speculative(engine, prompt[0].to(torch.int32), cfg, 3, seed, StopCondition(frozenset()),
-                                           chunk_size=4096, adaptive=False)
+        tokens, stats = run(engine, prompt, cfg, 3, seed)
         assert tuple(tokens) in index, f"seed {seed}: {tokens} has probability 0 under the model"
         counts[index[tuple(tokens)]] += 1
         accepted += stats.accepted > 0
@@ -215,46 +226,111 @@ def test_scratch_refuses_new_buffers_once_frozen():
         scratch.empty("role", "x", (4, 3))
 
 
-def id_buffers(engine: SpeculativeEngine) -> dict[str, torch.Tensor]:
-    """Every token-id buffer of the engine a step may embed (directly, or copied into verify_ids)."""
-    return {"tokens": engine.tokens, "verify_ids": engine.verify_ids, "drafts": engine.drafts, "forced": engine.forced}
+def mtp_engine(model, k: int, forced=False) -> BatchEngine:
+    return BatchEngine(model, 1, 64, torch.float32, False, speculation=Speculation(k, forced_drafts=forced))
+
+
+def id_buffers(engine: BatchEngine) -> dict[str, torch.Tensor]:
+    """Every token-id buffer of the engine an MTP step may embed (directly, or copied into verify_ids)."""
+    return {"emitted": engine.emitted, "verify_ids": engine.mtp.verify_ids, "drafts": engine.mtp.drafts,
+            "forced": engine.mtp.forced}
 
 
 def test_a_fresh_engine_holds_only_valid_ids(model):
-    """A capture runs before reset/prefill: every id buffer a step can read holds ids in [0, vocab). The
-    engine kept -1 in `tokens` (the "past a" placeholder) and the warm-up embedded tokens[0] = -1: a
-    device-side assert in index_select on the GPU (issue 20)."""
-    engine = SpeculativeEngine(model, 64, torch.float32, False, 3, forced_drafts=True)
+    """A capture runs before any prefill: every id buffer a step can read holds ids in [0, vocab). The old
+    engine kept -1 in its tokens (the "past a" placeholder) and the warm-up embedded it: a device-side
+    assert in index_select on the GPU (issue 20)."""
+    engine = mtp_engine(model, 3, forced=True)
     for name, ids in id_buffers(engine).items():
         assert ((ids >= 0) & (ids < model.config.vocab_size)).all(), f"{name}: {ids.tolist()[:8]}"
 
 
 def test_capture_warm_up_embeds_only_valid_ids(model):
-    """The warm-up capture() runs before each capture, eagerly on the CPU: the checked reference embedding
-    raises a ValueError on any id outside the vocabulary, so this passes only if every id it embeds is
-    valid, on a fresh engine and on one whose buffers hold bad ids (-1 past a, as a step leaves them; V);
-    and it leaves the state's error flag clear. The same for the plain engine, at a position past its cache."""
+    """The warm-up runs before each capture, eagerly on the CPU: the checked reference embedding raises a
+    ValueError on any id outside the vocabulary, so this passes only if every id it embeds is valid, on a
+    fresh engine and on one whose buffers hold bad ids (-1 past a, as a step leaves them; V); and it leaves
+    the state's error flag clear."""
     cfg, V = SamplingConfig(), model.config.vocab_size
-    engine = SpeculativeEngine(model, 64, torch.float32, False, 3)
+    engine = mtp_engine(model, 3)
     for poison in (None, -1, V):
         if poison is not None:
-            engine.tokens.fill_(poison)
-            engine.num_accepted.fill_(2)
-        for k in range(engine.k_max + 1):
-            engine.warm_up(k, cfg)
-        engine.state.sync_position()  # raises if a warm-up flagged anything
+            engine.emitted.fill_(poison)
+            engine.accepted.fill_(2)
+        for k in range(engine.mtp.k_max + 1):
+            engine.mtp.warm_up(k, cfg)
+        engine.slots.slot(0).sync_position()  # raises if a warm-up flagged anything
 
 
 def test_the_old_placeholder_in_a_step_is_a_clear_error_on_the_cpu(model):
-    """What the warm-up did before the fix, on the CPU: the pending token -1 reaches the trunk's embedding,
-    whose reference names the bad id (not an IndexError from deep in torch, nor a silent read of the last
-    row, as the Q8_0 table's reference did)."""
-    engine = SpeculativeEngine(model, 64, torch.float32, False, 1)
-    engine.base.fill_(1)
-    engine.tokens.fill_(-1)
-    engine.num_accepted.zero_()
-    with pytest.raises(ValueError, match=r"q8_0_embedding: token id -1 \(row 0 of 2\) is outside the vocabulary"):
-        engine.step(1, SamplingConfig())
+    """What the warm-up did before the fix, on the CPU: the pending token -1 reaches an embedding (the MTP
+    block's, of its pair), whose reference names the bad id (not an IndexError from deep in torch, nor a
+    silent read of the last row, as the Q8_0 table's reference did)."""
+    engine = mtp_engine(model, 1)
+    engine.slots.slot(0).device_position.fill_(1)
+    engine.emitted.fill_(-1)
+    engine.accepted.zero_()
+    with pytest.raises(ValueError, match=r"q8_0_embedding: token id -1 \(row 0 of 1\) is outside the vocabulary"):
+        engine.mtp.step(1, SamplingConfig())
+
+
+def test_more_than_one_mtp_slot_is_refused(model):
+    with pytest.raises(ValueError, match=r"one sequence at a time: max_batch must be 1, found 2 \(several MTP slots"):
+        BatchEngine(model, 2, 64, torch.float32, False, speculation=Speculation(3))
+
+
+def mtp_part(state, position: int):
+    """What the MTP rule defines of a state after `position` tokens: the block's KV rows 0..position-2 and the
+    hidden carry."""
+    return state.mtp_cache.k[: position - 1], state.mtp_cache.v[: position - 1], state.mtp_hidden
+
+
+def assert_mtp_part_is_the_rules(model, snapshot, history: list[int]):
+    """snapshot's MTP part is what model(history[:position], state=s) leaves (the rule's reference)."""
+    n = snapshot.position
+    reference = model.new_state(64, torch.float32)
+    model(torch.tensor([history[:n]]), state=reference)
+    state = model.new_state(64, torch.float32)
+    state.restore(snapshot)
+    for name, got, want in zip(("k", "v", "hidden"), mtp_part(state, n), mtp_part(reference, n)):
+        assert torch.equal(got, want), f"{name}: the MTP part differs from the rule's ({n} tokens)"
+
+
+@pytest.mark.parametrize("read_ahead", [0, 3], ids=["exact", "read-behind"])
+def test_every_turn_leaves_the_mtp_part_the_rule_says(model, prompt, read_ahead):
+    """Code review 2026-12-01 2.2: a plain-decode conversation left the MTP cache empty (0 of 15 rows), so a
+    later speculative turn drafted blind. Now plain and speculative turns, read exactly or behind (steps past
+    the stop rolled back: the GPU's read-ahead simulated), leave the state as the rule says, and a
+    speculative turn after plain ones gives plain greedy's reply."""
+    conversation, history = Conversation(), []
+    for turn, speculative in ((prompt[0].tolist(), None), ([7, 8, 9], None), ([300, 301], "mtp"), ([5], "mtp"),
+                              ([11, 12], None)):
+        ids = torch.tensor([turn])
+        model.generate(ids, max_new_tokens=1, eos_token_id=[], speculative=speculative)  # (builds the engine)
+        model._engine.read_ahead = read_ahead
+        try:
+            out = model.generate(ids, max_new_tokens=7, eos_token_id=[], conversation=conversation,
+                                 speculative=speculative, num_draft_tokens=2)
+        finally:
+            model._engine.read_ahead = 0
+        history += turn
+        plain = model.generate(torch.tensor([history]), max_new_tokens=7, eos_token_id=[])
+        assert out[0, len(turn):].tolist() == plain[0, len(history):].tolist()
+        history += out[0, len(turn):].tolist()
+        assert_mtp_part_is_the_rules(model, conversation.snapshot, history)
+
+
+def test_sequences_decoded_together_leave_the_mtp_part_the_rule_says(model):
+    """The plain step over several slots pairs each row with its own carry: each sequence's state at its end
+    (and at its prompt's end) is the rule's."""
+    engine = BatchEngine(model, 3, 64, torch.float32, False)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 500, (n,), generator=g, dtype=torch.int32) for n in (5, 9, 13)]
+    sequences = [Sequence(p, SamplingConfig(do_sample=True), i, 4 + 3 * i, StopCondition(frozenset()),
+                          keep_state=True, snapshot_prompt=True) for i, p in enumerate(prompts)]
+    run_batch(engine, sequences, chunk_size=4)  # several prefill chunks too
+    for p, seq in zip(prompts, sequences):
+        assert_mtp_part_is_the_rules(model, seq.prompt_snapshot, p.tolist())
+        assert_mtp_part_is_the_rules(model, seq.snapshot, p.tolist() + seq.tokens)
 
 
 def test_error_flag_raises_at_sync_naming_the_condition(model):
@@ -283,19 +359,16 @@ def gpu_model(model):
 @pytest.mark.cuda
 @pytest.mark.parametrize("k", [1, 3, MAX_DRAFT_TOKENS])
 def test_cuda_graph_steps_equal_plain_greedy(gpu_model, prompt, k):
-    """Plain greedy through its graph vs speculative steps through theirs: forced 100%, 0% and partial
-    acceptance and the block's own drafts (adaptive), token for token, on the int8 lane."""
+    """Plain greedy through its graph vs MTP steps through theirs (one engine, the step graphs captured by
+    its one capture function): forced 100%, 0% and partial acceptance and the block's own drafts (adaptive),
+    token for token, on the int8 lane."""
     long = gpu_model.generate(prompt, max_new_tokens=NEW_TOKENS + MAX_DRAFT_TOKENS + 1, eos_token_id=[],
                               kv_dtype=torch.float32)[0].tolist()  # the engines below keep float32 KV
     plain = long[prompt.shape[1]:][:NEW_TOKENS]
     gpu_prompt = prompt.to("cuda")
     for name, drafts in (("perfect", long), ("wrong", [(t + 1) % 500 for t in long]),
                          ("partial", [t if i % 3 else (t + 1) % 500 for i, t in enumerate(long)])):
-        engine = SpeculativeEngine(gpu_model, 64, torch.float32, True, k, forced_drafts=True)
-        engine.forced.zero_()
-        engine.forced[: len(drafts)] = torch.tensor(drafts, dtype=torch.int32)
-        tokens, stats, _ = run_speculative(engine, gpu_prompt[0].to(torch.int32), SamplingConfig(), NEW_TOKENS, 0,
-                                           StopCondition(frozenset()), chunk_size=4096, adaptive=False)
+        tokens, stats = run(forced_engine(gpu_model, drafts, k, use_graph=True), gpu_prompt)
         assert tokens == plain, name
         assert (stats.accepted == stats.drafted) == (name == "perfect"), name
     out = gpu_model.generate(gpu_prompt, max_new_tokens=NEW_TOKENS, eos_token_id=[], speculative="mtp",
@@ -352,17 +425,18 @@ def test_cuda_bad_token_in_a_replayed_step_raises_at_sync(small_vocab_gpu_model)
                 for kwargs in ({}, {"speculative": "mtp"})]
 
     before = generations()
-    engine = SpeculativeEngine(model, 64, torch.bfloat16, True, 3)
-    engine.capture(cfg, [3])
+    engine = BatchEngine(model, 1, 64, torch.bfloat16, True, speculation=Speculation(3, adaptive=False))
     plain, plain_step = one_sequence(model, prompt, cfg, 64, torch.bfloat16, use_graph=True)
     for bad in (503, -1):
-        engine.reset(prompt, 0, cfg)
-        engine.prefill(prompt, cfg, chunk_size=4096)
-        engine.tokens.fill_(bad)  # tokens[num_accepted]: the verify's pending token
-        engine.graphs[(cfg, 3)].replay()
+        seq = Sequence(prompt, cfg, 0, 8, StopCondition(frozenset()))
+        for _ in engine.admit(seq, 4096):  # (captures the step graphs of cfg)
+            pass
+        engine.emitted.fill_(bad)  # emitted[0, accepted[0]]: the step's pending token
+        engine.mtp.graphs[(cfg, 3)].replay()
         torch.cuda.synchronize()
         with pytest.raises(RuntimeError, match=r"embedded a token id outside the vocabulary \[0, 503\)"):
-            engine.state.sync_position()
+            engine.slots.slot(0).sync_position()
+        engine.release(seq)
         plain.tokens.fill_(bad)
         plain_step()
         torch.cuda.synchronize()
