@@ -377,6 +377,31 @@ def test_cuda_graph_steps_equal_plain_greedy(gpu_model, prompt, k):
     assert gpu_model.last_generation_stats.graph
 
 
+@pytest.mark.cuda
+def test_cuda_turns_leave_the_mtp_part_the_rule_says(gpu_model, prompt):
+    """Through the graphs (read behind, the steps past each reply's end rolled back): plain and MTP turns of a
+    conversation give plain greedy's replies and leave the MTP part as model(ids, state=s) does, to float
+    rounding (a prefill's tensor-core GEMM and attention sum in another order than the steps'): every row of
+    the block's cache filled, none blind."""
+    conversation, history = Conversation(), []
+    for turn, speculative in ((prompt[0].tolist(), None), ([7, 8, 9], None), ([300, 301], "mtp"), ([11, 12], None)):
+        out = gpu_model.generate(torch.tensor([turn], device="cuda"), max_new_tokens=7, eos_token_id=[],
+                                 conversation=conversation, speculative=speculative, kv_dtype=torch.float32)
+        assert gpu_model.last_generation_stats.graph
+        history += turn
+        plain = gpu_model.generate(torch.tensor([history], device="cuda"), max_new_tokens=7, eos_token_id=[],
+                                   kv_dtype=torch.float32)
+        assert out[0, len(turn):].tolist() == plain[0, len(history):].tolist()
+        history += out[0, len(turn):].tolist()
+        n = conversation.snapshot.position
+        state, reference = gpu_model.new_state(64, torch.float32), gpu_model.new_state(64, torch.float32)
+        state.restore(conversation.snapshot)
+        gpu_model(torch.tensor([history[:n]], device="cuda"), state=reference)
+        for name, got, want in zip(("k", "v", "hidden"), mtp_part(state, n), mtp_part(reference, n)):
+            error = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)
+            assert error.max() < 1e-2, f"{name}: relative error {error.max():.3g} ({n} tokens)"
+
+
 # The issue-20 checkpoint: an HF folder (dense bfloat16 on the GPU, so the trunk's embedding is the dense
 # table's op, where torch's index_select was) with a small odd vocabulary, one MTP layer, shared embeddings.
 SMALL_VOCAB = {"hidden_size": 192, "intermediate_size": 384, "num_hidden_layers": 4, "vocab_size": 503}
