@@ -3,7 +3,8 @@ first token it gives, and that the replies are those of a server without it (iss
 
     python -m benchmarks.prefix_cache [--model PATH] [--json PATH] [--conversations 4] [--turns 8]
                                       [--user-tokens 100,300] [--max-tokens 64] [--system-tokens 650]
-                                      [--fewshot-tokens 790] [--requests 16] [--cache-gb 4] [--no-thinking-pass]
+                                      [--fewshot-tokens 790] [--requests 16] [--document-tokens 6000]
+                                      [--cache-gb 4] [--no-thinking-pass]
                                       [--send-reasoning] [--chat-template FILE] [--tiny]
 
 The server (qwen38_model.server.Server, a BatchEngine of --max-batch slots of --max-context tokens, CUDA graphs,
@@ -26,6 +27,11 @@ than its budget; `qwen38 serve` has no "off": --cache-gb must be > 0):
 - system: a --system-tokens system prompt shared by --requests requests, each with its own user message;
 - fewshot: a --fewshot-tokens shared prefix (a short system prompt and user/assistant example pairs, as
   earlier messages) before --requests different user messages.
+- document: one user message of a --document-tokens document and a question after it (--user-tokens), a
+  different question in each of --requests requests, then the first request again (an exact repeat): the shared
+  prefix ends inside the message, where only the server's snapshots at a token stride (server.stride_breaks)
+  can restore it; reachable, the last of the first request's snapshots (its strides and its message's end)
+  inside the shared prefix.
 
 Per request: prompt tokens, `usage.prompt_tokens_details.cached_tokens`, the cacheable prefix (the tokens of
 the request's messages but the last as the prompt renders them, cut at the last one's end as the server cuts a
@@ -66,7 +72,7 @@ CACHE_GB = 4.0  # `qwen38 serve --cache-gb`'s default
 TARGET_HIT = 0.9  # issue 23 item 4: from turn 2 on >= 90% of the prompt tokens cached
 FEWSHOT_PAIRS = 3  # user/assistant examples of the few-shot prefix
 TINY = dict(conversations=2, turns=3, user_tokens="10,20", max_tokens=6, system_tokens=40, fewshot_tokens=60,
-            requests=3, max_context=1024, max_batch=2)
+            requests=3, document_tokens=1100, max_context=2048, max_batch=2)
 WORDS = ("the a of to and in is it that for on with as was at by be this from or an are not have but what all were "
          "when we there can one your which their said if will each about how up out them then she many some so "
          "these would other into has more her two like him see time could no make than first been its who now "
@@ -249,6 +255,34 @@ def run_shared_trace(client, server, name, tokenizer, args, fewshot: bool, seed:
     return records
 
 
+def run_document_trace(client, server, name, tokenizer, args, seed: int) -> list[dict]:
+    """--requests questions after one --document-tokens document in the same user message, then the first again.
+    Each record has the tokens its prompt shares with an earlier one's (the document and the message's header; the
+    repeat: all of it) and the reachable part of them: the last stride snapshot of the first request inside them
+    (server.stride_breaks, cut as the server cuts the first prompt)."""
+    from qwen38_model.server import stride_breaks
+
+    rng = random.Random(seed)
+    lo, hi = args.user_tokens
+    document = text_of(tokenizer, rng, args.document_tokens)
+    asks = [[{"role": "user", "content": document + "\n\n" + text_of(tokenizer, rng, rng.randint(lo, hi))}]
+            for _ in range(args.requests)]
+    kwargs = {"enable_thinking": False}
+    requests = [server.chat_request(dict(messages=m, chat_template_kwargs=kwargs)) for m in asks]
+    prompts = [tokenizer.encode(r.text) for r in requests]
+    strides = stride_breaks(len(prompts[0]), server.message_breaks(requests[0], prompts[0]))
+    records = []
+    for i, messages in enumerate(asks + asks[:1]):
+        prompt = prompts[i % len(asks)]
+        shared = max((common_prefix(prompt, prompts[j]) for j in range(min(i, len(asks)))), default=0)
+        reachable = max((b for b in strides if b <= shared and b < len(prompt)), default=0)
+        result = chat(client, server, name, messages, args.max_tokens, kwargs)
+        records.append(dict(request=i, repeat=i == len(asks), messages=messages, kwargs=kwargs,
+                            max_tokens=args.max_tokens, cacheable=0, history=0, shared=shared, reachable=reachable,
+                            strides=list(strides), **result))
+    return records
+
+
 def replay(client, server, name: str, records: list[dict]) -> list[dict]:
     """The same requests (messages, template arguments, max_tokens), in the same order."""
     return [chat(client, server, name, r["messages"], r["max_tokens"], r["kwargs"]) for r in records]
@@ -335,6 +369,24 @@ def shared_report(records: list[dict], uncached: list[dict]) -> dict:
                 identity=identity(records, uncached))
 
 
+def document_report(records: list[dict], uncached: list[dict]) -> dict:
+    rows = [dict(request_row(r, u), repeat=r["repeat"], shared_tokens=r["shared"], reachable_tokens=r["reachable"])
+            for r, u in zip(records, uncached)]
+    later, repeat = [row for row in rows[1:] if not row["repeat"]], rows[-1]
+    return dict(document_tokens=min(row["shared_tokens"] for row in later), strides=records[0]["strides"],
+                requests=rows, first=dict(cached_tokens=rows[0]["cached_tokens"], ttft_s=rows[0]["ttft_s"]),
+                later=dict(requests=len(later),
+                           all_reachable_cached=all(r["cached_tokens"] >= r["reachable_tokens"] > 0 for r in later),
+                           hit_fraction=fraction(sum(r["cached_tokens"] for r in later),
+                                                 sum(r["prompt_tokens"] for r in later)),
+                           ttft_s=mean(r["ttft_s"] for r in later),
+                           uncached_ttft_s=mean(r["uncached_ttft_s"] for r in later)),
+                repeat=dict(prompt_tokens=repeat["prompt_tokens"], cached_tokens=repeat["cached_tokens"],
+                            reachable_tokens=repeat["reachable_tokens"], ttft_s=repeat["ttft_s"],
+                            uncached_ttft_s=repeat["uncached_ttft_s"]),
+                identity=identity(records, uncached))
+
+
 def traces(client, server, name, tokenizer, args, thinking_pass: bool, records: dict | None) -> dict:
     """Every trace on server: recorded (records None: the cached run) or replayed (records: its requests)."""
     out = {}
@@ -342,7 +394,8 @@ def traces(client, server, name, tokenizer, args, thinking_pass: bool, records: 
     if thinking_pass:
         plan.append(("chat_thinking", lambda: run_chat_trace(client, server, name, tokenizer, args, True, 1)))
     plan += [("system", lambda: run_shared_trace(client, server, name, tokenizer, args, False, 2)),
-             ("fewshot", lambda: run_shared_trace(client, server, name, tokenizer, args, True, 3))]
+             ("fewshot", lambda: run_shared_trace(client, server, name, tokenizer, args, True, 3)),
+             ("document", lambda: run_document_trace(client, server, name, tokenizer, args, 4))]
     for key, run in plan:
         clear_cache(server)  # each trace on its own (the thinking pass would restore the first pass's turn 1)
         out[key] = run() if records is None else replay(client, server, name, records[key])
@@ -395,6 +448,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--system-tokens", type=int, default=650, help="tokens of the shared system prompt")
     parser.add_argument("--fewshot-tokens", type=int, default=790, help="tokens of the shared few-shot prefix")
     parser.add_argument("--requests", type=int, default=16, help="requests of each shared-prefix trace")
+    parser.add_argument("--document-tokens", type=int, default=6000, help="tokens of the document trace's document")
     parser.add_argument("--cache-gb", type=float, default=CACHE_GB, help="the prefix cache's budget (GB)")
     parser.add_argument("--max-context", type=int, default=8192, help="tokens of each slot (`qwen38 serve`'s)")
     parser.add_argument("--max-batch", type=int, default=2, help="the engine's slots (requests go one at a time)")
@@ -415,9 +469,9 @@ def main(argv=None) -> dict:
     except (ValueError, AssertionError):
         raise SystemExit(f"--user-tokens must be lo,hi with 1 <= lo <= hi: found {args.user_tokens!r}") from None
     if min(args.conversations, args.turns, args.max_tokens, args.system_tokens, args.fewshot_tokens, args.requests,
-           args.max_batch) < 1 or not args.cache_gb > 0:
-        raise SystemExit("--conversations, --turns, --max-tokens, --system-tokens, --fewshot-tokens, --requests and "
-                         "--max-batch must be >= 1, --cache-gb > 0")
+           args.document_tokens, args.max_batch) < 1 or not args.cache_gb > 0:
+        raise SystemExit("--conversations, --turns, --max-tokens, --system-tokens, --fewshot-tokens, --requests, "
+                         "--document-tokens and --max-batch must be >= 1, --cache-gb > 0")
     require_server_packages("prefix_cache", args.tiny)
 
     from qwen38_model.model import default_kv_dtype
@@ -444,6 +498,7 @@ def main(argv=None) -> dict:
                    settings=dict(conversations=args.conversations, turns=args.turns, user_tokens=list(args.user_tokens),
                                  max_tokens=args.max_tokens, system_tokens=args.system_tokens,
                                  fewshot_tokens=args.fewshot_tokens, requests=args.requests,
+                                 document_tokens=args.document_tokens,
                                  max_context=args.max_context, max_batch=args.max_batch,
                                  kv_dtype=str(args.kv_dtype).removeprefix("torch."), cache_bytes=cache_bytes,
                                  send_reasoning=args.send_reasoning, chat_template=args.chat_template, thinking_pass=thinking_pass,
@@ -454,10 +509,11 @@ def main(argv=None) -> dict:
         results["chat_thinking"] = chat_report(cached["chat_thinking"], uncached["chat_thinking"], True)
     results["system"] = shared_report(cached["system"], uncached["system"])
     results["fewshot"] = shared_report(cached["fewshot"], uncached["fewshot"])
-    results["identical"] = all(results[k]["identity"]["identical"]
-                               for k in ("chat", "chat_thinking", "system", "fewshot") if k in results)
-    results["uncached_cached_tokens"] = sum(r["uncached_cached_tokens"] or 0 for k in ("chat", "chat_thinking",
-                                            "system", "fewshot") if k in results for r in results[k]["requests"])
+    results["document"] = document_report(cached["document"], uncached["document"])
+    traced = [k for k in ("chat", "chat_thinking", "system", "fewshot", "document") if k in results]
+    results["identical"] = all(results[k]["identity"]["identical"] for k in traced)
+    results["uncached_cached_tokens"] = sum(r["uncached_cached_tokens"] or 0 for k in traced
+                                            for r in results[k]["requests"])
     if model.device.type == "cuda":
         results["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
 
@@ -486,6 +542,13 @@ def main(argv=None) -> dict:
                     title=f"{key} trace: a {report['shared_prefix_tokens']}-token shared prefix, every later request "
                           f"has it cached: {report['later']['all_shared_cached']}, identical to no cache: "
                           f"{report['identity']['identical']}")
+    report = results["document"]
+    print_table(report["requests"], ["request", "repeat", "prompt_tokens", "shared_tokens", "reachable_tokens",
+                                     "cached_tokens", "hit_fraction", "ttft_s", "uncached_ttft_s"],
+                title=f"document trace: a {report['document_tokens']}-token shared prefix inside one message (the "
+                      f"first prompt's snapshots at {report['strides']}), every later request has its reachable part "
+                      f"cached: {report['later']['all_reachable_cached']}, identical to no cache: "
+                      f"{report['identity']['identical']}")
     print(f"identical to the uncached replay: {results['identical']}")
     write_json(args.json or (None if args.tiny else default_result_path(env, "prefix_cache")), results)
     return results

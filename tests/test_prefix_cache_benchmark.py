@@ -1,8 +1,9 @@
 """`python -m benchmarks.prefix_cache --tiny`: the prefix-cache benchmark end to end on the built-in model (CPU): the
-server in-process, streamed openai chat requests, the chat trace (thinking off and on), the shared system prompt and
-few-shot traces, their replay on a server that caches nothing. A smoke test of the script (its timings mean nothing
-on the CPU), and of what it measures: from turn 2 on each request restores its whole earlier conversation, every
-request after the first its shared prefix, and the replies are those without the cache."""
+server in-process, streamed openai chat requests, the chat trace (thinking off and on), the shared system prompt,
+few-shot and document traces, their replay on a server that caches nothing. A smoke test of the script (its timings
+mean nothing on the CPU), and of what it measures: from turn 2 on each request restores its whole earlier
+conversation, every request after the first its shared prefix (inside a message: up to its stride snapshot), and the
+replies are those without the cache."""
 import contextlib
 import json
 import pathlib
@@ -57,6 +58,15 @@ def test_prefix_cache_benchmark_runs_tiny(tmp_path):
         assert report["later"]["min_cached_tokens"] >= report["shared_prefix_tokens"]
         assert report["identity"]["identical"]
     assert results["fewshot"]["shared_prefix_tokens"] > results["system"]["shared_prefix_tokens"]
+    # A shared prefix ending inside a message: restored up to its stride snapshot (1024 tokens), the repeat up to the
+    # message's end.
+    report = results["document"]
+    assert len(report["requests"]) == TINY["requests"] + 1 and report["first"]["cached_tokens"] == 0
+    assert report["document_tokens"] > 1024 and 1024 in report["strides"]
+    assert report["later"]["all_reachable_cached"]
+    assert [r["cached_tokens"] for r in report["requests"][1:-1]] == [1024] * (TINY["requests"] - 1)
+    assert report["repeat"]["cached_tokens"] >= report["repeat"]["reachable_tokens"] > report["document_tokens"]
+    assert report["identity"]["identical"]
     assert results["identical"]
 
 

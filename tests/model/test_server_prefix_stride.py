@@ -1,0 +1,78 @@
+"""The prefix cache inside long messages (Server's stride breaks): requests that share a long prefix ending inside
+a message (a document with different questions after it, in one chat message or one completion prompt) restore
+it up to the last snapshot at a multiple of BREAK_STRIDE tokens, and an exact repeat of a prompt restores all of
+it but the tokens past its last such snapshot; every reply is the one a server that caches nothing gives. In
+this process, the built-in model (CPU), with the official openai client."""
+import sys
+import time
+
+import pytest
+
+from test_server import MODEL, local  # noqa: F401 (a fixture)
+
+openai = pytest.importorskip("openai")
+
+
+def test_stride_breaks_are_the_last_strides_inside_the_last_message():
+    from qwen38_model.server import BREAK_STRIDE, STRIDE_BREAKS, stride_breaks
+
+    assert BREAK_STRIDE == 1024 and STRIDE_BREAKS == 2
+    assert stride_breaks(5000, ()) == (3072, 4096)  # a completion: the last two below its end
+    assert stride_breaks(1024, ()) == () and stride_breaks(1025, ()) == (1024,)
+    assert stride_breaks(5000, (40, 100, 4500)) == (40, 100, 3072, 4096, 4500)  # inside the last message (100, 4500)
+    assert stride_breaks(5000, (40, 3100, 3200)) == (40, 3100, 3200)  # a last message with no stride in it
+    assert stride_breaks(5000, (40,)) == (40,)  # one message (its end the last break): none before 40
+
+
+def document(tokenizer, tokens: int) -> str:
+    words = "river stone cache model token light paper window garden number".split()
+    text, i = "", 0
+    while len(tokenizer.encode(text)) < tokens:
+        text += words[i * 7 % len(words)] + (". " if i % 9 == 8 else " ")
+        i += 1
+    return text
+
+
+def test_a_long_shared_prefix_inside_a_message_is_restored(local):  # noqa: F811
+    """A ~1300-token document, then different questions after it in the same message (chat) or prompt
+    (completion): the second request restores 1024 tokens (the stride before the shared prefix ends; without
+    stride breaks 0); the same completion prompt again restores its last stride; greedy and sampled replies
+    equal the uncached server's."""
+    from qwen38_model.server import Server, serving_in_thread
+
+    model, tokenizer = local
+    doc = document(tokenizer, 1300)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    sampled = dict(temperature=1.0, seed=3)
+
+    def run(cache_bytes: int) -> list[tuple[str, int]]:
+        server = Server(model, tokenizer, MODEL, max_context=4096, max_queue=1, cache_bytes=cache_bytes,
+                        log=sys.stdout, max_batch=1)
+        out = []
+        with serving_in_thread(server) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+            def idle():
+                while server.scheduler.running or server.scheduler.waiting:  # its snapshots cached
+                    time.sleep(0.01)
+
+            for question, kwargs in [("What is the first word?", dict(temperature=0)),
+                                     ("Which words repeat?", sampled)]:
+                answer = client.chat.completions.create(
+                    model=MODEL, max_tokens=6, extra_body=off, **kwargs,
+                    messages=[{"role": "user", "content": doc + "\n\n" + question}])
+                out.append((answer.choices[0].message.content, answer.usage.prompt_tokens_details.cached_tokens))
+                idle()
+            for ending, kwargs in [(" The end.", dict(temperature=0)), (" Another ending.", sampled),
+                                   (" Another ending.", sampled)]:
+                answer = client.completions.create(model=MODEL, prompt=doc + ending, max_tokens=6, **kwargs)
+                out.append((answer.choices[0].text, answer.usage.prompt_tokens_details.cached_tokens))
+                idle()
+        return out
+
+    cached, uncached = run(1 << 30), run(1)
+    assert [text for text, _ in cached] == [text for text, _ in uncached]
+    assert [tokens for _, tokens in uncached] == [0] * 5
+    # Each first request restores nothing (a chat prompt starts with its template's header: the completions share
+    # none of it); the repeated completion restores its last stride (its own prompt's snapshot is no proper prefix).
+    assert [tokens for _, tokens in cached] == [0, 1024, 0, 1024, 1024]
