@@ -157,7 +157,16 @@ def embed_into(owner: nn.Module, ids: torch.Tensor, out: torch.Tensor,
     (embed_q, embed_d buffers) or dense (embed). Both ops check the ids: an id outside the vocabulary is a
     ValueError on the CPU; on the GPU a NaN row and BAD_TOKEN ORed into bad_token (the state's error flag,
     raised by its sync_position). Not torch's index_select: its bounds check is a device-side assert,
-    which ends the CUDA context (and in `serve`, the process)."""
+    which ends the CUDA context (and in `serve`, the process). On a tensor-parallel rank the table is the
+    rank's vocabulary rows, and owner.vocab_parallel (tensor_parallel.VocabShard) looks the ids up."""
+    vocab_parallel = getattr(owner, "vocab_parallel", None)
+    if vocab_parallel is not None:
+        return vocab_parallel.embed_into(owner, ids, out, bad_token)
+    return lookup_rows(owner, ids, out, bad_token)
+
+
+def lookup_rows(owner: nn.Module, ids: torch.Tensor, out: torch.Tensor, bad_token: torch.Tensor | None) -> torch.Tensor:
+    """embed_into's lookup in owner's own table, ids indexing its rows."""
     if hasattr(owner, "embed_q"):
         ops.q8_0_embedding(ids, owner.embed_q, owner.embed_d, out, bad_token)
     else:
@@ -271,6 +280,9 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.mixer_in_format = mixer.input_format  # what the input norm writes
         self.mlp_in_format = mlp.input_format  # what the post-mixer norm writes
+        # Tensor parallelism (tensor_parallel.py) sets it: sums, in place across the ranks, the mixer's and the
+        # MLP's outputs, each a rank's partial sum (their last matrices are row-parallel).
+        self.reduce = None
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, state, positions,
                 scratch: Scratch, keep_token_states: bool = False) -> torch.Tensor:
@@ -281,6 +293,11 @@ class DecoderLayer(nn.Module):
         else:
             ops.add_rms_norm(residual, delta, self.input_norm, self.eps, *act.outs())
         delta = self.mixer(act, state, positions, scratch, keep_token_states)
+        if self.reduce is not None:
+            self.reduce(delta)
         act = scratch.activation(self, "mlp_in", rows, width, self.mlp_in_format)
         ops.add_rms_norm(residual, delta, self.post_norm, self.eps, *act.outs())
-        return self.mlp(act, scratch)
+        delta = self.mlp(act, scratch)
+        if self.reduce is not None:
+            self.reduce(delta)
+        return delta

@@ -10,6 +10,11 @@ qwen35.nextn_predict_layers), mtp.* in an HF folder (mtp_num_hidden_layers). An 
 the block but that holds no mtp.* tensor at all loads without it (repackaged checkpoints drop the block and
 keep the config); a partial block is an error.
 
+Under tensor parallelism (Checkpoint.shard, shard.py) each load is one rank's share: rows are read as byte
+ranges of the stored tensor (nothing else of it), a column share (the row-parallel matrices ssm_out,
+attn_output, ffn_down) from the whole tensor read onto the device, cut, and the rest freed; every check is
+the whole checkpoint's.
+
 Inside Checkpoint.loading() (from_pretrained's whole load) the finiteness of each weight that goes to a
 GPU is checked there and read back once at the end, rather than waited for weight by weight: each wait
 would drain the reads and copies that TensorReader overlaps."""
@@ -27,13 +32,16 @@ from ..files import regular_file
 from .gguf_file import GGUFCheckpoint, GGUFHeader, read_header
 from .hf_folder import HFCheckpoint
 from .layout import HF_NAMES, MTP_HF_NAMES, SMALL_PARTS, expected_shape, gguf_tensor_name, hf_to_internal, layer_parts
+from .shard import Cut, Shard
 from .source import TensorSource
+from .q8_0 import Q8_BLOCK
 from .tensors import Q8Tensor, TensorReader
 
 # Elements per isfinite pass over a weight: bounds the pass's temporary to 16 MB (a 27B embedding has 1.3 G).
 CHECK_CHUNK = 1 << 24
 
-__all__ = ["Checkpoint", "CheckpointError", "Q8Tensor", "TensorSource", "open_checkpoint", "read_gguf_header", "read_gguf_metadata"]
+__all__ = ["Checkpoint", "CheckpointError", "Q8Tensor", "Shard", "TensorSource", "open_checkpoint", "read_gguf_header",
+           "read_gguf_metadata"]
 
 Weight = torch.Tensor | Q8Tensor
 
@@ -55,9 +63,14 @@ class Checkpoint:
         self.bytes_read = 0
         self.reader: TensorReader | None = None  # made for the device of the first load
         self.unchecked: list | None = None  # inside loading(): (finite flag, load arguments) per GPU weight
+        self.shard: Shard | None = None  # set by use_shard: every load is this rank's share
         self._check_tensor_set()
         if self.gguf_layout:
             self._check_small_types()
+
+    def use_shard(self, shard: Shard) -> None:
+        """From now on every load is the shard's rank's share (tensor parallelism); a Shard of this model."""
+        self.shard = shard
 
     def load(self, part: str, layer: int | None, device, dtype: torch.dtype, quantize: str | None) -> Weight:
         if part == "output" and (self.config.tie_word_embeddings or not self._has("output", None)):
@@ -201,13 +214,34 @@ class Checkpoint:
         name = self._name(part, layer)
         if self.reader is None or self.reader.device != torch.device(device):
             self.reader = TensorReader(device)
-        t = self.source.read(name, self.reader)
-        self.bytes_read += self.source.nbytes(name)
+        cut = self.shard.cut(part, self.gguf_layout) if self.shard is not None else None
+        t = self.source.read(name, self.reader) if cut is None else self._read_cut(name, cut)
+        self.bytes_read += self.source.nbytes(name)  # the progress of tensors done, a share or not
         if self.progress is not None:
             self.progress(self.bytes_read, self.source.total_bytes())
         if self.gguf_layout:
             return t
-        return hf_to_internal(part, t, self.config)
+        # A rank's share of HF tensors is its heads in HF's order: converted over the rank's shape (shard.py).
+        return hf_to_internal(part, t, self.config if self.shard is None else self.shard.config)
+
+    def _read_cut(self, name: str, cut: Cut) -> Weight:
+        if cut.dim == 0:
+            pieces = [self.source.read_rows(name, self.reader, start, stop) for start, stop in cut.ranges]
+        else:  # a column share is no byte range of a row-major tensor: read whole, cut on the device
+            whole = self.source.read(name, self.reader)
+            pieces = [_columns(whole, start, stop) for start, stop in cut.ranges]
+        if len(pieces) == 1:
+            return pieces[0]
+        if isinstance(pieces[0], Q8Tensor):
+            return Q8Tensor(torch.cat([p.q for p in pieces], cut.dim), torch.cat([p.d for p in pieces], cut.dim))
+        return torch.cat(pieces, cut.dim)
+
+
+def _columns(w: Weight, start: int, stop: int) -> Weight:
+    """Columns [start, stop) of a matrix, contiguous (Shard cuts Q8_0 columns on block boundaries)."""
+    if isinstance(w, Q8Tensor):
+        return Q8Tensor(w.q[:, start:stop].contiguous(), w.d[:, start // Q8_BLOCK : stop // Q8_BLOCK].contiguous())
+    return w[:, start:stop].contiguous()
 
 
 def _finite(w: Weight) -> torch.Tensor:

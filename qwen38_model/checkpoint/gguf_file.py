@@ -405,6 +405,9 @@ class GGUFCheckpoint:
         return self._entry(name).ggml_type.name
 
     def read(self, name: str, reader: TensorReader):
+        return self.read_rows(name, reader, 0, self.shape(name)[0])
+
+    def read_rows(self, name: str, reader: TensorReader, start: int, stop: int):
         t = self._entry(name)
         shape = self.shape(name)
         if t.ggml_type == T.Q8_0 and len(shape) != 2:
@@ -412,7 +415,9 @@ class GGUFCheckpoint:
         if t.ggml_type != T.Q8_0 and t.ggml_type not in DENSE_TYPES:
             raise CheckpointError(f"{self.path}: tensor {name!r} has ggml type {t.ggml_type.name}; supported: "
                                   "F32, F16, BF16, Q8_0")
-        raw = reader.read(self.path, self.data_start + t.offset, t.nbytes, name)
+        row_bytes = t.nbytes // shape[0]  # ggml rows are contiguous, fastest dim first (a Q8_0 row: whole blocks)
+        raw = reader.read(self.path, self.data_start + t.offset + start * row_bytes, (stop - start) * row_bytes, name)
+        shape = (stop - start, *shape[1:])
         if t.ggml_type == T.Q8_0:
             return Q8Tensor.from_ggml_bytes(raw, shape)
         return raw.view(DENSE_TYPES[t.ggml_type]).reshape(shape)

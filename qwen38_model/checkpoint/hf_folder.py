@@ -168,12 +168,16 @@ class HFCheckpoint:
         return self._total_bytes
 
     def read(self, name: str, reader: TensorReader) -> torch.Tensor:
+        return self.read_rows(name, reader, 0, self.shape(name)[0])
+
+    def read_rows(self, name: str, reader: TensorReader, start: int, stop: int) -> torch.Tensor:
         file, offset, nbytes, dtype, shape = self._entry(name)
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{file}: tensor {self.full_name(name)!r} has dtype {dtype}; supported: "
                                   f"{', '.join(SAFETENSORS_DTYPES)}")
-        raw = reader.read(file, offset, nbytes, self.full_name(name))
-        return raw.view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
+        row_bytes = nbytes // shape[0]  # safetensors are row-major
+        raw = reader.read(file, offset + start * row_bytes, (stop - start) * row_bytes, self.full_name(name))
+        return raw.view(SAFETENSORS_DTYPES[dtype]).reshape(stop - start, *shape[1:])
 
     def _entry(self, name: str):
         full = self.full_name(name)

@@ -43,3 +43,7 @@ class TensorSource(Protocol):
 
     def read(self, name: str, reader: TensorReader) -> torch.Tensor | Q8Tensor:
         """The tensor as stored, on reader.device (a file source reads its bytes through reader)."""
+
+    def read_rows(self, name: str, reader: TensorReader, start: int, stop: int) -> torch.Tensor | Q8Tensor:
+        """Rows [start, stop) of the tensor (along its first dim) as read() would give them, reading only those
+        (a tensor-parallel rank's share, shard.py)."""
