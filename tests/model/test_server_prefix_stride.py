@@ -36,8 +36,8 @@ def document(tokenizer, tokens: int) -> str:
 def test_a_long_shared_prefix_inside_a_message_is_restored(local):  # noqa: F811
     """A ~1300-token document, then different questions after it in the same message (chat) or prompt
     (completion): the second request restores 1024 tokens (the stride before the shared prefix ends; without
-    stride breaks 0); the same completion prompt again restores its last stride; greedy and sampled replies
-    equal the uncached server's."""
+    stride breaks 0); the same prompt again restores all but its generation prompt (chat) or its last stride
+    (completion); greedy and sampled replies equal the uncached server's."""
     from qwen38_model.server import Server, serving_in_thread
 
     model, tokenizer = local
@@ -57,7 +57,7 @@ def test_a_long_shared_prefix_inside_a_message_is_restored(local):  # noqa: F811
                     time.sleep(0.01)
 
             for question, kwargs in [("What is the first word?", dict(temperature=0)),
-                                     ("Which words repeat?", sampled)]:
+                                     ("Which words repeat?", sampled), ("What is the first word?", dict(temperature=0))]:
                 answer = client.chat.completions.create(
                     model=MODEL, max_tokens=6, extra_body=off, **kwargs,
                     messages=[{"role": "user", "content": doc + "\n\n" + question}])
@@ -72,7 +72,10 @@ def test_a_long_shared_prefix_inside_a_message_is_restored(local):  # noqa: F811
 
     cached, uncached = run(1 << 30), run(1)
     assert [text for text, _ in cached] == [text for text, _ in uncached]
-    assert [tokens for _, tokens in uncached] == [0] * 5
+    assert [tokens for _, tokens in uncached] == [0] * 6
     # Each first request restores nothing (a chat prompt starts with its template's header: the completions share
-    # none of it); the repeated completion restores its last stride (its own prompt's snapshot is no proper prefix).
-    assert [tokens for _, tokens in cached] == [0, 1024, 0, 1024, 1024]
+    # none of it); a repeat restores its longest proper prefix cached (its own prompt's snapshot is none: the first
+    # token needs the last prompt token's logits): the chat its message's end, the completion its last stride.
+    message_end = len(tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": doc + "\n\nWhat is the first word?"}], add_generation_prompt=False)))
+    assert [tokens for _, tokens in cached] == [0, 1024, message_end, 0, 1024, 1024]
