@@ -1,19 +1,26 @@
-"""`generate`: text from one prompt (or one chat turn), streamed to stdout; statistics and memory to stderr."""
+"""`generate`: text from one prompt (or one chat turn), streamed to stdout; statistics and memory to stderr.
+
+Under torchrun (`torchrun --nproc-per-node N -m qwen38_model generate ...`, WORLD_SIZE > 1) it runs tensor
+parallel over the N ranks (tensor_parallel.py): every rank runs this with the same arguments and loads its
+share of the weights; rank 0 reads the prompt, draws the seed and writes all the output, the others follow."""
 from __future__ import annotations
 
 import argparse
 import pathlib
 import resource
+import os
 import secrets
 import sys
+import time
 
 import torch
+import torch.distributed as dist
 
 from ..state import KVCache
-from .options import (HelpFormatter, add_generation_options, add_model_argument, check_generation_args,
+from .options import (DTYPES, HelpFormatter, add_generation_options, add_model_argument, check_generation_args,
                       generation_kwargs, report_sampling)
 from .source import check_max_context, load_model, open_source
-from .terminal import ReplyStreamer, prefill_bar, text_output
+from .terminal import ReplyStreamer, prefill_bar, progress_bar, text_output
 
 PREFILL_BAR_TOKENS = 1024  # longer prompts show a prefill progress bar on a terminal
 
@@ -33,26 +40,58 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    ranks = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's: tensor parallel over its processes
     # Every user mistake is reported before the (possibly long) load of the weights.
     source = open_source(args)
+    if ranks > 1:
+        if args.draft_vocab is not None:
+            raise ValueError("--draft-vocab is not available under tensor parallelism (the vocabulary rows are "
+                             "divided among the ranks)")
+        from ..tensor_parallel import init_tensor_parallel
+
+        source.device = init_tensor_parallel(ranks, args.device)
+    leader = ranks == 1 or dist.get_rank() == 0
     chat = args.chat or args.system is not None
-    ids = encode_prompt(args, source.tokenizer, chat)
+    ids = encode_prompt(args, source.tokenizer, chat) if leader else None
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    if ranks > 1:  # rank 0's prompt (standard input is its alone) and seed; a rank 0 that failed ends the run
+        shared = [ids, seed]
+        dist.broadcast_object_list(shared, 0)
+        ids, seed = shared
     sampling = check_generation_args(args, source.path, source.sampling())
     if args.max_context is not None and ids.shape[1] + args.max_new_tokens > args.max_context:
         raise ValueError(f"context overflow: {ids.shape[1]} prompt tokens + --max-new-tokens {args.max_new_tokens} "
                          f"> --max-context {args.max_context}")
     check_max_context(args, source, source.device)
-    model = load_model(args, source)
+    model = load_model(args, source) if ranks == 1 else load_tensor_parallel(args, source, ranks, leader)
     check_max_context(args, source, model.device, model)
-    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
-    report_sampling(dict(sampling, presence_penalty=args.presence_penalty), seed)
     tokenizer = source.tokenizer
-    if not chat:
-        text_output().write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
+    if leader:
+        report_sampling(dict(sampling, presence_penalty=args.presence_penalty), seed)
+        if not chat:
+            text_output().write(tokenizer.decode(ids[0].tolist()))  # a completion continues the prompt: show both
     model.generate(ids, **generation_kwargs(args, sampling, tokenizer), seed=seed,
-                   streamer=ReplyStreamer(tokenizer, args.stop),
-                   prefill_progress=prefill_bar() if ids.shape[1] > PREFILL_BAR_TOKENS else None)
-    sys.stderr.write(f"{model.last_generation_stats}\n{memory_line(model)}\n")
+                   streamer=ReplyStreamer(tokenizer, args.stop) if leader else None,
+                   prefill_progress=prefill_bar() if leader and ids.shape[1] > PREFILL_BAR_TOKENS else None)
+    if leader:
+        per_rank = f"rank 0 of {ranks}: " if ranks > 1 else ""
+        sys.stderr.write(f"{model.last_generation_stats}\n{per_rank}{memory_line(model)}\n")
+    if ranks > 1:
+        dist.destroy_process_group()
+
+
+def load_tensor_parallel(args: argparse.Namespace, source, ranks: int, leader: bool):
+    """This rank's share of the model (source.load_model's options; the progress and the summary on rank 0)."""
+    from ..tensor_parallel import TensorParallelCausalLM
+
+    start = time.perf_counter()
+    model = TensorParallelCausalLM.from_pretrained(source.path, tensor_parallel=ranks, device=source.device,
+                                                   dtype=DTYPES.get(args.dtype), quantize=args.quantize, lane=args.lane,
+                                                   progress=progress_bar("loading", "GB", 1e9, 2) if leader else None)
+    if leader:
+        sys.stderr.write(f"\rloaded {source.path} over {ranks} ranks: {model.weight_bytes() / 1e9:.2f} GB on rank 0 "
+                         f"({model.device}) in {time.perf_counter() - start:.1f} s\n")
+    return model
 
 
 def read_prompt(args: argparse.Namespace) -> str:
