@@ -1,6 +1,7 @@
 """Batch-1 decode of the real Qwen3.8-27B shape on one GPU, against the memory roofline of this run.
 
     python -m benchmarks.decode [--model PATH] [--json PATH] [--lanes int8,f32,int8x2] [--contexts 4096,32768]
+    torchrun --nproc-per-node 2 -m benchmarks.decode --tensor-parallel 2 [--model PATH] [--contexts ...]
 
 Without --model the 27B shape is built with synthetic Q8_0 weights generated on the GPU (random quants,
 fp16 scales of a realistic size): memory-bound speed does not depend on the values. Measured in ONE run:
@@ -19,6 +20,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from benchmarks.ops.common import (critical_path_us, default_result_path, env_info, kernel_intervals, print_table,
                                    read_probe_result, time_graph, write_json)
@@ -31,6 +33,7 @@ from qwen38_model.engine import BatchEngine
 from qwen38_model.layers import Q8Linear
 from qwen38_model.sampling import SamplingConfig, select_next_token
 from qwen38_model.state import KVCache
+from qwen38_model.tensor_parallel import TensorParallelCausalLM, all_gather, init_tensor_parallel
 
 QWEN38_27B = Qwen38Config(
     vocab_size=248320, hidden_size=5120, intermediate_size=17408,
@@ -80,7 +83,12 @@ class SyntheticQ8Source:
         return sum(self.nbytes(name) for name in self.parts)
 
     def read(self, name: str, reader) -> torch.Tensor | Q8Tensor:
-        part, shape, device, g = self.parts[name], self.shape(name), reader.device, self.generator
+        return self.read_rows(name, reader, 0, self.shape(name)[0])
+
+    def read_rows(self, name: str, reader, start: int, stop: int) -> torch.Tensor | Q8Tensor:
+        """Rows [start, stop), made as read() makes the whole (a tensor-parallel rank's share: other values)."""
+        part, device, g = self.parts[name], reader.device, self.generator
+        shape = (stop - start, *self.shape(name)[1:])
         if part not in SMALL_PARTS:
             q = torch.randint(-127, 128, shape, dtype=torch.int8, device=device, generator=g)
             # |w| ~ 127 * d ~ 0.05 at d ~ 4e-4: the spread of real projection weights.
@@ -93,18 +101,21 @@ class SyntheticQ8Source:
         return 1 + 0.1 * torch.randn(shape, device=device, generator=g)  # norm multipliers
 
 
-def build_model(path: str | None, lane: str, mtp: bool = False) -> Qwen38ForCausalLM:
+def build_model(path: str | None, lane: str, mtp: bool = False, tensor_parallel: int = 1) -> Qwen38ForCausalLM:
     """The checkpoint at `path` on the GPU, or (None) the 27B shape with synthetic Q8_0 weights; mtp=True:
-    with the MTP block (synthetic: one more attention layer, eh_proj and its norms; a checkpoint must have it)."""
+    with the MTP block (synthetic: one more attention layer, eh_proj and its norms; a checkpoint must have it).
+    tensor_parallel=N (under torchrun, init_tensor_parallel done): this rank's TensorParallelCausalLM."""
+    cls = Qwen38ForCausalLM if tensor_parallel == 1 else TensorParallelCausalLM
     if path:
-        model = Qwen38ForCausalLM.from_pretrained(path, device="cuda", lane=lane)
+        kwargs = {} if tensor_parallel == 1 else dict(tensor_parallel=tensor_parallel)
+        model = cls.from_pretrained(path, device="cuda", lane=lane, **kwargs)
         if mtp and model.mtp is None:
             raise ValueError(f"{path} has no MTP block")
     else:
         config = dataclasses.replace(QWEN38_27B, num_mtp_layers=int(mtp))
         checkpoint = Checkpoint(SyntheticQ8Source(config))
         with torch.no_grad(), checkpoint.loading():
-            model = Qwen38ForCausalLM(config, checkpoint, "cuda", torch.bfloat16, None, lane).eval()
+            model = cls(config, checkpoint, "cuda", torch.bfloat16, None, lane).eval()
     torch.cuda.synchronize()
     return model
 
@@ -291,7 +302,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--kv-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="KV cache dtype (default: %(default)s)")
     parser.add_argument("--no-peer", action="store_true", help="skip the bf16 F.linear peer (needs ~54 GB)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="under torchrun --nproc-per-node N: tg128 and the contexts at TP = N and, in the same run, "
+                        "at TP = 1 on rank 0's GPU, the first lane only, with the collectives' time per token")
     args = parser.parse_args(argv)
+    if args.tensor_parallel > 1:
+        return tensor_parallel_main(args)
     lanes = args.lanes.split(",")
     contexts = [int(c) for c in args.contexts.split(",")]
     kv_dtype = getattr(torch, args.kv_dtype)
@@ -364,6 +380,80 @@ def main(argv=None) -> dict:
     write_json(args.json or default_result_path(env, "decode"), results)
     return results
 
+
+def collectives_per_token(model: TensorParallelCausalLM) -> dict:
+    """A decode token's collectives alone, captured in one graph: the embedding's all-reduce, two all-reduces a
+    layer (the MTP block's excluded: a plain step) of one hidden row, the head's all-gather of one logits row."""
+    c, size = model.config, model.size
+    hidden = torch.zeros(1, c.hidden_size, device=model.device)
+    part = torch.zeros(1, c.vocab_size // size, device=model.device)
+    gathered = torch.zeros(size, c.vocab_size // size, device=model.device)
+
+    def token():
+        for _ in range(1 + 2 * c.num_layers):
+            dist.all_reduce(hidden)
+        all_gather(gathered, part)
+
+    t = time_graph(lambda _: token(), 1)["median_s"]
+    return dict(seconds=t, all_reduces=1 + 2 * c.num_layers, all_gathers=1)
+
+
+def tensor_parallel_versus_one(path: str | None, lane: str, size: int, measure) -> tuple[dict, dict | None]:
+    """(measure(model) of this rank's share at TP = size, of the whole model at TP = 1 on rank 0, None on the
+    others): every rank builds its share and measures (its graphs replay the collectives in step with the
+    others'), frees it, then rank 0 alone builds the whole model on its GPU while the others wait. Under
+    torchrun --nproc-per-node size (init_tensor_parallel done); load_s is added to each."""
+    start = time.perf_counter()
+    model = build_model(path, lane, tensor_parallel=size)
+    many = dict(load_s=time.perf_counter() - start, **measure(model))
+    del model
+    torch.cuda.empty_cache()
+    one = None
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        model = build_model(path, lane)
+        one = dict(load_s=time.perf_counter() - start, **measure(model))
+        del model
+        torch.cuda.empty_cache()
+    dist.barrier()
+    return many, one
+
+
+def tensor_parallel_main(args) -> dict:
+    """--tensor-parallel N: tg128 and the contexts, the first lane, at TP = N and 1 (tensor_parallel_versus_one),
+    and the TP = N token's collectives alone. Rank 0 prints and writes the results."""
+    size = args.tensor_parallel
+    init_tensor_parallel(size)
+    lane = args.lanes.split(",")[0]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    kv_dtype = getattr(torch, args.kv_dtype)
+    env = env_info()
+
+    def measure(model) -> dict:
+        engine, replay, _ = one_row_engine(model, max(contexts + [128]) + 256, kv_dtype, SamplingConfig())
+        out = {}
+        for context in [0] + contexts:
+            name = "tg128" if context == 0 else f"ctx{context}"
+            out[f"{name}_tok_s"] = 1 / time_steps(engine, replay, 128 if context == 0 else 32, context)
+        if isinstance(model, TensorParallelCausalLM):
+            out["collectives"] = collectives_per_token(model)
+        out["memory_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+        return out
+
+    many, one = tensor_parallel_versus_one(args.model, lane, size, measure)
+    results = dict(env=env, kv_dtype=args.kv_dtype, lane=lane, tensor_parallel=size, **{f"tp{size}": many, "tp1": one})
+    if one is not None:
+        results["speedup"] = {k: many[k] / one[k] for k in one if k.endswith("_tok_s")}
+        rows = [dict(test=k.removesuffix("_tok_s"), tp1_tok_s=one[k], **{f"tp{size}_tok_s": many[k]},
+                     speedup=results["speedup"][k]) for k in results["speedup"]]
+        print_table(rows, ["test", "tp1_tok_s", f"tp{size}_tok_s", "speedup"],
+                    title=f"decode at TP = {size} vs 1 on {env.get('gpu')} ({lane}, KV {args.kv_dtype})")
+        c = many["collectives"]
+        print(f"collectives of a token alone ({c['all_reduces']} all-reduces, {c['all_gathers']} all-gather): "
+              f"{c['seconds'] * 1e6:.0f} us of the TP = {size} token's {1e6 / many['tg128_tok_s']:.0f} us")
+        write_json(args.json or default_result_path(env, f"decode-tp{size}"), results)
+    dist.destroy_process_group()
+    return results
 
 if __name__ == "__main__":
     main()

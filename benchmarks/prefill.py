@@ -2,6 +2,7 @@
 
     python -m benchmarks.prefill [--model PATH] [--json PATH] [--lengths 128,512,2048,8192,32768]
                                  [--lanes int8,int8x2,f32] [--chunks 2048,4096,8192]
+    torchrun --nproc-per-node 2 -m benchmarks.prefill --tensor-parallel 2 [--lengths ...]
 
 Measured in ONE run (synthetic Q8_0 weights made on the GPU unless --model): the tensor-core peaks of
 torch._int_mm and bf16 torch.mm on the trunk's matrix shapes at T = 512 and 4096 (the fast column-major
@@ -17,13 +18,16 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
-from benchmarks.decode import QWEN38_27B, build_model, one_row_engine, time_steps
+from benchmarks.decode import (QWEN38_27B, build_model, one_row_engine, tensor_parallel_versus_one,
+                               time_steps)
 from benchmarks.ops.bench_q8_gemm import matrix_table, small_t_table
 from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
 from qwen38_model import layers as model_layers
 from qwen38_model.layers import DenseLinear, GatedAttention, GatedDeltaNet, Q8Linear
 from qwen38_model.sampling import SamplingConfig
+from qwen38_model.tensor_parallel import init_tensor_parallel
 
 
 def time_prefill(model, length: int, reps: int, chunk: int | None = None) -> dict:
@@ -117,9 +121,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--chunks", default="2048,4096,8192", help="prefill chunk sizes in tokens, "
                         "comma-separated, compared at the longest length (default: %(default)s)")
     parser.add_argument("--no-matrices", action="store_true", help="skip the per-shape GEMM table")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="under torchrun --nproc-per-node N: ppN of each length at TP = N and, in the same run, at "
+                        "TP = 1 on rank 0's GPU, the first lane only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.prefill needs a CUDA GPU")
+    if args.tensor_parallel > 1:
+        return tensor_parallel_main(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     lanes = args.lanes.split(",")
     env = env_info()
@@ -174,6 +183,32 @@ def main(argv=None) -> dict:
     print(f"decode tg128 ({lanes[0]}, same model, same run): {results['tg128_tok_s']:.1f} tok/s; "
           f"weights {results['weights_gb']:.1f} GB; build {results['load_s']:.1f} s")
     write_json(args.json or default_result_path(env, "prefill"), results)
+    return results
+
+
+def tensor_parallel_main(args) -> dict:
+    """--tensor-parallel N: ppN of each length, the first lane, at TP = N and 1 (tensor_parallel_versus_one).
+    Rank 0 prints and writes the results."""
+    size = args.tensor_parallel
+    init_tensor_parallel(size)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    lane = args.lanes.split(",")[0]
+    env = env_info()
+
+    def measure(model) -> dict:
+        time_prefill(model, 512, 1)  # warm-up: first launches, cuBLAS handles, allocator
+        return {f"pp{n}": time_prefill(model, n, reps=3 if n <= 4096 else 1) for n in lengths}
+
+    many, one = tensor_parallel_versus_one(args.model, lane, size, measure)
+    results = dict(env=env, lane=lane, tensor_parallel=size, **{f"tp{size}": many, "tp1": one})
+    if one is not None:
+        results["speedup"] = {f"pp{n}": many[f"pp{n}"]["tok_s"] / one[f"pp{n}"]["tok_s"] for n in lengths}
+        rows = [dict(test=f"pp{n}", tp1_tok_s=one[f"pp{n}"]["tok_s"], **{f"tp{size}_tok_s": many[f"pp{n}"]["tok_s"]},
+                     speedup=results["speedup"][f"pp{n}"]) for n in lengths]
+        print_table(rows, ["test", "tp1_tok_s", f"tp{size}_tok_s", "speedup"],
+                    title=f"prefill at TP = {size} vs 1 on {env.get('gpu')} ({lane}, KV bf16)")
+        write_json(args.json or default_result_path(env, f"prefill-tp{size}"), results)
+    dist.destroy_process_group()
     return results
 
 

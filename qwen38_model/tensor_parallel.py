@@ -38,7 +38,7 @@ from .scratch import Scratch
 from .speculative import Speculation
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns there); torch 2.6 has only the old.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def init_tensor_parallel(size: int, device=None) -> torch.device:
@@ -103,7 +103,7 @@ class VocabParallelHead(nn.Module):
         part = self.local(act, scratch)  # [rows, V/n]
         rows, width = part.shape
         gathered = scratch.empty(self, "gathered", (self.size * rows, width))  # rank-major
-        _all_gather(gathered, part)
+        all_gather(gathered, part)
         logits = scratch.empty(self, "logits", (rows, self.out_features))
         logits.view(rows, self.size, width).copy_(gathered.view(self.size, rows, width).transpose(0, 1))
         return logits
