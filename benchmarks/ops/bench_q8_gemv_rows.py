@@ -7,7 +7,7 @@ of distinct sets (none found in the 60 MB L2), GB/s of weight + scale bytes and 
 of the same process; then the token: each shape's time times its count in the 27B model (48 GDN, 16 attention,
 64 FFN layers and the LM head), against the token at T = 1. That is issue 22's measure ("T = 16 <= 1.25x the
 T = 1 time over one token's matrices") without building the model; benchmarks/batch.py times the real chain.
-QWEN38_Q8_GEMV_ROWS_FROM (read once per process) says from how many rows the rows kernel runs (default 8; 2 shows
+QWEN38_Q8_GEMV_ROWS_FROM (read once per process) says from how many rows the rows kernel runs (default 7; 2 shows
 it at T = 2 .. 4 too).
 """
 from __future__ import annotations

@@ -56,11 +56,11 @@ bool q8_0_gemv_config_from_env(Q8GemvConfig* cfg);
 
 // The int8 lane from this many rows of x runs q8_gemv_rows.cu's tensor-core form (the same bits per row; it reads
 // the weights once for any T) where q8_0_gemv_rows_supported; QWEN38_Q8_GEMV_ROWS_FROM=n overrides it (a benchmarking
-// knob, read once per process like QWEN38_Q8_GEMV_CONFIG). Measured over one token's 27B matrices (H200, 8d0f1a9,
-// benchmarks/batch.py): the T-row forms 1.14x the T = 1 chain at T = 2, the tensor-core form 2.6x at T = 2..8 (it
-// streams at ~1.6 TB/s, NOTES) and 2.65x at T = 8 against the T-row form's 2.68x; so from 8 rows, and the verify of
-// speculative decoding (T <= 7) keeps the T-row forms.
-constexpr int kQ8GemvRowsFrom = 8;
+// knob, read once per process like QWEN38_Q8_GEMV_CONFIG). Measured over one token's 27B matrices (H200, 710e4de,
+// benchmarks/ops/bench_q8_gemv_rows.py), against the T = 1 chain: the T-row forms 1.12 / 1.32 / 1.39 / 1.79 / 1.89 /
+// 2.17x at T = 2 .. 7, the tensor-core form 1.79-1.82x at T = 2 .. 4 and 1.97x at T = 8; so from 7 rows, and the
+// verify of speculative decoding (T <= 5 at k <= 4) keeps the T-row forms.
+constexpr int kQ8GemvRowsFrom = 7;
 int q8_0_gemv_rows_min_rows();
 // K a multiple of 512 (whole pieces, 16-byte scale copies), x rows, weights and scales 16-byte aligned, parts 1 or 4.
 bool q8_0_gemv_rows_supported(const Q8GemvArgs& args, int parts);

@@ -7,16 +7,17 @@
 //   convert it on the FP64 pipe: from 8 rows they are compute-bound (T = 8 cost 2.68x T = 1), and more rows
 //   ran in passes that read the weights again. Here one mma.sync m16n8k32.s8 is one Q8_0 block for 16 weight
 //   rows x 8 rows of x, exact in int32, so the int8 work is nearly free and the cost left is the scaling:
-//   per block and output one int -> double conversion (a DADD: the mma adds a bias that keeps the sum positive),
-//   one DMUL and one DFMA.
-// - No conversion per output: the GEMV forms double(wd * xd) (an fp32 product, then F2F to double) for every
-//   block and output; the conversions to double run at a quarter of the DFMA rate, and that form, 4 per thread
-//   and piece and n8 tile, kept this kernel at 2.6x the T = 1 time whatever T (NOTES). wd * xd is exact in fp32
-//   (both are fp16 values: 11 + 11 significant bits, as the int8 producers write them), so
-//   fma(double(s) * double(wd), double(xd), acc) is the GEMV's fma(int_to_double(s), double(wd * xd), acc)
-//   bit for bit: s * wd (<= 20 + 11 bits) and s * wd * xd are exact in double, and each form rounds once, in the
-//   FMA. The scales are converted to double once per piece, one per thread of the block, into a 2-entry buffer a
-//   piece ahead of the math (the raw copies of piece p + 1 have landed when piece p is computed).
+//   per block and output one I2F.F64 (int_to_double's DADD trick needs two moves a conversion here to pair the
+//   mma's outputs with its constant high word; I2F measured 1-2% faster), one DMUL and one DFMA.
+// - Scales as doubles, converted once per piece: wd * xd is exact in fp32 (both are fp16 values: 11 + 11
+//   significant bits, as the int8 producers write them), so fma(double(s) * double(wd), double(xd), acc) is the
+//   GEMV's fma(int_to_double(s), double(wd * xd), acc) bit for bit: s * wd (<= 20 + 11 bits) and s * wd * xd are
+//   exact in double, and each form rounds once, in the FMA. One scale per thread of the block is converted into a
+//   2-entry buffer a piece ahead of the math (the raw copies of piece p + 1 have landed when piece p is computed),
+//   instead of an F2F per output. Measured (NOTES, "The rows kernel, round 3"): that alone changed nothing at
+//   T = 16; the kernel is latency- and issue-bound (~135 instructions a warp and piece, one barrier a piece,
+//   0.46 instructions a cycle a scheduler, the FP64 pipe 14% busy). What T <= 8 gained (2.6x -> 1.8-2.0x the T = 1
+//   chain) came from one n8 tile a block there instead of two.
 // - The GEMV's order (q8_gemv.cu): block b of a row goes to partial sum ("chain") b mod (16 * PARTS), each chain
 //   summed in block order; then for each part q the 16 chains 16q + m are added by the xor butterfly over m
 //   (m with m ^ 8, then ^ 4, ^ 2, ^ 1), and the parts in order. A block of 16 warps takes the rows' 512-byte
@@ -68,17 +69,11 @@ struct RowsStage {
   static_assert(kBytes % 16 == 0 && kScaleBytes % 16 == 0, "stages stay 16-byte aligned");
 };
 
-// The block dot plus kDotBias, so the sum is never negative and becomes a double with one DADD (int_to_double's
-// trick without its sign flip): |sum| <= 32 * 128 * 128 = 2^19.
-constexpr int kDotBias = 1 << 20;
-__device__ __forceinline__ void mma_s8_biased(int (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                "{%10, %10, %10, %10};"
                : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(kDotBias));
-}
-__device__ __forceinline__ double biased_dot_to_double(int biased) {
-  return __hiloint2double(0x43300000, biased) - (4503599627370496.0 + kDotBias);  // 2^52 + biased, exact
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
 }
 
 template <int PARTS, int NT>
@@ -191,13 +186,13 @@ __global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q
       for (int j = 0; j < NT; ++j) {
         const uint32_t b[2] = {frag_b[2 * j], frag_b[2 * j + 1]};
         int c[4];
-        mma_s8_biased(c, frag_a, b);
+        mma_s8(c, frag_a, b);
         const double2 xd = *reinterpret_cast<const double2*>(entry + xd_at + 64 * j);
         // c0, c1: weight row `group`, x rows 2 quad, 2 quad + 1; c2, c3: weight row group + 8.
-        acc[u][j][0] = fma(biased_dot_to_double(c[0]) * wd_lo, xd.x, acc[u][j][0]);
-        acc[u][j][1] = fma(biased_dot_to_double(c[1]) * wd_lo, xd.y, acc[u][j][1]);
-        acc[u][j][2] = fma(biased_dot_to_double(c[2]) * wd_hi, xd.x, acc[u][j][2]);
-        acc[u][j][3] = fma(biased_dot_to_double(c[3]) * wd_hi, xd.y, acc[u][j][3]);
+        acc[u][j][0] = fma(__int2double_rn(c[0]) * wd_lo, xd.x, acc[u][j][0]);
+        acc[u][j][1] = fma(__int2double_rn(c[1]) * wd_lo, xd.y, acc[u][j][1]);
+        acc[u][j][2] = fma(__int2double_rn(c[2]) * wd_hi, xd.x, acc[u][j][2]);
+        acc[u][j][3] = fma(__int2double_rn(c[3]) * wd_hi, xd.y, acc[u][j][3]);
       }
     }
   }
