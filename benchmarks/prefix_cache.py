@@ -56,11 +56,9 @@ mean nothing) that writes JSON only with --json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import os
 import random
-import sys
 import time
 
 import torch

@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from . import chat_page
 from .arguments import SEED_LIMIT
-from .chat_reply import THINK_END, THINK_START, TOOL_START, ThinkingSplit, ToolCallSplit
+from .chat_reply import THINK_END, THINK_START, ThinkingSplit, ToolCallSplit
 from .conversation import PrefixCache
 from .engine import BatchEngine
 from .errors import Qwen38Error
