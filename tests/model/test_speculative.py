@@ -399,7 +399,9 @@ def test_cuda_turns_leave_the_mtp_part_the_rule_says(gpu_model, prompt):
         gpu_model(torch.tensor([history[:n]], device="cuda"), state=reference)
         for name, got, want in zip(("k", "v", "hidden"), mtp_part(state, n), mtp_part(reference, n)):
             error = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)
-            assert error.max() < 1e-2, f"{name}: relative error {error.max():.3g} ({n} tokens)"
+            # H200 (f060907): most rows ~1e-7, the rows the decode steps wrote up to 1.02e-2 (their hidden states come
+            # from the GEMV, the reference's from the prefill GEMM); a blind or misplaced row is ~1.
+            assert error.max() < 3e-2, f"{name}: relative error {error.max():.3g} ({n} tokens)"
 
 
 # The issue-20 checkpoint: an HF folder (dense bfloat16 on the GPU, so the trunk's embedding is the dense
