@@ -11,10 +11,12 @@ __version__ = "0.1.0"  # the package's one version string: pyproject.toml reads 
 
 _LAZY = {"Qwen38": "api", "load": "api", "Qwen38Config": "config", "CausalLMOutput": "model",
          "Qwen38ForCausalLM": "model", "Qwen38State": "state", "StateSnapshot": "state",
-         "Conversation": "conversation", "PrefixCache": "conversation"}
+         "Conversation": "conversation", "PrefixCache": "conversation",
+         "TensorParallelCausalLM": "tensor_parallel"}
 
 __all__ = ["CausalLMOutput", "CheckpointError", "ConfigError", "Conversation", "PrefixCache", "Qwen38",
-           "Qwen38Config", "Qwen38Error", "Qwen38ForCausalLM", "Qwen38State", "StateSnapshot", "load"]
+           "Qwen38Config", "Qwen38Error", "Qwen38ForCausalLM", "Qwen38State", "StateSnapshot",
+           "TensorParallelCausalLM", "load"]
 
 
 def __getattr__(name: str):
