@@ -96,6 +96,10 @@ class Sequence:
     logit_bias: dict[int, float] | None = None
     constraint: object = None
     breaks: tuple[int, ...] = ()  # history positions where the prefill ends a chunk and snapshots the state
+    # History positions where the prefill also ends a chunk, without a snapshot (a chat's message starts): a prefix
+    # restored from a cache was prefilled in chunks that ended at its own request's boundaries, so every prompt
+    # holding it must end chunks there too for the rest to get the float order of a full prefill (chunk_ends).
+    splits: tuple[int, ...] = ()
     # With a start holding the whole history (samples of one prompt sharing its prefill): the logits of its last
     # token, float32 [V], which the first token is selected from.
     start_logits: torch.Tensor | None = None
@@ -334,7 +338,8 @@ class BatchEngine:
         staging = self._staging_at(seq.start)
         stats = GenerationStats if self.mtp is None else SpeculativeStats
         seq.stats = stats(prompt_tokens=seq.history.shape[0] - staging.position, graph=self.use_graph)
-        logits = yield from self._prefill(staging, seq.history, chunk_size, seq.breaks, seq.break_snapshots, progress)
+        logits = yield from self._prefill(staging, seq.history, chunk_size, seq.breaks, seq.break_snapshots, progress,
+                                          seq.splits)
         if logits is None:  # start holds the whole history
             logits = seq.start_logits[None]
         if self.mtp is not None:
@@ -518,13 +523,14 @@ class BatchEngine:
         seq._mark = None
         self.release(seq)
 
-    def _prefill(self, state, history: torch.Tensor, chunk_size: int, breaks=(), snapshots=None, progress=None):
-        """history past state.position into state, in chunk_ends' chunks, yielding after each chunk but the
-        last; returns the last chunk's logits [1, V] (None with nothing to prefill). The state at each break
-        passed is appended to snapshots; progress(done, total) after each chunk."""
+    def _prefill(self, state, history: torch.Tensor, chunk_size: int, breaks=(), snapshots=None, progress=None,
+                 splits=()):
+        """history past state.position into state, in chunk_ends' chunks (at breaks and splits too), yielding
+        after each chunk but the last; returns the last chunk's logits [1, V] (None with nothing to prefill). The
+        state at each break passed is appended to snapshots; progress(done, total) after each chunk."""
         first, total = state.position, history.shape[0]
         logits = None
-        ends = chunk_ends(first, total, chunk_size, breaks) if first < total else []
+        ends = chunk_ends(first, total, chunk_size, (*breaks, *splits)) if first < total else []
         for begin, end in zip([first] + ends[:-1], ends):
             # Reserved chunk by chunk (capacity is the caller's to check): a break's snapshot holds `end` tokens.
             logits = self.model.prefill(history[begin:end], state.reserve(end - begin), state, logits_to_keep=1)
@@ -536,14 +542,14 @@ class BatchEngine:
                 yield
         return logits
 
-    def share_prompt(self, history: torch.Tensor, start: StateSnapshot | None, chunk_size: int):
+    def share_prompt(self, history: torch.Tensor, start: StateSnapshot | None, chunk_size: int, splits=()):
         """The state after the whole of history and its last token's logits [V], for several sequences to start
         from (Sequence.start and start_logits: samples of one prompt): from start (a snapshot of a proper
         prefix, or None), prefilled in the staging state in the chunks an admission would use, so each
         sequence is bitwise the one admitted alone. A generator, one chunk per next(), like admit(); no
-        admission may run meanwhile (both use the staging state)."""
+        admission may run meanwhile (both use the staging state). splits: as Sequence.splits."""
         staging = self._staging_at(start)
-        logits = yield from self._prefill(staging, history, chunk_size)
+        logits = yield from self._prefill(staging, history, chunk_size, splits=splits)
         return staging.snapshot(), logits[0].clone()
 
     def _staging_at(self, start: StateSnapshot | None) -> Qwen38State:
@@ -554,7 +560,7 @@ class BatchEngine:
             self.staging.restore(start)
         return self.staging
 
-    def extend(self, start: StateSnapshot, history: torch.Tensor, chunk_size: int) -> StateSnapshot:
+    def extend(self, start: StateSnapshot, history: torch.Tensor, chunk_size: int, splits=()) -> StateSnapshot:
         """The state after history (int32, on the device) from start, a snapshot of its prefix: prefilled in a
         free slot's state (junk until an admission fills it; rows of free slots select nothing) in the chunks an
         admission would use, between steps. What a prefix cache keeps for the next turn of a conversation
@@ -563,7 +569,7 @@ class BatchEngine:
             raise RuntimeError("extend() prefills in a free slot's state: none is free")
         state = self.slots.slot(self.active.index(None))
         state.restore(start)
-        run_to_end(self._prefill(state, history, chunk_size))
+        run_to_end(self._prefill(state, history, chunk_size, splits=splits))
         return state.snapshot()
 
     def release(self, seq: Sequence) -> None:

@@ -59,6 +59,9 @@ class Job:
     cached: int | None = None  # prompt tokens restored from the prefix cache, known once admitted
     logprobs: int | None = None  # the alternatives per token a request asking for logprobs wants (0..20)
     breaks: tuple[int, ...] = ()  # message boundaries in ids (Server.message_breaks): cached as they are passed
+    # A chat: the token that starts each message (the template's, e.g. <|im_start|>), or None: the prefill ends a
+    # chunk before each (engine.Sequence.splits), in this prompt and in the next turn's extend.
+    message_start: int | None = None
     # A chat: content -> the token ids of the history with the reply as the template renders it back (the next
     # turn's prefix), or None; the state there is cached instead of the state after the raw reply.
     next_turn: object = None
@@ -260,6 +263,7 @@ class Scheduler:
                        keep_state=job.next_turn is None,
                        snapshot_prompt=i == 0, on_token=partial(job.push_token, i),
                        logit_bias=job.kwargs.get("logit_bias"), breaks=job.breaks if job.n == 1 else (),
+                       splits=message_starts(job.ids, job.message_start),
                        constraint=job.constraints[i] if job.constraints else None)
         job.sequences.append(seq)
         self.owners[id(seq)] = (job, i)
@@ -271,7 +275,8 @@ class Scheduler:
         in the engine's staging state (no admission is under way: it is free), one chunk per next()."""
         cached = self.cache.longest(job.ids)  # a proper prefix
         ids = torch.tensor(job.ids, dtype=torch.int32, device=self.engine.device)
-        job.start, job.start_logits = yield from self.engine.share_prompt(ids, cached, PREFILL_INTERLEAVE)
+        job.start, job.start_logits = yield from self.engine.share_prompt(ids, cached, PREFILL_INTERLEAVE,
+                                                                          message_starts(job.ids, job.message_start))
         job.prefilled = len(job.ids) - (cached.position if cached is not None else 0)
 
     def finished(self, seq: Sequence) -> None:
@@ -308,7 +313,7 @@ class Scheduler:
         if ids is None or len(ids) <= base.position or ids[: base.position] != job.ids[: base.position]:
             return
         history = torch.tensor(ids, dtype=torch.int32, device=self.engine.device)
-        self.cache.put(ids, self.engine.extend(base, history, PREFILL_INTERLEAVE))
+        self.cache.put(ids, self.engine.extend(base, history, PREFILL_INTERLEAVE, message_starts(ids, job.message_start)))
 
     def stop_choice(self, job: Job, i: int) -> None:
         """The reply saw choice i's stop before the engine did (a stop string it decodes otherwise): its slot
@@ -400,3 +405,12 @@ def default_max_batch(model, max_context: int, kv_dtype: torch.dtype, cache_byte
     state = state_bytes(model.config, max_context, kv_dtype, mtp=False)
     per_slot = 2 * state + state_bytes(model.config, 0, kv_dtype, mtp=False)
     return max(1, min(limit, (budget - state) // per_slot))
+
+
+def message_starts(ids: list[int], token: int | None) -> tuple[int, ...]:
+    """The positions of `token` (a chat template's message start) in ids, past the first: where a chat's prefill
+    ends its chunks whatever is cached. A function of the ids alone, so the prefill of every prompt that holds a
+    restored prefix ended chunks at the same places as the requests that cached it (each chunked at its own
+    message boundaries, which are message starts: Server.message_breaks), and a restored prefix leaves the rest
+    of the prompt the float order of a full prefill (engine.chunk_ends)."""
+    return () if token is None else tuple(i for i, t in enumerate(ids) if t == token and i > 0)

@@ -228,6 +228,7 @@ class Server:
         self.eos = frozenset(self.eos_ids)
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # the logits' width: the bitmask's
         self.json_constraints = JsonConstraints(tokenizer, vocab, self.eos_ids) if isinstance(vocab, int) else None
+        self.message_start = self.template_message_start() if tokenizer is not None else None
         self.scheduler = None
         if speculative is not None:
             if max_batch not in (None, 1):
@@ -384,7 +385,8 @@ class Server:
         # runs each prompt of a list with the request's sampling parameters, its seed among them).
         seed, loop, events = resolve_seed(kwargs["seed"], None), asyncio.get_running_loop(), asyncio.Queue()
         jobs = [Job(ids, kwargs, cfg, seed, loop, events=PromptEvents(events, p), logprobs=logprobs,
-                    breaks=stride_breaks(len(ids), breaks), next_turn=next_turn, constraints=constraints)
+                    breaks=stride_breaks(len(ids), breaks), next_turn=next_turn, constraints=constraints,
+                    message_start=self.message_start if chat else None)
                 for p, ids in enumerate(prompts)]
         reply = Reply(self, jobs, events, request, chat, body.get("stream") is True,
                       (body.get("stream_options") or {}).get("include_usage") is True,
@@ -467,6 +469,22 @@ class Server:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except ValueError as e:
             raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
+
+    def template_message_start(self) -> int | None:
+        """The token every message of the chat template's render begins with (ChatML's <|im_start|>): the first
+        token of a one-message render, found once per message in a three-message one; None for a template that
+        does not start each message with one token, or no template. A chat's prefill ends a chunk before each
+        (scheduler.message_starts): its message boundaries, where the cache snapshots, are there, so a prefix
+        restored at an earlier request's boundary was prefilled in chunks that every later prompt ends too. (With
+        None, a chat restored from a prefix older than the last BREAK_MESSAGES messages sums in another order
+        than a full prefill: the same math, other bits.)"""
+        chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+        try:
+            one = self.tokenizer.encode(self.render(chat[:1], {}, add_generation_prompt=False))
+            three = self.tokenizer.encode(self.render(chat, {}, add_generation_prompt=False))
+        except RequestError:
+            return None
+        return one[0] if one and three.count(one[0]) == 3 and three[0] == one[0] else None
 
     def message_breaks(self, prompt: ChatPrompt, ids: list[int]) -> tuple[int, ...]:
         """Where the request's templated prompt ends a message (after the first, the system prompt as a rule,

@@ -79,3 +79,44 @@ def test_a_long_shared_prefix_inside_a_message_is_restored(local):  # noqa: F811
     message_end = len(tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": doc + "\n\nWhat is the first word?"}], add_generation_prompt=False)))
     assert [tokens for _, tokens in cached] == [0, 1024, message_end, 0, 1024, 1024]
+
+
+def test_chat_prefills_end_a_chunk_before_every_message(local, monkeypatch):  # noqa: F811
+    """A restored chat prefix was prefilled in chunks that ended at its own request's message boundaries (the
+    first message and the last BREAK_MESSAGES), and an older message's boundary is none of a later request's: so
+    every chat prefill ends a chunk before every message start, whatever it restored (on the GPU a chunk's
+    extent sets its float order; the H200 run of benchmarks/prefix_cache.py at db5657b gave 2 of 8 chat replies
+    other bits than the uncached server's, both at turn 4, where the 7-message history first dropped boundaries).
+    Six turns, cached and not: no prefill chunk holds a message start past its first token, and every
+    boundary the cache snapshots is a message start."""
+    from qwen38_model.scheduler import message_starts
+    from qwen38_model.server import Server, serving_in_thread
+
+    model, tokenizer = local
+    chunks = []  # every prefill call's token ids
+    prefill = model.prefill
+
+    def recording(ids, *args, **kwargs):
+        chunks.append(ids.tolist())
+        return prefill(ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "prefill", recording)
+    for cache_bytes in (1 << 30, 1):
+        server = Server(model, tokenizer, MODEL, max_context=2048, max_queue=1, cache_bytes=cache_bytes,
+                        log=sys.stdout, max_batch=1)
+        start = server.message_start
+        assert tokenizer.decode([start]) == "<|im_start|>"
+        messages = [{"role": "system", "content": "You answer in few words."}]
+        with serving_in_thread(server) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+            for turn in range(6):
+                messages.append({"role": "user", "content": f"Question {turn}: name a colour and a number."})
+                answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+                messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+                while server.scheduler.running or server.scheduler.waiting:
+                    time.sleep(0.01)
+        prompt = server.chat_request({"messages": messages[:-1], "chat_template_kwargs": {"enable_thinking": False}})
+        ids = tokenizer.encode(prompt.text)
+        assert set(server.message_breaks(prompt, ids)) <= set(message_starts(ids, start))
+    assert chunks and all(start not in chunk[1:] for chunk in chunks)
