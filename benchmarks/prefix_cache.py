@@ -31,7 +31,7 @@ than its budget; `qwen38 serve` has no "off": --cache-gb must be > 0):
   different question in each of --requests requests, then the first request again (an exact repeat): the shared
   prefix ends inside the message, where only the server's snapshots at a token stride (server.stride_breaks)
   can restore it; reachable, the last of the first request's snapshots (its strides and its message's end)
-  inside the shared prefix.
+  inside the shared prefix, and for the repeat all of it (a prompt's end is cached with its last logits).
 
 Per request: prompt tokens, `usage.prompt_tokens_details.cached_tokens`, the cacheable prefix (the tokens of
 the request's messages but the last as the prompt renders them, cut at the last one's end as the server cuts a
@@ -257,7 +257,8 @@ def run_document_trace(client, server, name, tokenizer, args, seed: int) -> list
     """--requests questions after one --document-tokens document in the same user message, then the first again.
     Each record has the tokens its prompt shares with an earlier one's (the document and the message's header; the
     repeat: all of it) and the reachable part of them: the last stride snapshot of the first request inside them
-    (server.stride_breaks, cut as the server cuts the first prompt)."""
+    (server.stride_breaks, cut as the server cuts the first prompt), or for the repeat its whole prompt (the first
+    request's end, cached with its last logits)."""
     from qwen38_model.server import stride_breaks
 
     rng = random.Random(seed)
@@ -273,7 +274,7 @@ def run_document_trace(client, server, name, tokenizer, args, seed: int) -> list
     for i, messages in enumerate(asks + asks[:1]):
         prompt = prompts[i % len(asks)]
         shared = max((common_prefix(prompt, prompts[j]) for j in range(min(i, len(asks)))), default=0)
-        reachable = max((b for b in strides if b <= shared and b < len(prompt)), default=0)
+        reachable = shared if shared == len(prompt) else max((b for b in strides if b <= shared), default=0)
         result = chat(client, server, name, messages, args.max_tokens, kwargs)
         records.append(dict(request=i, repeat=i == len(asks), messages=messages, kwargs=kwargs,
                             max_tokens=args.max_tokens, cacheable=0, history=0, shared=shared, reachable=reachable,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pathlib
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import safetensors
 import torch
@@ -78,6 +79,26 @@ def check_history(path, tokens: torch.Tensor, position: int, config) -> None:
                          f"[0, {config.vocab_size})")
 
 
+@dataclass
+class CacheEntry:
+    """A cached snapshot and, for one taken at the end of a prompt, that prompt's last logits (float32 [V]): the
+    same prompt again starts from both, prefilling nothing."""
+
+    snapshot: StateSnapshot
+    logits: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.snapshot.nbytes + (0 if self.logits is None else self.logits.numel() * self.logits.element_size())
+
+    def to_host(self) -> "CacheEntry":
+        logits = None
+        if self.logits is not None:
+            logits = torch.empty(self.logits.shape, dtype=self.logits.dtype, pin_memory=torch.cuda.is_available())
+            logits.copy_(self.logits)
+        return CacheEntry(self.snapshot.to_host(), logits)
+
+
 class PrefixCache:
     """Snapshots in two tiers, each least-recently-used first within its byte budget: where the model runs
     (max_bytes), and host memory (max_host_bytes, pinned where CUDA is present), which takes what the
@@ -89,8 +110,8 @@ class PrefixCache:
         if max_host_bytes < 0:
             raise ValueError(f"max_host_bytes must be >= 0, found {max_host_bytes}")
         self.max_bytes, self.max_host_bytes = max_bytes, max_host_bytes
-        self.entries: OrderedDict[tuple[int, ...], StateSnapshot] = OrderedDict()  # oldest use first
-        self.host: OrderedDict[tuple[int, ...], StateSnapshot] = OrderedDict()
+        self.entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()  # oldest use first
+        self.host: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()
         self.hits = self.misses = 0
 
     @property
@@ -114,27 +135,43 @@ class PrefixCache:
             return None
         self.hits += 1
         best_tier.move_to_end(best)
-        return best_tier[best]
+        return best_tier[best].snapshot
 
-    def put(self, tokens: list[int], snapshot: StateSnapshot) -> None:
-        """Cache snapshot as the state after tokens[:snapshot.position]; one larger than the budget is
-        not kept."""
-        if snapshot.nbytes > self.max_bytes:
+    def whole(self, tokens: list[int]) -> tuple[StateSnapshot, torch.Tensor] | None:
+        """The snapshot of exactly tokens and their last logits, where a prompt's end was cached with them (an
+        exact repeat of a prompt starts there: the first new token is selected from those logits, bit for bit
+        what the prefill gave), marked as recently used; else None (longest() then)."""
+        key = tuple(tokens)
+        for tier in (self.entries, self.host):
+            entry = tier.get(key)
+            if entry is not None and entry.logits is not None:
+                self.hits += 1
+                tier.move_to_end(key)
+                return entry.snapshot, entry.logits
+        return None
+
+    def put(self, tokens: list[int], snapshot: StateSnapshot, logits: torch.Tensor | None = None) -> None:
+        """Cache snapshot as the state after tokens[:snapshot.position] (with logits: those of its last token,
+        for whole()); one larger than the budget is not kept."""
+        entry = CacheEntry(snapshot, logits)
+        if entry.nbytes > self.max_bytes:
             return
         key = tuple(tokens[:snapshot.position])
         self.host.pop(key, None)
-        self.entries.pop(key, None)
-        self.entries[key] = snapshot
+        old = self.entries.pop(key, None)
+        if logits is None and old is not None and old.logits is not None:
+            entry.logits = old.logits  # the same state: keep what an exact repeat needs
+        self.entries[key] = entry
         while self.nbytes > self.max_bytes:
             self.spill(*self.entries.popitem(last=False))
 
-    def spill(self, key: tuple[int, ...], snapshot: StateSnapshot) -> None:
-        if snapshot.nbytes > self.max_host_bytes:
+    def spill(self, key: tuple[int, ...], entry: CacheEntry) -> None:
+        if entry.nbytes > self.max_host_bytes:
             return
-        self.host[key] = snapshot.to_host()
+        self.host[key] = entry.to_host()
         while self.host_nbytes > self.max_host_bytes:
             self.host.popitem(last=False)
 
 
 def tier_bytes(tier: OrderedDict) -> int:
-    return sum(s.nbytes for s in tier.values())
+    return sum(entry.nbytes for entry in tier.values())

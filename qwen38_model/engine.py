@@ -114,6 +114,7 @@ class Sequence:
     stats: GenerationStats = field(default_factory=GenerationStats)
     snapshot: StateSnapshot | None = None
     prompt_snapshot: StateSnapshot | None = None
+    prompt_logits: torch.Tensor | None = None  # with prompt_snapshot: the history's last logits, float32 [V]
     break_snapshots: list[StateSnapshot] = field(default_factory=list)  # the states at `breaks` passed
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # with cfg.logprobs: one per token read
     _mark: tuple | None = None
@@ -362,7 +363,7 @@ class BatchEngine:
         if seq.keep_state:
             seq._mark = state.mark()
         if seq.snapshot_prompt:
-            seq.prompt_snapshot = state.snapshot()
+            seq.prompt_snapshot, seq.prompt_logits = state.snapshot(), logits[0].clone()
         self._record([(slot, seq)])
 
     def step(self) -> None:

@@ -256,10 +256,12 @@ class Scheduler:
         shared prompt."""
         if i == 0 and job.n > 1:
             yield from self.share_prompt(job)
+        start, start_logits = (job.start, job.start_logits) if job.n > 1 else (self.cache.whole(job.ids) or
+                                                                                (self.cache.longest(job.ids), None))
         seq = Sequence(torch.tensor(job.ids, dtype=torch.int32, device=self.engine.device), job.cfg,
                        (job.seed + i) % SEED_LIMIT, job.kwargs["max_new_tokens"],
                        StopCondition(frozenset(self.eos), tuple(job.kwargs.get("stop_strings") or ()), self.tokenizer),
-                       start=job.start if job.n > 1 else self.cache.longest(job.ids), start_logits=job.start_logits,
+                       start=start, start_logits=start_logits,
                        keep_state=job.next_turn is None,
                        snapshot_prompt=i == 0, on_token=partial(job.push_token, i),
                        logit_bias=job.kwargs.get("logit_bias"), breaks=job.breaks if job.n == 1 else (),
@@ -273,6 +275,10 @@ class Scheduler:
         """The state after the prompt and its last logits, for the n sequences of job to start from (as
         generate(num_return_sequences=) shares it): from the prefix cache's longest prefix, the rest prefilled
         in the engine's staging state (no admission is under way: it is free), one chunk per next()."""
+        whole = self.cache.whole(job.ids)
+        if whole is not None:  # the same prompt again: nothing to prefill
+            job.start, job.start_logits = whole
+            return
         cached = self.cache.longest(job.ids)  # a proper prefix
         ids = torch.tensor(job.ids, dtype=torch.int32, device=self.engine.device)
         job.start, job.start_logits = yield from self.engine.share_prompt(ids, cached, PREFILL_INTERLEAVE,
@@ -293,13 +299,13 @@ class Scheduler:
         for snapshot in seq.break_snapshots:
             self.cache.put(job.ids[: snapshot.position], snapshot)
         if seq.prompt_snapshot is not None:
-            self.cache.put(job.ids, seq.prompt_snapshot)
+            self.cache.put(job.ids, seq.prompt_snapshot, seq.prompt_logits)
         if seq.snapshot is not None:
             self.cache.put(job.ids + seq.tokens, seq.snapshot)
         if job.next_turn is not None and i == 0:
             self.cache_next_turn(job, seq)
         self.cache_state = (self.cache.nbytes, self.cache.host_nbytes, len(self.cache.entries))
-        seq.prompt_snapshot, seq.snapshot, seq.break_snapshots = None, None, []
+        seq.prompt_snapshot, seq.prompt_logits, seq.snapshot, seq.break_snapshots = None, None, None, []
         self.sequence_ended(job, i)
         job.push(i, None)
 

@@ -374,3 +374,22 @@ def test_gpu_restore_into_the_captured_graph_state(gpu_model, tmp_path):
         assert state.position == snapshot.position
         assert torch.equal(replays(), expected)
     assert [t.data_ptr() for t in state_tensors(state)] == addresses
+
+
+def test_prefix_cache_keeps_a_prompts_last_logits_for_an_exact_repeat(oracle_model):
+    """whole(tokens): only an entry of exactly tokens cached with its logits (a prompt's end); a later put of the
+    same state without logits keeps them; they travel to the host tier with the state and count in its bytes."""
+    state = oracle_model.new_state(8)
+    logits = oracle_model(torch.tensor([[1, 2]]), state=state).logits[0, -1]
+    snap = state.snapshot()
+    cache = PrefixCache(max_bytes=snap.nbytes + logits.numel() * 4, max_host_bytes=snap.nbytes + logits.numel() * 4)
+    cache.put([1, 2], snap)
+    assert cache.whole([1, 2]) is None  # no logits: longest() restores a proper prefix only
+    cache.put([1, 2], snap, logits)
+    cache.put([1, 2], snap)
+    got, got_logits = cache.whole([1, 2])
+    assert got is snap and got_logits is logits and cache.whole([1, 2, 3]) is None and cache.whole([1]) is None
+    assert cache.nbytes == snap.nbytes + logits.numel() * 4
+    cache.put([1, 3], snap)  # evicts [1, 2] to the host tier, logits and all
+    spilled, spilled_logits = cache.whole([1, 2])
+    assert spilled is not snap and torch.equal(spilled_logits, logits)

@@ -36,8 +36,8 @@ def document(tokenizer, tokens: int) -> str:
 def test_a_long_shared_prefix_inside_a_message_is_restored(local):  # noqa: F811
     """A ~1300-token document, then different questions after it in the same message (chat) or prompt
     (completion): the second request restores 1024 tokens (the stride before the shared prefix ends; without
-    stride breaks 0); the same prompt again restores all but its generation prompt (chat) or its last stride
-    (completion); greedy and sampled replies equal the uncached server's."""
+    stride breaks 0); the same prompt again restores all of it (its own end, cached with its last logits);
+    greedy and sampled replies equal the uncached server's."""
     from qwen38_model.server import Server, serving_in_thread
 
     model, tokenizer = local
@@ -61,24 +61,24 @@ def test_a_long_shared_prefix_inside_a_message_is_restored(local):  # noqa: F811
                 answer = client.chat.completions.create(
                     model=MODEL, max_tokens=6, extra_body=off, **kwargs,
                     messages=[{"role": "user", "content": doc + "\n\n" + question}])
-                out.append((answer.choices[0].message.content, answer.usage.prompt_tokens_details.cached_tokens))
+                out.append((answer.choices[0].message.content, answer.usage.prompt_tokens_details.cached_tokens,
+                            answer.usage.prompt_tokens))
                 idle()
             for ending, kwargs in [(" The end.", dict(temperature=0)), (" Another ending.", sampled),
                                    (" Another ending.", sampled)]:
                 answer = client.completions.create(model=MODEL, prompt=doc + ending, max_tokens=6, **kwargs)
-                out.append((answer.choices[0].text, answer.usage.prompt_tokens_details.cached_tokens))
+                out.append((answer.choices[0].text, answer.usage.prompt_tokens_details.cached_tokens,
+                            answer.usage.prompt_tokens))
                 idle()
         return out
 
     cached, uncached = run(1 << 30), run(1)
-    assert [text for text, _ in cached] == [text for text, _ in uncached]
-    assert [tokens for _, tokens in uncached] == [0] * 6
+    assert [text for text, _, _ in cached] == [text for text, _, _ in uncached]
+    assert [tokens for _, tokens, _ in uncached] == [0] * 6
     # Each first request restores nothing (a chat prompt starts with its template's header: the completions share
-    # none of it); a repeat restores its longest proper prefix cached (its own prompt's snapshot is none: the first
-    # token needs the last prompt token's logits): the chat its message's end, the completion its last stride.
-    message_end = len(tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": doc + "\n\nWhat is the first word?"}], add_generation_prompt=False)))
-    assert [tokens for _, tokens in cached] == [0, 1024, message_end, 0, 1024, 1024]
+    # none of it); a repeat restores its whole prompt (the state at its end and its last logits, cached together).
+    whole = [prompt for _, _, prompt in cached]
+    assert [tokens for _, tokens, _ in cached] == [0, 1024, whole[2], 0, 1024, whole[5]]
 
 
 def test_chat_prefills_end_a_chunk_before_every_message(local, monkeypatch):  # noqa: F811
