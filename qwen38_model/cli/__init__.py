@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        ranks = int(os.environ.get("WORLD_SIZE", 1))
+        if ranks > 1 and args.command != "generate":  # each rank would load the whole model and run it alone
+            raise ValueError(f"under torchrun (WORLD_SIZE={ranks}) only `generate` runs tensor parallel; `{args.command}`"
+                             " is single-GPU: run it without torchrun")
         COMMANDS[args.command].run(args)
     except (Qwen38Error, ValueError, FileNotFoundError) as e:
         sys.stderr.write(f"\nerror: {e}\n")

@@ -18,3 +18,14 @@ def test_two_ranks_print_what_one_process_prints():
     two = run("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qwen38_model", *ARGS)
     assert two.stdout == one.stdout and one.stdout.startswith(PROMPT)
     assert "over 2 ranks" in two.stderr and two.stderr.count("greedy:") == 1  # rank 0 alone reports
+
+
+def test_chat_and_serve_under_torchrun_are_refused(monkeypatch, capsys):
+    """Each rank would load the whole model and run alone: a one-line error (exit 2) before any load."""
+    from qwen38_model.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for command in ("chat", "serve"):
+        assert main([command, "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert "only `generate` runs tensor parallel" in err and f"`{command}` is single-GPU" in err
