@@ -111,21 +111,15 @@ class Qwen38ForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path, device=None, dtype: torch.dtype | None = None,
-                        quantize: str | None = None, lane: str = "int8", progress=None,
-                        tensor_parallel: int = 1) -> "Qwen38ForCausalLM":
+                        quantize: str | None = None, lane: str = "int8", progress=None) -> "Qwen38ForCausalLM":
         """path: a .gguf file or an HF folder. device: default CUDA when available. dtype: storage and
         compute dtype of dense large matrices (default float32 on CPU, bfloat16 on CUDA); activations,
         states and small weights are float32 always. quantize="q8_0": quantize dense matrices at load
         exactly as llama.cpp's converter does. lane: activation lane of the Q8_0 GEMVs: "int8" (default:
         llama.cpp's q8_0 activation rounding, the fastest), "int8x2" (two int8 words), "f32" (exact
         dequantize-then-matmul); benchmarks/NOTES.md has the measurements behind the default.
-        progress: optional callable(bytes_read, bytes_total), called as tensors arrive. tensor_parallel=N (under
-        torchrun, every rank making the same calls): the model split over N ranks, each loading its share
-        (tensor_parallel.TensorParallelCausalLM)."""
-        if tensor_parallel != 1:
-            from .tensor_parallel import TensorParallelCausalLM
-            return TensorParallelCausalLM.from_pretrained(path, tensor_parallel, device=device, dtype=dtype,
-                                                          quantize=quantize, lane=lane, progress=progress)
+        progress: optional callable(bytes_read, bytes_total), called as tensors arrive. Split over N ranks under
+        torchrun: TensorParallelCausalLM.from_pretrained(path, tensor_parallel=N, ...)."""
         device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             why = f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"

@@ -80,19 +80,15 @@ def cases(load, paths: dict, ref: dict) -> dict:
 
 
 def rank_main(rank: int, port: int, paths: dict, ref: dict, results: str) -> None:
-    from qwen38_model import Qwen38ForCausalLM, TensorParallelCausalLM
+    from qwen38_model import TensorParallelCausalLM  # the package's export
 
     torch.set_num_threads(1)  # two processes on the CI's two cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # A rank that fails leaves its partner in a collective: the timeout ends it (mp.spawn reports the failure).
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     try:
-        def load(path, **kw):  # through the base class's tensor_parallel=, which hands the load to the subclass
-            model = Qwen38ForCausalLM.from_pretrained(path, tensor_parallel=2, device="cpu", **kw)
-            assert isinstance(model, TensorParallelCausalLM)
-            return model
-
-        out = cases(load, paths, ref)
+        out = cases(lambda path, **kw: TensorParallelCausalLM.from_pretrained(path, tensor_parallel=2, device="cpu",
+                                                                              **kw), paths, ref)
         torch.save(out, f"{results}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
