@@ -30,7 +30,7 @@ import time
 import torch
 
 from benchmarks.decode import build_model
-from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
+from benchmarks.ops.common import add_tiny_flag, default_result_path, env_info, parse_with_tiny, print_table, write_json
 from qwen38_model import Conversation, PrefixCache, Qwen38ForCausalLM, StateSnapshot
 from qwen38_model.state import GDNState
 from qwen38_model.default_model import default_model_path
@@ -135,11 +135,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="timings per figure (the median is reported)")
     parser.add_argument("--kv-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--lane", choices=["int8", "int8x2", "f32"], default="int8", help="Q8_0 activation lane")
-    parser.add_argument("--tiny", action="store_true", help="smoke test: the built-in tiny model, sizes "
-                        + ", ".join(f"{k} {v}" for k, v in TINY.items()) + ", the CPU when there is no GPU")
-    args = parser.parse_args(argv)
-    if args.tiny:
-        vars(args).update(TINY)
+    add_tiny_flag(parser, TINY, "the built-in default model (on the CPU when there is no GPU)")
+    args = parse_with_tiny(parser, argv, TINY)
     if min(args.history, args.message, args.reply, args.repeats) < 1 or args.turns < 2:
         raise SystemExit("--history, --message, --reply and --repeats must be >= 1, --turns >= 2")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

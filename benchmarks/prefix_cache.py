@@ -63,7 +63,7 @@ import time
 
 import torch
 
-from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
+from benchmarks.ops.common import add_tiny_flag, default_result_path, env_info, parse_with_tiny, print_table, write_json
 from benchmarks.serving import require_server_packages, serving_model
 
 CACHE_GB = 4.0  # `qwen38 serve --cache-gb`'s default
@@ -456,12 +456,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-thinking-pass", action="store_true", help="no second chat pass with enable_thinking")
     parser.add_argument("--send-reasoning", action="store_true", help="the chat sends each reply's "
                         "reasoning_content back with its content")
-    parser.add_argument("--tiny", action="store_true", help="smoke test: the built-in default model on the CPU, "
-                        + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in TINY.items()))
-    args = parser.parse_args(argv)
-    if args.tiny:  # TINY's sizes, under what the command line gives
-        parser.set_defaults(**TINY)
-        args = parser.parse_args(argv)
+    add_tiny_flag(parser, TINY)
+    args = parse_with_tiny(parser, argv, TINY)
     try:
         args.user_tokens = tuple(int(x) for x in str(args.user_tokens).split(","))
         assert len(args.user_tokens) == 2 and 1 <= args.user_tokens[0] <= args.user_tokens[1]

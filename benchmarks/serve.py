@@ -56,7 +56,7 @@ import time
 
 import torch
 
-from benchmarks.ops.common import default_result_path, env_info, print_table, write_json
+from benchmarks.ops.common import add_tiny_flag, default_result_path, env_info, parse_with_tiny, print_table, write_json
 from benchmarks.serving import require_server_packages, serving_model
 
 VOCAB_27B = 248320
@@ -273,11 +273,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--join-new", type=int, default=JOIN_NEW, help="the joining request's max_tokens")
     parser.add_argument("--check-solo", type=int, default=4, help=f"prompts of the N = {CHECK_AT} run also run "
                         "alone first, their greedy texts compared (0: no check)")
-    parser.add_argument("--tiny", action="store_true", help="smoke test: the built-in default model on the CPU, "
-                        + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in TINY.items()))
-    args = parser.parse_args(argv)
-    if args.tiny:
-        vars(args).update(TINY)
+    add_tiny_flag(parser, TINY)
+    args = parse_with_tiny(parser, argv, TINY)
     args.clients = [int(c) for c in str(args.clients).split(",")]
     if min(args.clients) < 1 or min(args.prompt_tokens, args.new_tokens, args.join_decoders,
                                     args.join_prompt_tokens, args.join_new) < 1:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.ops.common import default_result_path, env_info, write_json
+from benchmarks.ops.common import add_tiny_flag, default_result_path, env_info, parse_with_tiny, write_json
 from qwen38_model.engine import BatchEngine, Sequence, run_batch
 from qwen38_model.generation import StopCondition
 from qwen38_model.sampling import SamplingConfig
@@ -74,11 +74,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: %(default)s)")
     parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-"
                                        "structured.json; with --tiny: nowhere)")
-    parser.add_argument("--tiny", action="store_true", help="smoke test: the built-in default model on the CPU, "
-                        + ", ".join(f"{k} {v}" for k, v in TINY.items()))
-    args = parser.parse_args(argv)
-    if args.tiny:
-        vars(args).update(TINY)
+    add_tiny_flag(parser, TINY)
+    args = parse_with_tiny(parser, argv, TINY)
     if args.tokens < 2 or args.batch < 1:
         raise SystemExit("--tokens must be >= 2 and --batch >= 1")
     if not args.tiny and not torch.cuda.is_available():

@@ -245,6 +245,21 @@ def parse_args_and_probe(doc: str) -> tuple[argparse.Namespace, dict]:
 
 # ---- output -------------------------------------------------------------------------------------------
 
+def add_tiny_flag(parser: argparse.ArgumentParser, sizes: dict, model: str = "the built-in default model on the CPU"):
+    """--tiny, a smoke test of a benchmark's code on a small model at `sizes` (its timings mean nothing)."""
+    parser.add_argument("--tiny", action="store_true", help=f"smoke test: {model}, "
+                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in sizes.items()))
+
+
+def parse_with_tiny(parser: argparse.ArgumentParser, argv, sizes: dict) -> argparse.Namespace:
+    """parser's arguments; with --tiny, `sizes` are the defaults, and what the command line gives still wins."""
+    args = parser.parse_args(argv)
+    if args.tiny:
+        parser.set_defaults(**sizes)
+        args = parser.parse_args(argv)
+    return args
+
+
 def print_table(rows: Sequence[dict], columns: Iterable[str], title: str | None = None) -> None:
     columns = list(columns)
 
