@@ -137,6 +137,15 @@ class PrefixCache:
         best_tier.move_to_end(best)
         return best_tier[best].snapshot
 
+    def at(self, tokens: list[int]) -> StateSnapshot | None:
+        """The snapshot of exactly tokens, marked as recently used; else None."""
+        key = tuple(tokens)
+        for tier in (self.entries, self.host):
+            if key in tier:
+                tier.move_to_end(key)
+                return tier[key].snapshot
+        return None
+
     def whole(self, tokens: list[int]) -> tuple[StateSnapshot, torch.Tensor] | None:
         """The snapshot of exactly tokens and their last logits, where a prompt's end was cached with them (an
         exact repeat of a prompt starts there: the first new token is selected from those logits, bit for bit

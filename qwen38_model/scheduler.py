@@ -269,7 +269,18 @@ class Scheduler:
                        constraint=job.constraints[i] if job.constraints else None)
         job.sequences.append(seq)
         self.owners[id(seq)] = (job, i)
-        yield from self.engine.admit(seq, PREFILL_INTERLEAVE)
+        for _ in self.engine.admit(seq, PREFILL_INTERLEAVE):
+            self.cache_breaks(job, seq)
+            yield
+        self.cache_breaks(job, seq)
+
+    def cache_breaks(self, job: Job, seq: Sequence) -> None:
+        """The states at the message boundaries (and strides) the prefill has passed go into the prefix cache now,
+        under its budget: held by the sequence until its end they were up to 7 states per slot beside it, which
+        the slots' memory did not count."""
+        for snapshot in seq.break_snapshots:
+            self.cache.put(job.ids[: snapshot.position], snapshot)
+        seq.break_snapshots.clear()  # (the engine's prefill appends to this list)
 
     def share_prompt(self, job: Job):
         """The state after the prompt and its last logits, for the n sequences of job to start from (as
@@ -296,8 +307,6 @@ class Scheduler:
             self.abandon(job, NonFiniteLogitsError("the model produced NaN or infinite logits during this generation: "
                                                    "the tokens are meaningless"))
             return
-        for snapshot in seq.break_snapshots:
-            self.cache.put(job.ids[: snapshot.position], snapshot)
         if seq.prompt_snapshot is not None:
             self.cache.put(job.ids, seq.prompt_snapshot, seq.prompt_logits)
         if seq.snapshot is not None:
@@ -305,16 +314,17 @@ class Scheduler:
         if job.next_turn is not None and i == 0:
             self.cache_next_turn(job, seq)
         self.cache_state = (self.cache.nbytes, self.cache.host_nbytes, len(self.cache.entries))
-        seq.prompt_snapshot, seq.prompt_logits, seq.snapshot, seq.break_snapshots = None, None, None, []
+        seq.prompt_snapshot, seq.prompt_logits, seq.snapshot = None, None, None
         self.sequence_ended(job, i)
         job.push(i, None)
 
     def cache_next_turn(self, job: Job, seq: Sequence) -> None:
         """A chat's reply, rendered back by the template as the next turn will render it (Qwen's drops the
-        thinking), prefilled from the state at the end of the prompt's last message: the next turn of the chat
-        then restores all of its history but its new message. One prefill of the reply's content, in place of
-        the re-prefill of the raw reply the state after it would need (read-behind steps ran past its end)."""
-        base = next((s for s in reversed(seq.break_snapshots) if s.position == max(job.breaks, default=-1)), None)
+        thinking), prefilled from the state at the end of the prompt's last message (cached as the prefill passed
+        it; nothing when the cache has let it go since): the next turn of the chat then restores all of its
+        history but its new message. One prefill of the reply's content, in place of the re-prefill of the raw
+        reply the state after it would need (read-behind steps ran past its end)."""
+        base = self.cache.at(job.ids[: max(job.breaks)]) if job.breaks else None
         ids = job.next_turn(self.tokenizer.decode(seq.tokens, skip_special_tokens=True)) if base else None
         if ids is None or len(ids) <= base.position or ids[: base.position] != job.ids[: base.position]:
             return
@@ -401,15 +411,18 @@ def default_max_batch(model, max_context: int, kv_dtype: torch.dtype, cache_byte
     budget and some headroom (scratch, graphs), at most DEFAULT_BATCH_LIMIT (on the CPU CPU_BATCH_LIMIT: the
     reference ops gain nothing from many rows). A slot counts its state, and what each active sequence holds
     besides for the prefix cache: the snapshot at its prompt's end (at most a state) and the mark its reply is
-    rewound to (the GDN states). One more state than the slots is the engine's staging state, where a sequence
-    is prefilled before it moves into its slot."""
+    rewound to (the GDN states); the states at its message boundaries go into the cache as the prefill passes
+    them (Scheduler.cache_breaks), under its budget. One more state than the slots is the engine's staging
+    state, where a sequence is prefilled before it moves into its slot. With an MTP block each state holds its
+    cache too."""
     limit = DEFAULT_BATCH_LIMIT if model.device.type == "cuda" else CPU_BATCH_LIMIT
     available = available_memory(model.device)
     if available is None:
         return limit
     budget = available - cache_bytes - max(int(available * HEADROOM_FRACTION), HEADROOM_BYTES)
-    state = state_bytes(model.config, max_context, kv_dtype, mtp=False)
-    per_slot = 2 * state + state_bytes(model.config, 0, kv_dtype, mtp=False)
+    mtp = model.mtp is not None
+    state = state_bytes(model.config, max_context, kv_dtype, mtp=mtp)
+    per_slot = 2 * state + state_bytes(model.config, 0, kv_dtype, mtp=mtp)
     return max(1, min(limit, (budget - state) // per_slot))
 
 

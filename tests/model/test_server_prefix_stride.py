@@ -120,3 +120,36 @@ def test_chat_prefills_end_a_chunk_before_every_message(local, monkeypatch):  # 
         ids = tokenizer.encode(prompt.text)
         assert set(server.message_breaks(prompt, ids)) <= set(message_starts(ids, start))
     assert chunks and all(start not in chunk[1:] for chunk in chunks)
+
+
+def test_boundary_states_are_cached_as_the_prefill_passes_them(local):  # noqa: F811
+    """A chat's states at its message boundaries go into the prefix cache during its prefill, not when its reply
+    ends: the sequence holds none of them while it decodes (up to 7 states a slot that the slots' memory does not
+    count), and the first streamed token comes after every one of them is in the cache."""
+    from qwen38_model.server import Server, serving_in_thread
+
+    model, tokenizer = local
+    server = Server(model, tokenizer, MODEL, max_context=2048, max_queue=1, cache_bytes=1 << 30, log=sys.stdout,
+                    max_batch=1)
+    messages = [{"role": "system", "content": "You answer in few words."}]
+    for turn in range(3):
+        messages += [{"role": "user", "content": f"Question {turn}?"}, {"role": "assistant", "content": f"Answer {turn}."}]
+    messages.append({"role": "user", "content": "And now?"})
+    body = {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+    prompt = server.chat_request(body)
+    ids = tokenizer.encode(prompt.text)
+    breaks = server.message_breaks(prompt, ids)
+    assert len(breaks) >= 4
+    with serving_in_thread(server) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                stream=True, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        chunks = iter(stream)
+        # The first token streamed: the request was admitted, its prefill done, its reply not yet.
+        chunk = next(c for c in chunks if c.choices and c.choices[0].delta.content)
+        assert chunk.choices[0].finish_reason is None
+        cached = {len(key) for key in server.cache.entries}
+        active = [seq for seq in server.scheduler.engine.active if seq is not None]
+        assert set(breaks) <= cached and all(not seq.break_snapshots for seq in active)
+        for _ in chunks:
+            pass
