@@ -11,16 +11,15 @@ import resource
 import os
 import secrets
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 from ..state import KVCache
-from .options import (DTYPES, HelpFormatter, add_generation_options, add_model_argument, check_generation_args,
+from .options import (HelpFormatter, add_generation_options, add_model_argument, check_generation_args,
                       generation_kwargs, report_sampling)
 from .source import check_max_context, load_model, open_source
-from .terminal import ReplyStreamer, prefill_bar, progress_bar, text_output
+from .terminal import ReplyStreamer, prefill_bar, text_output
 
 PREFILL_BAR_TOKENS = 1024  # longer prompts show a prefill progress bar on a terminal
 
@@ -63,7 +62,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"context overflow: {ids.shape[1]} prompt tokens + --max-new-tokens {args.max_new_tokens} "
                          f"> --max-context {args.max_context}")
     check_max_context(args, source, source.device)
-    model = load_model(args, source) if ranks == 1 else load_tensor_parallel(args, source, ranks, leader)
+    model = load_model(args, source, ranks)
     check_max_context(args, source, model.device, model)
     tokenizer = source.tokenizer
     if leader:
@@ -78,20 +77,6 @@ def run(args: argparse.Namespace) -> None:
         sys.stderr.write(f"{model.last_generation_stats}\n{per_rank}{memory_line(model)}\n")
     if ranks > 1:
         dist.destroy_process_group()
-
-
-def load_tensor_parallel(args: argparse.Namespace, source, ranks: int, leader: bool):
-    """This rank's share of the model (source.load_model's options; the progress and the summary on rank 0)."""
-    from ..tensor_parallel import TensorParallelCausalLM
-
-    start = time.perf_counter()
-    model = TensorParallelCausalLM.from_pretrained(source.path, tensor_parallel=ranks, device=source.device,
-                                                   dtype=DTYPES.get(args.dtype), quantize=args.quantize, lane=args.lane,
-                                                   progress=progress_bar("loading", "GB", 1e9, 2) if leader else None)
-    if leader:
-        sys.stderr.write(f"\rloaded {source.path} over {ranks} ranks: {model.weight_bytes() / 1e9:.2f} GB on rank 0 "
-                         f"({model.device}) in {time.perf_counter() - start:.1f} s\n")
-    return model
 
 
 def read_prompt(args: argparse.Namespace) -> str:

@@ -77,14 +77,26 @@ def check_max_context(args: argparse.Namespace, source: Source, device: torch.de
                      name="--max-context")
 
 
-def load_model(args: argparse.Namespace, source: Source):
+def load_model(args: argparse.Namespace, source: Source, ranks: int = 1):
+    """The model, with a progress bar and a summary line on stderr. ranks > 1 (under torchrun, the process group
+    joined): this rank's share (tensor_parallel.TensorParallelCausalLM), the bar and the line on rank 0 alone."""
     from ..model import Qwen38ForCausalLM
 
+    leader = ranks == 1 or torch.distributed.get_rank() == 0
+    options = dict(device=source.device, dtype=DTYPES.get(args.dtype), quantize=args.quantize, lane=args.lane,
+                   progress=progress_bar("loading", "GB", 1e9, 2) if leader else None)
     start = time.perf_counter()
-    model = Qwen38ForCausalLM.from_pretrained(source.path, device=source.device, dtype=DTYPES.get(args.dtype),
-                                              quantize=args.quantize, lane=args.lane,
-                                              progress=progress_bar("loading", "GB", 1e9, 2))
+    if ranks == 1:
+        model = Qwen38ForCausalLM.from_pretrained(source.path, **options)
+    else:
+        from ..tensor_parallel import TensorParallelCausalLM
+
+        model = TensorParallelCausalLM.from_pretrained(source.path, tensor_parallel=ranks, **options)
     seconds = time.perf_counter() - start
-    sys.stderr.write(f"\rloaded {source.path} on {model.device}: {model.weight_bytes() / 1e9:.2f} GB in {seconds:.1f} s "
-                     f"({model.weight_bytes() / 1e9 / seconds:.2f} GB/s)\n")
+    if ranks == 1:
+        sys.stderr.write(f"\rloaded {source.path} on {model.device}: {model.weight_bytes() / 1e9:.2f} GB in {seconds:.1f} s "
+                         f"({model.weight_bytes() / 1e9 / seconds:.2f} GB/s)\n")
+    elif leader:
+        sys.stderr.write(f"\rloaded {source.path} over {ranks} ranks: {model.weight_bytes() / 1e9:.2f} GB on rank 0 "
+                         f"({model.device}) in {seconds:.1f} s\n")
     return model
