@@ -58,8 +58,8 @@ BREAK_MESSAGES = 4
 # (PREFILL_INTERLEAVE) ends a chunk anyway: no chunk more, and a prefix restored there gives the rest of the
 # prompt the float order of a full prefill. The last few only: a snapshot holds the KV of all its tokens (157
 # MB of GDN state + 65.5 KB a token at the 27B shape), so one at every stride of a 16k-token message would be 15
-# snapshots, 10.4 GB held by the sequence and 2.6x the default 4 GB cache, while two are at most twice the
-# prompt's own snapshot. A stride of 1024: a hit prefills at most 1023 tokens past its snapshot (~0.3 s at the
+# snapshots, 10.4 GB put into the cache by one prompt, 2.6x the default 4 GB (each evicting the others and the
+# earlier requests' states), while two are at most twice the prompt's own snapshot. A stride of 1024: a hit prefills at most 1023 tokens past its snapshot (~0.3 s at the
 # 27B's 3567 tok/s in 512-token chunks), and the two reach 1024-2047 tokens back from the message's end, enough
 # for a question after a document; 2048 would double both, 512 halve them (a question over ~512 tokens missed).
 BREAK_STRIDE, STRIDE_BREAKS = 2 * PREFILL_INTERLEAVE, 2
