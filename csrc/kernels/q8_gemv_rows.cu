@@ -1,248 +1,235 @@
 // The int8 lane's Q8_0 GEMV for many rows of x (a batched decode step, a speculative verify): every weight byte
-// read once for all T rows, the block dots on the tensor cores, and each row's sum in the T = 1 GEMV's exact
-// order, so every row is bitwise what q8_gemv.cu computes for it alone (the batch-invariance contract).
+// read once for all rows of a tile, the block dots on the tensor cores, and each row's sum in the T = 1 GEMV's
+// exact order, so every row is bitwise what q8_gemv.cu computes for it alone (the batch-invariance contract).
 //
 // Why this shape.
-// - The GEMV's T-row forms share each weight load among up to 8 rows but form every block dot on dp4a and
-//   convert it on the FP64 pipe: from 8 rows they are compute-bound (T = 8 cost 2.68x T = 1), and more rows
-//   ran in passes that read the weights again. Here one mma.sync m16n8k32.s8 is one Q8_0 block for 16 weight
-//   rows x 8 rows of x, exact in int32, so the int8 work is nearly free and the cost left is the scaling:
-//   per block and output one I2F.F64 (int_to_double's DADD trick needs two moves a conversion here to pair the
-//   mma's outputs with its constant high word; I2F measured 1-2% faster), one DMUL and one DFMA.
-// - Scales as doubles, converted once per piece: wd * xd is exact in fp32 (both are fp16 values: 11 + 11
-//   significant bits, as the int8 producers write them), so fma(double(s) * double(wd), double(xd), acc) is the
-//   GEMV's fma(int_to_double(s), double(wd * xd), acc) bit for bit: s * wd (<= 20 + 11 bits) and s * wd * xd are
-//   exact in double, and each form rounds once, in the FMA. One scale per thread of the block is converted into a
-//   2-entry buffer a piece ahead of the math (the raw copies of piece p + 1 have landed when piece p is computed),
-//   instead of an F2F per output. Measured (NOTES, "The rows kernel, round 3"): that alone changed nothing at
-//   T = 16; the kernel is latency- and issue-bound (~135 instructions a warp and piece, one barrier a piece,
-//   0.46 instructions a cycle a scheduler, the FP64 pipe 14% busy). What T <= 8 gained (2.6x -> 1.8-2.0x the T = 1
-//   chain) came from one n8 tile a block there instead of two.
+// - Registers, not shared memory. The form before this one staged 8 KB pieces in a cp.async ring and took
+//   fragments by ldmatrix: ncu found it issue-bound (~135 instructions a warp and 512-byte piece, a block barrier
+//   a piece, 0.46 instructions a cycle a scheduler, DRAM 30%), and no pipe was busy (NOTES, "The rows kernel,
+//   round 3"). Here each lane loads its weight bytes straight into the mma's A registers, as the T = 1 GEMV
+//   loads them (it streams at 88% of the read probe without a barrier): no copy, no ldmatrix, no barrier in
+//   the loop, and each warp runs ahead on its own.
+// - The k order is ours to choose: a block's int32 dot is the same whatever order its 32 products are summed in,
+//   so A and B may hold any permutation of k as long as it is the same one. Lane (group, quad) loads 16
+//   contiguous bytes at 16 quad of its warp's 64-byte window (two blocks) of weight rows group and group + 8,
+//   and the same 16 bytes of x row group; its first 8 bytes go to one mma's k slots (quad * 4, 16 + quad * 4),
+//   the next 8 to a second mma's. The lanes with quad < 2 then hold the window's first block, the others the
+//   second, so the B operand of block 0's two mmas is zeroed in lanes quad >= 2 and block 1's in quad < 2: four
+//   mmas for two blocks, each half used. The tensor cores have that to spare; the issue slots do not.
+// - Each output then costs what the GEMV spends on it: fma(int_to_double(s), double(wd * xd), acc), with the
+//   int -> double by one DADD (the bias 2^31 of int_to_double's trick rides in the mma's accumulator input) and
+//   wd * xd exact in fp32 (both are fp16 values: 11 + 11 significant bits, as the int8 producers write them).
 // - The GEMV's order (q8_gemv.cu): block b of a row goes to partial sum ("chain") b mod (16 * PARTS), each chain
 //   summed in block order; then for each part q the 16 chains 16q + m are added by the xor butterfly over m
-//   (m with m ^ 8, then ^ 4, ^ 2, ^ 1), and the parts in order. A block of 16 warps takes the rows' 512-byte
-//   pieces in turn; warp w computes block w of every piece, piece p adding into its chain of part p % PARTS, so
-//   each chain is summed in the GEMV's order by one thread per output, with exactly the GEMV's arithmetic
-//   (fma(int_to_double(s), double(wd * xd), acc), wd * xd in fp32). At the end the warps' chains meet in
-//   shared memory and one thread per output adds them in the GEMV's butterfly and part order.
-// - Loads: the whole block copies a piece of its 16 weight rows (8 KB, 512 contiguous bytes a row, as the GEMV
-//   reads them: a first version in which each warp fetched only its own 32 bytes of every piece streamed at a
-//   quarter of the probe), the same piece of its rows of x, and their scales, into a kStages cp.async ring;
-//   rows past N and rows of x past T are zero-filled, not read (a clamped row repeated the same addresses).
-//   Fragments come from shared memory by ldmatrix, rows padded by 16 bytes (conflict-free, as q8_gemm.cu).
-// - Tile: 16 weight rows x 8 * NT rows of x a block (NT = 2 for PARTS = 1 from 9 rows, else 1: the chains a
-//   thread holds are PARTS * NT * 4 doubles, and an n8 tile past T is math for nothing); more rows of x run in
-//   more blocks, x fastest, so the blocks that share a weight tile run together and read it from HBM once.
+//   (m with m ^ 8, then ^ 4, ^ 2, ^ 1), and the parts in order. Warp (part q, window w) takes the pieces p = q,
+//   q + PARTS, .. in order, and blocks 2w and 2w + 1 of each: it owns chains 16q + 2w and 16q + 2w + 1, summed in
+//   the GEMV's order by one lane per output. At the end the chains meet in shared memory and one thread per
+//   output adds them in the GEMV's butterfly and part order.
+// - Tile: 16 weight rows x 8 rows of x a block (one m16n8 tile); more rows of x run in more blocks, x fastest, so
+//   the blocks that share a weight tile run together and read it from HBM once, the others from L2. Rows past N
+//   and rows of x past T repeat the last row (valid addresses, cached): their outputs are not stored, and in an
+//   mma a row of A or a column of B changes only its own outputs.
 #include "q8_gemv.h"
 
+#include <cooperative_groups.h>
 #include <cstdlib>
 
 #include "common.cuh"
 #include "pdl.cuh"
+#include "q8_loads.cuh"
 
 namespace qwen38 {
 namespace {
 
-constexpr int kRowWarps = 16;  // one warp per chain of a part: warp w computes block w of every piece
-constexpr int kRowsThreads = kRowWarps * 32;
-constexpr int kStages = 5;     // pieces in flight: 3 x 8 KB of weights a block past the one computed and the one converted
-constexpr int kPitch = 512 + 16;  // a row's piece in shared memory, padded: ldmatrix phases hit distinct banks
+namespace cg = cooperative_groups;
 
-template <int NT>
-struct RowsStage {
-  static constexpr int kCols = 8 * NT;
-  static constexpr int kXOffset = 16 * kPitch;
-  static constexpr int kWdOffset = kXOffset + kCols * kPitch;  // [16 rows][16 blocks] fp16
-  static constexpr int kXdOffset = kWdOffset + 16 * 16 * 2;    // [kCols][16 blocks] float
-  static constexpr int kBytes = kXdOffset + kCols * 16 * 4;
-  // The scales of a piece as doubles, [16 blocks][16 weight rows, then kCols rows of x, then 2 of padding]: the
-  // lanes of a warp read one block's row (broadcasts, and the two rows of x of a lane as one 16-byte load); 2
-  // entries, piece p in p % 2.
-  static constexpr int kScaleRows = 16 + kCols;
-  static constexpr int kScalePitch = kScaleRows + 2;
-  static constexpr int kScaleBytes = 16 * kScalePitch * 8;
-  static constexpr int kRingBytes = kStages * kBytes;
-  static constexpr int kSharedBytes = kRingBytes + 2 * kScaleBytes;
-  static constexpr int kPartialBytes = kRowWarps * 16 * kCols * 8;  // the chains at the end, over the ring
-  static_assert(kPartialBytes <= kRingBytes, "the partials reuse the ring");
-  static_assert(16 * kScaleRows <= kRowsThreads, "one scale a thread");
-  static_assert(kBytes % 16 == 0 && kScaleBytes % 16 == 0, "stages stay 16-byte aligned");
-};
+constexpr int kWindows = 8;  // 64-byte windows of a 512-byte piece, a warp each
 
-__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%10, %10, %10, %10};"
-               : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+constexpr int kRowsThreads = 32 * kWindows;
+
+// d = a . b + c for one m16n8k32 s8 tile (int32, exact).
+__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                       const int (&c)[4]) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %12, %13};"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]), "r"(c[2]),
+        "r"(c[3]));
 }
 
-template <int PARTS, int NT>
-__global__ void __launch_bounds__(kRowsThreads, 2) q8_0_gemv_rows_kernel(const Q8GemvArgs a) {
-  using S = RowsStage<NT>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  pdl_allow_successor();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int group = lane >> 2, quad = lane & 3;
-  const int row0 = blockIdx.y * 16, col0 = blockIdx.x * S::kCols;
-  const int blocks = a.K >> 5;
-  const int pieces = blocks >> 4;  // K % 512 == 0 (q8_0_gemv_rows_supported)
-  const uint32_t ring = shared_address(smem);
+// What a lane holds of one piece: its 16 bytes of weight rows group and group + 8 and the window's two block
+// scales of those rows (loaded a piece ahead), and the same 16 bytes of x row group with the two block scales of
+// x rows 2 quad and 2 quad + 1, its outputs' columns (loaded when the piece is computed: x is read by every block
+// of a column of tiles and comes from L2).
+struct PieceWeights {
+  int4 lo, hi;
+  __half2 d_lo, d_hi;
+};
+struct PieceX {
+  int4 q;
+  float2 d0, d1;
+};
 
-  // This thread's copies into a stage (16 bytes each): weight row tid / 32, bytes 16 (tid % 32) of the piece;
-  // x row tid / 32 likewise (threads below 32 kCols); the 32 scale bytes of weight row tid (tid < 16) and the 64
-  // of x row tid - 16 as four copies (16 <= tid < 16 + 4 kCols). Sources as 32-bit element offsets from the
-  // kernel's pointer arguments (registers; q8_0_gemv_rows_supported keeps N * K below 2^31).
-  const int copy_row = tid >> 5, copy_chunk = tid & 31;
-  const bool copies_x = copy_row < S::kCols;
-  const bool w_in = row0 + copy_row < a.N, x_in = col0 + copy_row < a.T && copies_x;
-  const uint32_t w_off = static_cast<uint32_t>(w_in ? row0 + copy_row : 0) * a.K + 16 * copy_chunk;
-  const uint32_t x_off = static_cast<uint32_t>(x_in ? col0 + copy_row : 0) * a.x_stride + 16 * copy_chunk;
-  const uint32_t copy_dst = copy_row * kPitch + 16 * copy_chunk;
-  const int scale_row = tid < 16 ? tid : (tid - 16) >> 2;
-  const bool wd_copy = tid < 16, xd_copy = tid >= 16 && tid < 16 + 4 * S::kCols;
-  const bool wd_in = wd_copy && row0 + scale_row < a.N, xd_in = xd_copy && col0 + scale_row < a.T;
-  const uint32_t wd_off = static_cast<uint32_t>(wd_in ? row0 + scale_row : 0) * blocks;
-  const uint32_t xd_off = static_cast<uint32_t>(xd_in ? col0 + scale_row : 0) * a.x_d_stride + 4 * ((tid - 16) & 3);
-  const uint32_t scale_dst = wd_copy ? S::kWdOffset + 32 * tid : S::kXdOffset + 16 * (tid - 16);
+// This lane's element offsets of piece 0 (32-bit: q8_0_gemv_rows_supported keeps N * K and T * x_stride below
+// 2^31); piece p adds 512 p to the byte offsets and 16 p to the scale offsets.
+struct LaneOffsets {
+  uint32_t w_lo, w_hi, x, wd_lo, wd_hi, xd0, xd1;
+};
 
-  // This thread's scale conversion: scale row tid / 16 (weight rows, then rows of x), block tid % 16.
-  const int convert_row = tid >> 4;
-  const bool converts = convert_row < S::kScaleRows, converts_wd = convert_row < 16;  // both warp-uniform
-  const uint32_t convert_src = converts_wd ? S::kWdOffset + 2 * tid : S::kXdOffset + 4 * (tid - 256);
-  const uint32_t convert_dst = ((tid & 15) * S::kScalePitch + convert_row) * 8;
+__device__ __forceinline__ void load_weights(PieceWeights& w, const Q8GemvArgs& a, const LaneOffsets& o, int p) {
+  w.lo = load_weights16(a.weight_q + o.w_lo + 512 * p);
+  w.hi = load_weights16(a.weight_q + o.w_hi + 512 * p);
+  w.d_lo = load_weight_scales2(a.weight_d + o.wd_lo + 16 * p);
+  w.d_hi = load_weight_scales2(a.weight_d + o.wd_hi + 16 * p);
+}
 
-  // Stage offsets (from the ring's start) of the next piece to copy, to convert and to compute: advanced by one
-  // stage a piece, wrapping (no modulo of the piece index in the loop).
-  uint32_t issue_at = 0, convert_at = 0, compute_at = 0;
-  const auto advance = [](uint32_t& at) { at = at + S::kBytes == S::kRingBytes ? 0 : at + S::kBytes; };
-  auto issue = [&](int p) {  // piece p into its stage (a commit group either way: the count stays uniform)
-    if (p < pieces) {
-      const uint32_t s = ring + issue_at;
-      cp_async16_shared(s + copy_dst, a.weight_q + w_off + 512 * p, w_in);
-      if (copies_x) cp_async16_shared(s + S::kXOffset + copy_dst, static_cast<const int8_t*>(a.x) + x_off + 512 * p, x_in);
-      // Scales: 16 blocks a piece (K % 512 == 0: pieces are whole), 32 bytes a weight row, 64 a row of x.
-      if (wd_copy) {
-        cp_async16_shared(s + scale_dst, a.weight_d + wd_off + 16 * p, wd_in);
-        cp_async16_shared(s + scale_dst + 16, a.weight_d + wd_off + 16 * p + 8, wd_in);
-      } else if (xd_copy) {
-        cp_async16_shared(s + scale_dst, a.x_d + xd_off + 16 * p, xd_in);
-      }
-    }
-    cp_async_commit();
-    advance(issue_at);
-  };
-  auto convert = [&](int p) {  // piece p's landed fp16 / fp32 scales into doubles, entry p % 2
-    if (converts && p < pieces) {
-      const unsigned char* src = smem + convert_at + convert_src;
-      const double v = converts_wd ? static_cast<double>(__half2float(*reinterpret_cast<const __half*>(src)))
-                                   : static_cast<double>(*reinterpret_cast<const float*>(src));
-      *reinterpret_cast<double*>(smem + S::kRingBytes + (p & 1) * S::kScaleBytes + convert_dst) = v;
-    }
-    advance(convert_at);
-  };
+__device__ __forceinline__ PieceX load_x(const Q8GemvArgs& a, const LaneOffsets& o, int p) {
+  PieceX x;
+  x.q = load_act16(reinterpret_cast<const int4*>(static_cast<const int8_t*>(a.x) + o.x + 512 * p));
+  x.d0 = load_act_scales2(a.x_d + o.xd0 + 16 * p);
+  x.d1 = load_act_scales2(a.x_d + o.xd1 + 16 * p);
+  return x;
+}
 
-  double acc[PARTS][NT][4];
-#pragma unroll
-  for (int q = 0; q < PARTS; ++q)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[q][j][e] = 0.0;
+// acc += the GEMV's terms of one block for this lane's four outputs: c from an mma biased by 2^31 (see
+// int_to_double), wd the block's scales of weight rows group and group + 8, xd those of its two rows of x.
+__device__ __forceinline__ void scale_add(double (&acc)[4], const int (&c)[4], float wd_lo, float wd_hi, float xd0,
+                                          float xd1) {
+  const auto to_double = [](int biased) { return __hiloint2double(0x43300000, biased) - 4503601774854144.0; };
+  acc[0] = fma(to_double(c[0]), static_cast<double>(wd_lo * xd0), acc[0]);
+  acc[1] = fma(to_double(c[1]), static_cast<double>(wd_lo * xd1), acc[1]);
+  acc[2] = fma(to_double(c[2]), static_cast<double>(wd_hi * xd0), acc[2]);
+  acc[3] = fma(to_double(c[3]), static_cast<double>(wd_hi * xd1), acc[3]);
+}
 
-  // ldmatrix row addresses of this lane (q8_gemm.cu's A and B patterns): A = the 16 weight rows (matrices rows
-  // 0-7 / 8-15 x bytes 0-15 / 16-31 of block `warp`), B = 16 rows of x as two n8 tiles.
-  const uint32_t a_off = (lane & 15) * kPitch + warp * 32 + (lane >> 4) * 16;
-  const uint32_t b_off = S::kXOffset + ((lane & 7) + (NT == 2 ? (lane >> 4) * 8 : 0)) * kPitch + warp * 32 +
-                         ((lane >> 3) & 1) * 16;
-  // This lane's scales in an entry: weight rows group and group + 8 of block `warp`, rows of x 2 quad and + 1.
-  const uint32_t wd_at = (warp * S::kScalePitch + group) * 8, xd_at = (warp * S::kScalePitch + 16 + 2 * quad) * 8;
-
-  pdl_wait_for_predecessor();  // x, x_d and out may belong to the predecessor
+// The window's two blocks of one piece into chains acc[0] (block 2w) and acc[1] (block 2w + 1).
+__device__ __forceinline__ void compute_piece(double (&acc)[2][4], const PieceWeights& w, const PieceX& s,
+                                              bool first_block) {
+  const uint32_t x[4] = {static_cast<uint32_t>(s.q.x), static_cast<uint32_t>(s.q.y), static_cast<uint32_t>(s.q.z),
+                         static_cast<uint32_t>(s.q.w)};
+  uint32_t x0[4], x1[4];  // x in the k slots of block 0 (this lane's, if first_block) and of block 1
 #pragma unroll
-  for (int p = 0; p < kStages - 1; ++p) issue(p);
-  cp_async_wait<kStages - 2>();
-  __syncthreads();
-  convert(0);
-  for (int p0 = 0; p0 < pieces; p0 += PARTS) {
-#pragma unroll
-    for (int u = 0; u < PARTS; ++u) {
-      const int p = p0 + u;
-      if (p >= pieces) break;  // block-uniform
-      cp_async_wait<kStages - 3>();
-      // Piece p + 1 landed for every thread, piece p's scales are converted; every warp is done with piece p - 1
-      // (its stage is refilled next) and with entry (p + 1) % 2 of the scales.
-      __syncthreads();
-      issue(p + kStages - 1);
-      convert(p + 1);
-      uint32_t frag_a[4];
-      ldmatrix_x4_shared(frag_a, ring + compute_at + a_off);
-      uint32_t frag_b[4];  // NT == 1: matrices 2 and 3 repeat 0 and 1 (rows 0-7)
-      ldmatrix_x4_shared(frag_b, ring + compute_at + b_off);
-      advance(compute_at);
-      const unsigned char* entry = smem + S::kRingBytes + (p & 1) * S::kScaleBytes;
-      const double wd_lo = *reinterpret_cast<const double*>(entry + wd_at);
-      const double wd_hi = *reinterpret_cast<const double*>(entry + wd_at + 64);
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const uint32_t b[2] = {frag_b[2 * j], frag_b[2 * j + 1]};
-        int c[4];
-        mma_s8(c, frag_a, b);
-        const double2 xd = *reinterpret_cast<const double2*>(entry + xd_at + 64 * j);
-        // c0, c1: weight row `group`, x rows 2 quad, 2 quad + 1; c2, c3: weight row group + 8.
-        acc[u][j][0] = fma(__int2double_rn(c[0]) * wd_lo, xd.x, acc[u][j][0]);
-        acc[u][j][1] = fma(__int2double_rn(c[1]) * wd_lo, xd.y, acc[u][j][1]);
-        acc[u][j][2] = fma(__int2double_rn(c[2]) * wd_hi, xd.x, acc[u][j][2]);
-        acc[u][j][3] = fma(__int2double_rn(c[3]) * wd_hi, xd.y, acc[u][j][3]);
-      }
-    }
+  for (int i = 0; i < 4; ++i) {
+    x0[i] = first_block ? x[i] : 0u;
+    x1[i] = first_block ? 0u : x[i];
   }
-  cp_async_wait<0>();
-  __syncthreads();  // the ring drained and read: the partials take its place
-  // partial[chain warp][weight row][x row]; one thread per output adds the 16 chains of a part in the GEMV's
-  // butterfly order (m + (m ^ 8), then ^ 4, ^ 2, ^ 1; float addition commutes, so each pair is the GEMV's), then
-  // the parts in order.
-  double* partial = reinterpret_cast<double*>(smem);
-  const int out_row = threadIdx.x & 15, out_col = threadIdx.x >> 4;  // a column's 16 rows on 16 threads
-  const bool owns_output = out_col < S::kCols;
+  const uint32_t a0[4] = {static_cast<uint32_t>(w.lo.x), static_cast<uint32_t>(w.hi.x), static_cast<uint32_t>(w.lo.y),
+                          static_cast<uint32_t>(w.hi.y)};
+  const uint32_t a1[4] = {static_cast<uint32_t>(w.lo.z), static_cast<uint32_t>(w.hi.z), static_cast<uint32_t>(w.lo.w),
+                          static_cast<uint32_t>(w.hi.w)};
+  constexpr int kBias = static_cast<int>(0x80000000u);
+  const int bias[4] = {kBias, kBias, kBias, kBias};
+  int c0[4], c1[4];
+  mma_s8(c0, a0, x0[0], x0[1], bias);
+  mma_s8(c0, a1, x0[2], x0[3], c0);
+  mma_s8(c1, a0, x1[0], x1[1], bias);
+  mma_s8(c1, a1, x1[2], x1[3], c1);
+  const float2 wd_lo = __half22float2(w.d_lo), wd_hi = __half22float2(w.d_hi);
+  scale_add(acc[0], c0, wd_lo.x, wd_hi.x, s.d0.x, s.d1.x);
+  scale_add(acc[1], c1, wd_lo.y, wd_hi.y, s.d0.y, s.d1.y);
+}
+
+// The kernel body for the pieces of one part; PARTS > 1 runs the parts as the blocks of a cluster (blockIdx.z).
+template <int PARTS>
+__device__ __forceinline__ void gemv_rows(const Q8GemvArgs& a) {
+  __shared__ double partial[16][16][8];  // [chain m of the part][weight row][row of x]
+  __shared__ double part_sum[16][8];     // the part's butterfly total of each output
+  pdl_allow_successor();
+  const int lane = threadIdx.x & 31, window = threadIdx.x >> 5, part = PARTS == 1 ? 0 : blockIdx.z;
+  const int group = lane >> 2, quad = lane & 3;
+  const int row0 = blockIdx.y * 16, col0 = blockIdx.x * 8;
+  const int blocks = a.K >> 5, pieces = blocks >> 4;  // K % 512 == 0 (q8_0_gemv_rows_supported)
+
+  const auto weight_row = [&](int r) { return static_cast<uint32_t>(min(row0 + r, a.N - 1)); };
+  const auto x_row = [&](int r) { return static_cast<uint32_t>(min(col0 + r, a.T - 1)); };
+  const uint32_t byte = 64 * window + 16 * quad;
+  LaneOffsets o;
+  o.w_lo = weight_row(group) * a.K + byte;
+  o.w_hi = weight_row(group + 8) * a.K + byte;
+  o.x = x_row(group) * static_cast<uint32_t>(a.x_stride) + byte;
+  o.wd_lo = weight_row(group) * blocks + 2 * window;
+  o.wd_hi = weight_row(group + 8) * blocks + 2 * window;
+  o.xd0 = x_row(2 * quad) * static_cast<uint32_t>(a.x_d_stride) + 2 * window;
+  o.xd1 = x_row(2 * quad + 1) * static_cast<uint32_t>(a.x_d_stride) + 2 * window;
+  const bool first_block = quad < 2;
+
+  double acc[2][4];
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[b][e] = 0.0;
+
+  // Two pieces of weights a warp: one computed while the next one's loads are in flight (three blocks of 8 warps
+  // an SM keep ~30 KB of weights in flight, as the T = 1 GEMV's 40 warps of two 16-byte loads a lane do). The
+  // weights do not depend on the predecessor: the first piece's are issued before the wait.
+  PieceWeights ring[2];
+  if (part < pieces) load_weights(ring[0], a, o, part);
+  pdl_wait_for_predecessor();  // x, x_d and out may belong to the predecessor
+  const auto step = [&](int p, const PieceWeights& now, PieceWeights& next) {
+    if (p + PARTS < pieces) load_weights(next, a, o, p + PARTS);
+    compute_piece(acc, now, load_x(a, o, p), first_block);
+  };
+  for (int p = part; p < pieces; p += 2 * PARTS) {
+    step(p, ring[0], ring[1]);
+    if (p + PARTS >= pieces) break;  // warp-uniform
+    step(p + PARTS, ring[1], ring[0]);
+  }
+
+  // One thread per output adds the part's 16 chains in the GEMV's butterfly order (m + (m ^ 8), then ^ 4, ^ 2,
+  // ^ 1; float addition commutes, so each pair is the GEMV's); block 0 of the cluster then adds the parts in order.
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) partial[2 * window + b][group + 8 * (e >> 1)][2 * quad + (e & 1)] = acc[b][e];
+  __syncthreads();
+  const int out_row = threadIdx.x & 15, out_col = threadIdx.x >> 4;
+  const bool owns_output = threadIdx.x < 16 * 8;
+  if (owns_output) {
+    double v[16];
+#pragma unroll
+    for (int m = 0; m < 16; ++m) v[m] = partial[m][out_row][out_col];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) v[m] = v[m] + v[m + 8];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = v[m] + v[m + 4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) v[m] = v[m] + v[m + 2];
+    part_sum[out_row][out_col] = v[0] + v[1];
+  }
   double total = 0.0;
-#pragma unroll
-  for (int q = 0; q < PARTS; ++q) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = group + 8 * (e >> 1), col = 8 * j + 2 * quad + (e & 1);
-        partial[(warp * 16 + r) * S::kCols + col] = acc[q][j][e];
-      }
+  if constexpr (PARTS == 1) {
     __syncthreads();
-    if (owns_output) {
-      double v[16];
+    total = part_sum[out_row][out_col];
+  } else {
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every part's sums written
+    if (part == 0 && owns_output) {
 #pragma unroll
-      for (int m = 0; m < 16; ++m) v[m] = partial[(m * 16 + out_row) * S::kCols + out_col];
-#pragma unroll
-      for (int m = 0; m < 8; ++m) v[m] = v[m] + v[m + 8];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) v[m] = v[m] + v[m + 4];
-#pragma unroll
-      for (int m = 0; m < 2; ++m) v[m] = v[m] + v[m + 2];
-      v[0] = v[0] + v[1];
-      total = q == 0 ? v[0] : total + v[0];
+      for (int q = 0; q < PARTS; ++q) {
+        const double v = cluster.map_shared_rank(&part_sum[0][0], q)[out_row * 8 + out_col];
+        total = q == 0 ? v : total + v;
+      }
     }
-    __syncthreads();  // before the next part's chains overwrite the partials
+    cluster.sync();  // no block leaves while block 0 reads its shared memory
+    if (part != 0) return;
   }
   const int row = row0 + out_row, col = col0 + out_col;
   if (owns_output && row < a.N && col < a.T) a.out[static_cast<size_t>(col) * a.out_stride + row] = static_cast<float>(total);
 }
 
-template <int PARTS, int NT>
-cudaError_t launch_rows(const Q8GemvArgs& a, cudaStream_t stream) {
-  using S = RowsStage<NT>;
-  static const cudaError_t attribute = cudaFuncSetAttribute(
-      q8_0_gemv_rows_kernel<PARTS, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSharedBytes);
-  if (attribute != cudaSuccess) return attribute;
-  const dim3 grid((a.T + S::kCols - 1) / S::kCols, (a.N + 15) / 16);
+// 3 blocks an SM: 76-78 registers, no spills (at 4 blocks, 64 registers, ptxas spilled 8-32 bytes).
+__global__ void __launch_bounds__(kRowsThreads, 3) q8_0_gemv_rows_kernel(const Q8GemvArgs a) { gemv_rows<1>(a); }
+
+// The 5120-row shapes' 4 parts (q8_0_gemv_default_config) as a cluster of 4 blocks, one a part: each block has the
+// one part's registers and the same 8 warps, and the parts meet in block 0 through distributed shared memory.
+__global__ void __cluster_dims__(1, 1, 4) __launch_bounds__(kRowsThreads, 3) q8_0_gemv_rows4_kernel(const Q8GemvArgs a) {
+  gemv_rows<4>(a);
+}
+
+cudaError_t launch_rows(const Q8GemvArgs& a, int parts, cudaStream_t stream) {
+  const dim3 grid((a.T + 7) / 8, (a.N + 15) / 16, parts);
   if (grid.y > 65535u) return cudaErrorInvalidValue;
-  return launch_pdl(q8_0_gemv_rows_kernel<PARTS, NT>, grid, dim3(kRowsThreads), S::kSharedBytes, stream, a);
+  return launch_pdl(parts == 1 ? q8_0_gemv_rows_kernel : q8_0_gemv_rows4_kernel, grid, dim3(kRowsThreads), 0, stream, a);
 }
 
 }  // namespace
@@ -257,14 +244,14 @@ int q8_0_gemv_rows_min_rows() {
 
 bool q8_0_gemv_rows_supported(const Q8GemvArgs& a, int parts) {
   const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
-  return (parts == 1 || parts == 4) && a.K % 512 == 0 && a.x_stride % 16 == 0 && a.x_d_stride % 4 == 0 &&
+  return (parts == 1 || parts == 4) && a.K % 512 == 0 && a.x_stride % 16 == 0 && a.x_d_stride % 2 == 0 &&
          static_cast<int64_t>(a.N) * a.K < (int64_t{1} << 31) && static_cast<int64_t>(a.T) * a.x_stride < (int64_t{1} << 31) &&
-         aligned(a.weight_q, 16) && aligned(a.x, 16) && aligned(a.weight_d, 16) && aligned(a.x_d, 16);
+         static_cast<int64_t>(a.T) * a.x_d_stride < (int64_t{1} << 31) && aligned(a.weight_q, 16) && aligned(a.x, 16) &&
+         aligned(a.weight_d, 4) && aligned(a.x_d, 8);
 }
 
 cudaError_t q8_0_gemv_rows_launch(const Q8GemvArgs& a, int parts, cudaStream_t stream) {
-  if (parts != 1) return launch_rows<4, 1>(a, stream);
-  return a.T <= 8 ? launch_rows<1, 1>(a, stream) : launch_rows<1, 2>(a, stream);
+  return launch_rows(a, parts, stream);
 }
 
 }  // namespace qwen38
