@@ -120,20 +120,22 @@ TORCH_LIBRARY(qwen38, m) {
   // gated_rms_norm(core, z = x[:, C:C+Hv*dv], norm_weight, eps) into out [T, Hv*dv] and its optional quantized
   // lane. Sizes from conv_weight [C, K] and state [Hv, dv, dk]; states and token states as those ops'.
   // Token t's every output is bitwise what that sequence gives as a decode step.
-  // Batched rows: conv_state [T, K-1, C] and state [T, Hv, dv, dk] make row t of x a sequence of its own (one token
-  // on conv_state[t], state[t]; any T; token states None), each row bitwise a one-row call on its own states.
+  // Batched rows: conv_state [B, K-1, C] and state [B, Hv, dv, dk] with B dividing T make x's rows B sequences of
+  // T / B tokens (<= 8 when more than 1) each, sequence b's rows b*T/B .. on conv_state[b], state[b] (token states,
+  // when given, [T, ...] in x's row order), each sequence's rows bitwise a call of its tokens alone on its states.
   m.def("gdn_step(Tensor x, Tensor conv_weight, Tensor a_neg, Tensor dt_bias, Tensor norm_weight, float eps, "
         "Tensor(a!) conv_state, Tensor(b!) state, Tensor(c!) out, Tensor(d!)? out_q, Tensor(e!)? out_q_lo, "
         "Tensor(f!)? out_d, Tensor(g!)? token_conv_states=None, Tensor(h!)? token_states=None) -> ()");
 
   // ---- attention: gated full attention with a KV cache [max_seq, Hkv, hd] (float32 or bfloat16) that the T rows
   // share (T tokens of one sequence), or, in the decode-step ops (attn_qk_norm_rope_store, attention,
-  // attention_gated), caches [T, max_seq, Hkv, hd]: batched rows, row t a sequence of its own with cache t, each
-  // row exactly what a one-row call on its cache gives. The caches' rank picks the mode.
+  // attention_gated), caches [B, max_seq, Hkv, hd] with B dividing T: batched rows, T / B consecutive rows a
+  // sequence with its own cache (one row: its decode step; more: its verify, causal through the positions), each row
+  // exactly what a one-row call on its cache gives. The caches' rank picks the mode.
   // qgkv [T, Hq*2*hd + 2*Hkv*hd]: per query head [query hd | gate hd] interleaved, then k, then v.
   // Per token t at position positions[t] (int32, on the device): RMSNorm each q and k head (weights
   // [hd], stored as 1+w), NEOX RoPE on the first rotary_dim dims with frequencies theta^(-2i/rotary_dim);
-  // q -> q_out [T, Hq, hd]; k and v stored at row positions[t] of the caches (of cache t, batched). A position
+  // q -> q_out [T, Hq, hd]; k and v stored at row positions[t] of the caches (of row t's cache, batched). A position
   // outside the cache stores nothing and sets bad_position to 1: int32 [1], one flag for all rows, or [T], row t's
   // flag t (either mode), when given; the caller reads it at its next sync.
   m.def("attn_qk_norm_rope_store(Tensor qgkv, Tensor q_norm, Tensor k_norm, Tensor positions, float eps, "
@@ -141,7 +143,7 @@ TORCH_LIBRARY(qwen38, m) {
         "Tensor(d!)? bad_position=None) -> ()");
   // Causal attention of q [T, Hq, hd] over cache rows 0..positions[t] (GQA: query head h reads kv head
   // h / (Hq/Hkv)), softmax in float32 with scale. out [T, Hq, hd]. workspace: float32 scratch for the
-  // split-K combine (size from qwen38_ops.attention.workspace_numel, batched=True for [T, ...] caches); contents
+  // split-K combine (size from qwen38_ops.attention.workspace_numel, batched=True for [B, ...] caches); contents
   // undefined afterwards.
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, Tensor(a!) out, "
         "Tensor(b!) workspace) -> ()");

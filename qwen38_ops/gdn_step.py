@@ -5,9 +5,11 @@ projection's [q | k | v | z | b | a] rows. Every output is bitwise what gdn_conv
 (token by token) and gated_rms_norm give on the same inputs; prompts keep running those ops (the chunked
 recurrence).
 
-Batched rows: conv_state [T, K-1, C] and state [T, Hv, dv, dk] (one leading dimension more) make x's T rows T
-sequences of one token each, row t on conv_state[t] and state[t], any T >= 1 (not limited to MAX_TOKENS), no
-token_conv_states / token_states; row t's outputs and new states are bitwise a one-row call's on its own states."""
+Batched rows: conv_state [B, K-1, C] and state [B, Hv, dv, dk] (one leading dimension more), B dividing x's T
+rows, make x's rows B sequences of T / B consecutive tokens, sequence b's on conv_state[b] and state[b]: one token
+each at any B (not limited to MAX_TOKENS: B sequences' decode steps), or up to MAX_TOKENS each (their speculative
+verify, token states [T, ...] in x's row order); a sequence's outputs and new states are bitwise a call of its
+tokens alone on its own states."""
 from ._registry import register
 from .limits import GDN_STEP_MAX_TOKENS as MAX_TOKENS  # kGdnStepMaxTokens (csrc/kernels/op_limits.h)
 from .reference import gdn_step as ref

@@ -64,7 +64,7 @@ void attn_qk_norm_rope_store(const at::Tensor& qgkv, const at::Tensor& q_norm, c
     a.q_out = q_out.data_ptr<float>(), a.bad_position = bad, a.bad_position_stride = bad_stride;
     a.k_cache = reinterpret_cast<CacheT*>(k_cache.data_ptr());
     a.v_cache = reinterpret_cast<CacheT*>(v_cache.data_ptr());
-    a.cache_row_stride = cache.row_stride;
+    a.cache_row_stride = cache.row_stride, a.rows_per_cache = (int)cache.rows_per_cache;
     a.num_tokens = (int)num_tokens, a.num_heads = (int)num_heads, a.num_kv_heads = (int)num_kv_heads;
     a.head_dim = (int)head_dim, a.max_seq = (int)cache.max_seq;
     return attn_qk_norm_rope_store_launch(a, current_stream());
@@ -77,7 +77,7 @@ struct AttentionSizes {
   bool batched_rows() const { return cache.row_stride != 0; }
 };
 
-// q [T, Hq, hd], the caches (shared, or a cache a row), positions and the workspace of attention and
+// q [T, Hq, hd], the caches (shared, or a cache a sequence), positions and the workspace of attention and
 // attention_gated.
 AttentionSizes check_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& positions,
@@ -167,7 +167,7 @@ void attention_gated(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const AttentionSizes n = check_attention_inputs(op, q, k_cache, v_cache, positions, workspace);
   QWEN38_CHECK(n.batched_rows() || n.num_tokens <= kAttentionSameSplitTokens, op, ": T must be at most ",
               kAttentionSameSplitTokens, " with one cache for the rows (the decode step and the verify; longer inputs: "
-              "attention_prefill, then attn_output_gate; batched rows, [T, max_seq, Hkv, hd] caches, take any T), "
+              "attention_prefill, then attn_output_gate; batched rows, [B, max_seq, Hkv, hd] caches, take any T), "
               "found ", n.num_tokens);
   const GateOutputs gate =
       check_gate_outputs(op, q.device(), "q", n.num_tokens, n.num_heads, n.head_dim, qgkv, out, out_q, out_q_lo, out_d);

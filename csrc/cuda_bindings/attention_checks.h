@@ -2,8 +2,9 @@
 // positions, and the packing of attention's launch arguments for the caches' element type.
 //
 // The caches come in two ranks (attention.h): [max_seq, Hkv, hd], one cache the T rows of a call share, or, for
-// the decode-step ops (attn_qk_norm_rope_store, attention, attention_gated), [T, max_seq, Hkv, hd], row t's own
-// cache t (batched rows). The rank picks the mode: there is no flag to disagree with it.
+// the decode-step ops (attn_qk_norm_rope_store, attention, attention_gated), [B, max_seq, Hkv, hd], a cache a
+// sequence, B dividing T: T / B consecutive rows a sequence (batched rows; T / B = 1: a decode step a sequence,
+// more: each sequence's verify). The rank picks the mode: there is no flag to disagree with it.
 #pragma once
 #include <ATen/ATen.h>
 #include <cuda_bf16.h>
@@ -15,10 +16,10 @@
 
 namespace qwen38 {
 
-// Where the rows find their cache: the sizes of one cache, and the elements from row t's cache to row t+1's (0: the
-// rows share one cache; max_seq*Hkv*hd in batched rows).
+// Where the rows find their cache: the sizes of one cache, the elements from one cache to the next (0: the rows
+// share one cache; max_seq*Hkv*hd in batched rows) and the consecutive rows of each cache (batched rows).
 struct CacheLayout {
-  int64_t max_seq, num_kv_heads, row_stride;
+  int64_t max_seq, num_kv_heads, row_stride, rows_per_cache;
 };
 
 // Both caches: contiguous, one dtype (float32 or bfloat16), shaped alike, on `like`'s device.
@@ -36,12 +37,14 @@ inline void check_cache_pair(const char* op, const at::Tensor& like, const at::T
   QWEN38_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache and v_cache must be contiguous");
 }
 
-// The layout of a checked cache: [max_seq, Hkv, hd] (shared) or [T, max_seq, Hkv, hd] (a cache a row).
-inline CacheLayout cache_layout(const char* op, const at::Tensor& k_cache) {
+// The layout of a checked cache: [max_seq, Hkv, hd] (shared) or [B, max_seq, Hkv, hd] (a cache a sequence, of
+// num_tokens / B rows each).
+inline CacheLayout cache_layout(const char* op, const at::Tensor& k_cache, int64_t num_tokens) {
   const int64_t max_seq = k_cache.size(-3), num_kv_heads = k_cache.size(-2);
   QWEN38_CHECK(max_seq <= INT32_MAX, op, ": max_seq must fit in int32, found ", max_seq);
-  const int64_t row_stride = k_cache.dim() == 4 ? max_seq * num_kv_heads * k_cache.size(-1) : 0;  // contiguous
-  return {max_seq, num_kv_heads, row_stride};
+  const bool batched = k_cache.dim() == 4;
+  const int64_t row_stride = batched ? max_seq * num_kv_heads * k_cache.size(-1) : 0;  // contiguous
+  return {max_seq, num_kv_heads, row_stride, batched ? num_tokens / k_cache.size(0) : 1};
 }
 
 // The caches of attention_prefill: [max_seq, Hkv, hd] (check_cache_pair), the one cache every row attends.
@@ -50,22 +53,23 @@ inline CacheLayout check_caches(const char* op, const at::Tensor& like, const at
   check_cache_pair(op, like, k_cache, v_cache);
   QWEN38_CHECK(k_cache.dim() == 3 && k_cache.size(2) == head_dim, op, ": k_cache must be [max_seq, Hkv, hd] with hd = ",
               head_dim, ", found ", k_cache.sizes());
-  return cache_layout(op, k_cache);
+  return cache_layout(op, k_cache, 1);
 }
 
 // The caches of the decode-step ops (check_cache_pair): [max_seq, Hkv, hd], shared by the T = `num_tokens` rows,
-// or [T, max_seq, Hkv, hd], row t's own cache t (batched rows; max_seq, Hkv >= 1, so that the row stride, which
-// tells the kernels the mode, is never 0).
+// or [B, max_seq, Hkv, hd], a cache a sequence of T / B consecutive rows (batched rows; max_seq, Hkv >= 1, so that
+// the row stride, which tells the kernels the mode, is never 0).
 inline CacheLayout check_row_caches(const char* op, const at::Tensor& like, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, int64_t head_dim, int64_t num_tokens) {
   check_cache_pair(op, like, k_cache, v_cache);
   QWEN38_CHECK((k_cache.dim() == 3 || k_cache.dim() == 4) && k_cache.size(-1) == head_dim, op,
-              ": k_cache must be [max_seq, Hkv, hd], or [T, max_seq, Hkv, hd] with a cache a row, with hd = ",
+              ": k_cache must be [max_seq, Hkv, hd], or [B, max_seq, Hkv, hd] with a cache a sequence, with hd = ",
               head_dim, ", found ", k_cache.sizes());
-  QWEN38_CHECK(k_cache.dim() == 3 || (k_cache.size(0) == num_tokens && k_cache.size(1) >= 1 && k_cache.size(2) >= 1),
-              op, ": a 4-D k_cache holds a cache a row: [T, max_seq >= 1, Hkv >= 1, hd] with T = ", num_tokens,
-              " rows, found ", k_cache.sizes());
-  return cache_layout(op, k_cache);
+  QWEN38_CHECK(k_cache.dim() == 3 || (k_cache.size(0) >= 1 && num_tokens % k_cache.size(0) == 0 &&
+                                      k_cache.size(1) >= 1 && k_cache.size(2) >= 1),
+              op, ": a 4-D k_cache holds a cache a sequence: [B, max_seq >= 1, Hkv >= 1, hd] with B dividing T = ",
+              num_tokens, " rows (T / B consecutive rows a sequence), found ", k_cache.sizes());
+  return cache_layout(op, k_cache, num_tokens);
 }
 
 // q: contiguous float32 [T, Hq, hd] on a CUDA device, hd one the kernel is built for (`head_dim_supported`).
@@ -105,6 +109,7 @@ AttentionArgs<CacheT> attention_args(const at::Tensor& q, const at::Tensor& k_ca
   a.k_cache = reinterpret_cast<const CacheT*>(k_cache.data_ptr());
   a.v_cache = reinterpret_cast<const CacheT*>(v_cache.data_ptr());
   a.cache_row_stride = cache.row_stride;
+  a.rows_per_cache = static_cast<int>(cache.rows_per_cache);
   a.positions = positions.data_ptr<int32_t>();
   a.scale = static_cast<float>(scale);
   a.out = out != nullptr ? out->data_ptr<float>() : nullptr;

@@ -1,7 +1,8 @@
 // CUDA binding of gdn_step: argument checks, device guard, launch on the current stream. Sizes come from
 // the tensors: conv_weight [C, K], state [Hv, dv, dk], so Hk = (C - Hv*dv) / (2*dk). The states' rank picks the
 // mode: state [Hv, dv, dk] and conv_state [K-1, C], one sequence of T <= kGdnStepMaxTokens tokens; state
-// [T, Hv, dv, dk] and conv_state [T, K-1, C], batched rows (T sequences of one token, x's row t sequence t).
+// [B, Hv, dv, dk] and conv_state [B, K-1, C], batched rows (B sequences of T / B tokens each, consecutive rows of x;
+// one token a sequence: any B, the decode step; more: at most kGdnStepMaxTokens, the verify).
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -26,20 +27,20 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
   const int64_t T = x.size(0);
   check_same_device(op, "state", state, device, "x");
   QWEN38_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && (state.dim() == 3 || state.dim() == 4),
-              op, ": state must be contiguous float32 [Hv, dv, dk], or [T, Hv, dv, dk] with a state a row, found ",
+              op, ": state must be contiguous float32 [Hv, dv, dk], or [B, Hv, dv, dk] with a state a sequence, found ",
               state.scalar_type(), " ", state.sizes());
   const bool batched_rows = state.dim() == 4;
+  const int64_t num_seqs = batched_rows ? state.size(0) : 1;
   if (batched_rows) {
-    QWEN38_CHECK(state.size(0) == T && T <= kGdnStepMaxSeqs, op, ": a 4-D state holds a sequence's state a row: "
-                "[T, Hv, dv, dk] with T = x's rows = ", T, " (at most ", kGdnStepMaxSeqs, "), found ", state.sizes());
-    QWEN38_CHECK(!token_conv_states.has_value() && !token_states.has_value(), op,
-                ": batched rows (state [T, Hv, dv, dk]: T sequences of one token) keep no per-token states: "
-                "token_conv_states and token_states must be None");
-  } else {
-    QWEN38_CHECK(T <= kGdnStepMaxTokens, op, ": at most ", kGdnStepMaxTokens, " tokens (x's rows) of one sequence, "
-                "found ", T, " (prompts run gdn_conv, gdn_gates, gdn_recurrent and gated_rms_norm; sequences of one "
-                "token each: state [T, Hv, dv, dk], conv_state [T, K-1, C])");
+    QWEN38_CHECK(num_seqs >= 1 && num_seqs <= kGdnStepMaxSeqs && T % num_seqs == 0, op,
+                ": a 4-D state holds a sequence's state a row: [B, Hv, dv, dk] with B (at most ", kGdnStepMaxSeqs,
+                ") dividing x's rows T = ", T, " (T / B consecutive rows a sequence), found ", state.sizes());
   }
+  const int64_t tokens = T / num_seqs;  // of each sequence
+  QWEN38_CHECK(tokens <= kGdnStepMaxTokens, op, ": at most ", kGdnStepMaxTokens, " tokens (x's rows) of a sequence, "
+              "found ", tokens, batched_rows ? " (x's rows / the states' B)" : "", " (prompts run gdn_conv, gdn_gates, "
+              "gdn_recurrent and gated_rms_norm; sequences of one token each: state [T, Hv, dv, dk], conv_state "
+              "[T, K-1, C])");
   check_aligned16(op, "state", state, "16-byte loads");
   const int64_t Hv = state.size(-3), dv = state.size(-2), dk = state.size(-1);
   QWEN38_CHECK(dk > 0 && dk <= kGdnStepMaxHeadDim && dv > 0 && dv <= kGdnStepMaxHeadDim && dv % 4 == 0, op,
@@ -58,7 +59,7 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
   QWEN38_CHECK(x.size(1) == C + Hv * dv + 2 * Hv, op, ": x must be [T, C + Hv*dv + 2*Hv] = [T, ",
               C + Hv * dv + 2 * Hv, "] (q | k | v | z | b | a), found ", x.sizes());
   if (batched_rows) {
-    check_float_tensor(op, "conv_state", conv_state, {T, taps - 1, C}, device, "x");
+    check_float_tensor(op, "conv_state", conv_state, {num_seqs, taps - 1, C}, device, "x");
   } else {
     check_float_tensor(op, "conv_state", conv_state, {taps - 1, C}, device, "x");
   }
@@ -67,9 +68,8 @@ void gdn_step(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tens
   check_float_tensor(op, "norm_weight", norm_weight, {dv}, device, "x");
 
   GdnStepArgs a;
-  a.T = batched_rows ? 1 : (int)T;  // tokens of each sequence
+  a.T = (int)tokens, a.num_seqs = (int)num_seqs;
   a.taps = (int)taps, a.Hk = (int)Hk, a.Hv = (int)Hv, a.dk = (int)dk, a.dv = (int)dv;
-  if (batched_rows) a.num_seqs = (int)T;
   a.x = x.data_ptr<float>();
   a.x_stride = x.stride(0);
   a.conv_weight = conv_weight.data_ptr<float>();

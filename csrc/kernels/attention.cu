@@ -6,9 +6,11 @@
 // on it (the causal bound, each split's row range), so the grid is fixed at launch and one captured graph
 // serves every decode position.
 //
-// Batched rows (attention.h: row t is sequence t, with its own cache) run the same kernels on the same grid: the
-// blocks of token t read their cache from k_cache + t * cache_row_stride, and every row gets the decode step's
-// kAttentionSplits splits whatever T, so each row computes exactly what a T = 1 call on its cache computes.
+// Batched rows (attention.h: rows_per_cache consecutive rows a sequence, each sequence with its own cache) run the
+// same kernels on the same grid: the blocks of token t read their cache from
+// k_cache + (t / rows_per_cache) * cache_row_stride, and every row gets the decode step's kAttentionSplits splits
+// whatever T, so each row computes exactly what a T = 1 call on its cache computes (a verify row's causal bound is
+// its own position, read as in every mode).
 #include "attention.h"
 
 #include <cuda_bf16.h>
@@ -146,7 +148,7 @@ __device__ __forceinline__ void issue_tile(CacheT* stage_k, CacheT* stage_v, con
 template <typename CacheT, int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kAttnThreads, 2)
 attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k_cache,
-                       const CacheT* __restrict__ v_cache, int64_t cache_row_stride,
+                       const CacheT* __restrict__ v_cache, int64_t cache_row_stride, int rows_per_cache,
                        const int32_t* __restrict__ positions, float scale_log2, float* __restrict__ out,
                        float* __restrict__ ws_acc, float* __restrict__ ws_ml, int num_heads, int num_kv_heads,
                        int group, int max_seq, int num_splits) {
@@ -162,9 +164,9 @@ attention_split_kernel(const float* __restrict__ q, const CacheT* __restrict__ k
   const SplitRange range = split_range(ctx, num_splits, Tile::kRows);
   if (split >= range.active_splits) return;  // block-uniform, before any barrier
   // kv_head of token t's own cache in batched rows (of the shared one at stride 0) as one head index from the
-  // caches' start: t * max_seq * Hkv + kv_head. Folded into the index issue_tile forms anyway; as a pointer offset
-  // of its own it cost an add per 16-byte copy.
-  const int64_t cache_head = t * (cache_row_stride / kHeadDim) + kv_head;
+  // caches' start: (t / rows_per_cache) * max_seq * Hkv + kv_head. Folded into the index issue_tile forms anyway; as
+  // a pointer offset of its own it cost an add per 16-byte copy.
+  const int64_t cache_head = (int64_t)(t / rows_per_cache) * (cache_row_stride / kHeadDim) + kv_head;
   const int begin = split * range.rows_per_split;
   const int end = min(begin + range.rows_per_split, ctx);
   const int num_tiles = (end - begin + Tile::kRows - 1) / Tile::kRows;
@@ -418,7 +420,7 @@ cudaError_t launch_combine(dim3 grid, cudaStream_t stream, const int32_t* positi
 
 // gate: null for attention's plain output (a.out), else the output gate fused into the combine (which then must
 // run: the caller guarantees more than one split; a.out is not written). Batched rows (a.cache_row_stride != 0)
-// take the same path with kAttentionSplits splits a row.
+// take the same path with kAttentionSplits splits a row, any rows_per_cache.
 template <typename CacheT, int kHeadDim, int kGroup>
 cudaError_t launch_attention(const AttentionArgs<CacheT>& a, const GateOutputs* gate, cudaStream_t stream) {
   using Split = GroupSplit<kGroup>;
@@ -436,8 +438,8 @@ cudaError_t launch_attention(const AttentionArgs<CacheT>& a, const GateOutputs* 
   float* ws_ml = a.workspace + (int64_t)a.num_tokens * a.num_heads * num_splits * kHeadDim;
   const dim3 grid(num_splits, a.num_kv_heads, a.num_tokens);
   err = launch_pdl(kernel, grid, dim3(kAttnThreads), kSmemBytes, stream, a.q, a.k_cache, a.v_cache,
-                   a.cache_row_stride, a.positions, a.scale * kLog2e, out, ws_acc, ws_ml, a.num_heads, a.num_kv_heads,
-                   a.num_heads / a.num_kv_heads, a.max_seq, num_splits);
+                   a.cache_row_stride, a.rows_per_cache, a.positions, a.scale * kLog2e, out, ws_acc, ws_ml, a.num_heads,
+                   a.num_kv_heads, a.num_heads / a.num_kv_heads, a.max_seq, num_splits);
   if (err != cudaSuccess || num_splits == 1) return err;
   const dim3 combine_grid(a.num_heads, a.num_tokens);
   const GateOutputs g = gate != nullptr ? *gate : GateOutputs{};
@@ -467,7 +469,8 @@ cudaError_t dispatch_group(const AttentionArgs<CacheT>& a, const GateOutputs* ga
 template <typename CacheT>
 cudaError_t dispatch_head_dim(const AttentionArgs<CacheT>& a, const GateOutputs* gate, cudaStream_t stream) {
   if (a.num_tokens <= 0) return cudaSuccess;
-  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.num_heads / a.num_kv_heads > kAttentionMaxGroup)
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.num_heads / a.num_kv_heads > kAttentionMaxGroup ||
+      a.rows_per_cache <= 0 || a.num_tokens % a.rows_per_cache != 0)
     return cudaErrorInvalidValue;
   switch (a.head_dim) {
     case 32: return dispatch_group<CacheT, 32>(a, gate, stream);

@@ -9,9 +9,12 @@
 //
 // Two modes, the same kernels (the Args' cache_row_stride tells them apart): the T rows of a call are T tokens of
 // ONE sequence sharing one cache [max_seq, Hkv, hd] (cache_row_stride 0: a decode step, a speculative verify, a
-// prompt), or T sequences of one token each, row t with its own cache t of [T, max_seq, Hkv, hd] (batched rows,
-// cache_row_stride = max_seq*Hkv*hd: B sequences decode in one launch). In both, row t finds its cache at
-// k_cache + t * cache_row_stride; nothing else differs but the attention's split count (attention_num_splits).
+// prompt), or rows of B sequences, each with its own cache of [B, max_seq, Hkv, hd] (batched rows, cache_row_stride
+// = max_seq*Hkv*hd): rows_per_cache consecutive rows a sequence, T = B * rows_per_cache. rows_per_cache 1 is B
+// sequences' decode steps in one launch; more is each sequence's speculative verify (its tokens at consecutive
+// positions, causal through positions[t] as in the shared cache). In both, row t finds its cache at
+// k_cache + (t / rows_per_cache) * cache_row_stride; nothing else differs but the attention's split count
+// (attention_num_splits).
 #pragma once
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -24,7 +27,8 @@ namespace qwen38 {
 constexpr int kAttentionMaxGroup = 8;  // query heads per kv head
 
 // Splits per (token, query head) of the attention kernel (op_limits.h says why). Batched rows always get the decode
-// step's kAttentionSplits, whatever T: each row is a sequence's decode step and keeps a T = 1 call's float order.
+// step's kAttentionSplits, whatever T: each row is a sequence's decode step (or a row of its verify) and keeps a
+// T = 1 call's float order.
 inline int attention_num_splits(int num_tokens, bool batched_rows) {
   if (batched_rows || num_tokens <= kAttentionSameSplitTokens) return kAttentionSplits;
   const int s = kAttentionSplits / num_tokens;
@@ -40,8 +44,9 @@ inline bool attention_head_dim_supported(int head_dim) {
 }
 
 // qgkv [T, Hq*2*hd + 2*Hkv*hd] (row stride qgkv_row_stride), q_norm/k_norm [hd], positions int32 [T],
-// q_out [T, Hq, hd], caches [max_seq, Hkv, hd] (cache_row_stride 0) or [T, max_seq, Hkv, hd] (batched rows:
-// cache_row_stride = max_seq*Hkv*hd), row t storing its k, v at row positions[t] of its cache. A position outside
+// q_out [T, Hq, hd], caches [max_seq, Hkv, hd] (cache_row_stride 0) or [B, max_seq, Hkv, hd] (batched rows:
+// cache_row_stride = max_seq*Hkv*hd, T = B * rows_per_cache), row t storing its k, v at row positions[t] of its
+// cache (t / rows_per_cache). A position outside
 // [0, max_seq) stores nothing and stores kBadPositionFlag into bad_position[t * bad_position_stride] (when not null:
 // stride 0, one flag shared by the rows; 1, a flag a row). hd <= 1024, rotary_dim even and <= hd.
 template <typename CacheT>
@@ -57,6 +62,7 @@ struct AttnQkNormRopeStoreArgs {
   CacheT* k_cache = nullptr;
   CacheT* v_cache = nullptr;
   int64_t cache_row_stride = 0;
+  int rows_per_cache = 1;  // batched rows: consecutive rows of one cache
   int32_t* bad_position = nullptr;
   int bad_position_stride = 0;
   int num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, max_seq = 0;
@@ -64,10 +70,10 @@ struct AttnQkNormRopeStoreArgs {
 template <typename CacheT>
 cudaError_t attn_qk_norm_rope_store_launch(const AttnQkNormRopeStoreArgs<CacheT>& args, cudaStream_t stream);
 
-// q [T, Hq, hd], caches [max_seq, Hkv, hd] (cache_row_stride 0) or [T, max_seq, Hkv, hd] (batched rows:
-// cache_row_stride = max_seq*Hkv*hd, never 0: max_seq >= 1), 16-byte aligned, positions int32 [T], out [T, Hq, hd],
-// workspace float32 with attention_workspace_numel(T, Hq, hd, cache_row_stride != 0) elements. Token t attends
-// rows 0..positions[t] (clamped to the cache) of its cache. Hq / Hkv <= kAttentionMaxGroup, head_dim supported as
+// q [T, Hq, hd], caches [max_seq, Hkv, hd] (cache_row_stride 0) or [B, max_seq, Hkv, hd] (batched rows:
+// cache_row_stride = max_seq*Hkv*hd, never 0: max_seq >= 1; T = B * rows_per_cache), 16-byte aligned, positions
+// int32 [T], out [T, Hq, hd], workspace float32 with attention_workspace_numel(T, Hq, hd, cache_row_stride != 0)
+// elements. Token t attends rows 0..positions[t] (clamped to the cache) of its cache (t / rows_per_cache). Hq / Hkv <= kAttentionMaxGroup, head_dim supported as
 // above. attention_prefill_launch (attention_prefill.h) takes the same arguments (one shared cache only), with its
 // own workspace size.
 template <typename CacheT>
@@ -75,7 +81,8 @@ struct AttentionArgs {
   const float* q = nullptr;
   const CacheT* k_cache = nullptr;
   const CacheT* v_cache = nullptr;
-  int64_t cache_row_stride = 0;  // elements from row t's cache to row t+1's: 0 shares one cache
+  int64_t cache_row_stride = 0;  // elements from one cache to the next: 0 shares one cache
+  int rows_per_cache = 1;        // batched rows: consecutive rows of one cache
   const int32_t* positions = nullptr;
   float scale = 0.f;
   float* out = nullptr;  // unused by attention_gated_launch (the gate's out is its output)

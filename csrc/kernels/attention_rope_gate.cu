@@ -3,8 +3,8 @@
 // sit around is attention.cu's.
 //
 // Positions live on the device (int32): the store reads positions[t] itself, so the grid is fixed at launch and
-// one captured graph serves every decode position. In batched rows (attention.h) row t stores into its own cache,
-// cache_row_stride elements past row t-1's; the shared cache is stride 0.
+// one captured graph serves every decode position. In batched rows (attention.h) row t stores into its sequence's
+// cache t / rows_per_cache, cache_row_stride elements apart; the shared cache is stride 0.
 #include "attention.h"
 
 #include <cuda_bf16.h>
@@ -40,7 +40,8 @@ __global__ void qk_norm_rope_store_kernel(const float* __restrict__ qgkv, int64_
                                           const int32_t* __restrict__ positions, float eps, float rope_theta,
                                           int rotary_dim, float* __restrict__ q_out, CacheT* __restrict__ k_cache,
                                           CacheT* __restrict__ v_cache, int64_t cache_row_stride,
-                                          int32_t* __restrict__ bad_position, int bad_position_stride,
+                                          int rows_per_cache, int32_t* __restrict__ bad_position,
+                                          int bad_position_stride,
                                           int num_heads, int num_kv_heads, int head_dim, int max_seq) {
   // PDL (pdl.cuh): nothing is read before the wait; qgkv is the predecessor's output.
   pdl_allow_successor();
@@ -86,7 +87,8 @@ __global__ void qk_norm_rope_store_kernel(const float* __restrict__ qgkv, int64_
   if (is_query) {
     q_out[((int64_t)t * num_heads + head) * head_dim + d] = y;
   } else if (pos >= 0 && pos < max_seq) {
-    const int64_t dst = t * cache_row_stride + ((int64_t)pos * num_kv_heads + kv_head) * head_dim + d;
+    const int64_t dst =
+        (t / rows_per_cache) * cache_row_stride + ((int64_t)pos * num_kv_heads + kv_head) * head_dim + d;
     k_cache[dst] = from_float<CacheT>(y);
     v_cache[dst] = from_float<CacheT>(row[v_offset + kv_head * head_dim + d]);
   } else if (d == 0 && bad_position != nullptr) {
@@ -117,13 +119,14 @@ __global__ void attn_output_gate_kernel(const float* __restrict__ attn, GateOutp
 template <typename CacheT>
 cudaError_t attn_qk_norm_rope_store_launch(const AttnQkNormRopeStoreArgs<CacheT>& a, cudaStream_t stream) {
   if (a.num_tokens <= 0) return cudaSuccess;
-  if (a.head_dim <= 0 || a.head_dim > 1024 || a.rotary_dim < 0 || a.rotary_dim > a.head_dim || a.rotary_dim % 2 != 0)
+  if (a.head_dim <= 0 || a.head_dim > 1024 || a.rotary_dim < 0 || a.rotary_dim > a.head_dim || a.rotary_dim % 2 != 0 ||
+      a.rows_per_cache <= 0 || a.num_tokens % a.rows_per_cache != 0)
     return cudaErrorInvalidValue;
   const int threads = (a.head_dim + 31) / 32 * 32;
   return launch_pdl(qk_norm_rope_store_kernel<CacheT>, dim3(a.num_heads + a.num_kv_heads, a.num_tokens),
                     dim3(threads), 0, stream, a.qgkv, a.qgkv_row_stride, a.q_norm, a.k_norm, a.positions, a.eps,
-                    a.rope_theta, a.rotary_dim, a.q_out, a.k_cache, a.v_cache, a.cache_row_stride, a.bad_position,
-                    a.bad_position_stride, a.num_heads, a.num_kv_heads, a.head_dim, a.max_seq);
+                    a.rope_theta, a.rotary_dim, a.q_out, a.k_cache, a.v_cache, a.cache_row_stride, a.rows_per_cache,
+                    a.bad_position, a.bad_position_stride, a.num_heads, a.num_kv_heads, a.head_dim, a.max_seq);
 }
 
 cudaError_t attn_output_gate_launch(const AttnOutputGateArgs& a, cudaStream_t stream) {

@@ -22,8 +22,9 @@
 //     memory (distributed shared memory; split_rows is a multiple of 4, so no float4 straddles two blocks),
 //     then the int8 / two-word quantization of the out projection's input.
 //
-// Batched rows (gdn_step.h: num_seqs sequences of one token, each with its own states) add the grid's y, the
-// sequence: its blocks offset x, out and the states to their sequence's and run the T = 1 code unchanged.
+// Batched rows (gdn_step.h: num_seqs sequences of T tokens, each with its own states) add the grid's y, the
+// sequence: its blocks offset x, out, the states and the token states to their sequence's and run the T-token code
+// unchanged.
 //
 // The blocks of a key head's Hv/Hk value heads form one thread-block cluster (block index = (key_head * group
 // + j) * kSplit + part, value head key_head + j * Hk), and two cluster barriers order what crosses blocks. The
@@ -96,12 +97,13 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   const int row_begin = min(dv, part * split_rows), row_end = min(dv, row_begin + split_rows);
   const int C = 2 * Hk * dk + Hv * dv;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // The sequence of this block (blockIdx.y; batched rows: sequence seq is x's and out's row seq, T = 1) and its
-  // states. One sequence of T tokens: seq 0. The state's offset is one index, (seq, head): with a separate
+  // The sequence of this block (blockIdx.y; batched rows: sequence seq's token t is x's and out's row seq*T + t)
+  // and its states. One sequence of T tokens: seq 0. The state's offset is one index, (seq, head): with a separate
   // seq * stride term nvcc no longer merged the final state write-back into 16-byte stores (H200, 27B, T = 1:
   // 8.7 us a layer against 7.2).
   const int seq = blockIdx.y;
-  const float* const seq_x = a.x + seq * a.x_stride;
+  const int seq_row = seq * T;  // x's, out's and the token states' row of the sequence's first token
+  const float* const seq_x = a.x + seq_row * a.x_stride;
   float* const seq_conv_state = a.conv_state + (int64_t)seq * (taps - 1) * C;
   float* const head_state = a.state + ((int64_t)seq * Hv + head) * dv * dk;
 
@@ -180,7 +182,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
       if (writes && a.token_conv_states != nullptr) {
 #pragma unroll
         for (int tap = 0; tap < kMaxTaps - 1; ++tap)
-          if (tap < taps - 1) a.token_conv_states[((int64_t)t * (taps - 1) + tap) * C + channel] = window[tap];
+          if (tap < taps - 1)
+            a.token_conv_states[((int64_t)(seq_row + t) * (taps - 1) + tap) * C + channel] = window[tap];
       }
       if (is_qk) {
         const float sum = warp_sum(__fmul_rn(y, y));
@@ -237,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
         if (lane == 0) s_o[t][row] = gdn_row_out(decay, sq, delta, kq, a.q_scale);
         gdn_row_update<kVec, kChunks>(s[r], k, decay, delta);
         if (a.token_states != nullptr) {
-          float* const token_row = a.token_states + (((int64_t)t * Hv + head) * dv + row) * dk;
+          float* const token_row = a.token_states + (((int64_t)(seq_row + t) * Hv + head) * dv + row) * dk;
 #pragma unroll
           for (int i = 0; i < kChunks; ++i)
             if (owns[i]) gdn_store_vec<kVec>(token_row + (i * 32 + lane) * kVec, s[r][i]);
@@ -272,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs
   // fma(w, w, fma(z, z, fma(x, x, y*y))) (nvcc's contraction of x*x + y*y + z*z + w*w there), then the
   // warp butterfly; 1/sqrt rounded twice.
   if (norm_block && warp < T) {
-    const int t = warp, row = seq + t;  // out's row of token t
+    const int t = warp, row = seq_row + t;  // out's row of token t
     float4 v[kNormItems];
     float ss = 0.0f;
 #pragma unroll
@@ -344,10 +347,7 @@ cudaError_t launch(const GdnStepArgs& a, cudaStream_t stream) {
 cudaError_t gdn_step_launch(const GdnStepArgs& args, cudaStream_t stream) {
   if (args.T <= 0 || args.num_seqs <= 0) return cudaSuccess;
   const GdnStepArgs& a = args;
-  const bool batched_rows = a.num_seqs > 1;  // one token each, no per-token states
-  if (a.T > kGdnStepMaxTokens || a.num_seqs > kGdnStepMaxSeqs ||
-      (batched_rows && (a.T != 1 || a.token_conv_states != nullptr || a.token_states != nullptr)) || a.taps < 2 ||
-      a.taps > kGdnMaxConvTaps || a.Hk <= 0 || a.Hv % a.Hk != 0 || a.Hv / a.Hk > kGdnStepMaxGroup || a.dk <= 0 ||
+  if (a.T > kGdnStepMaxTokens || a.num_seqs > kGdnStepMaxSeqs || a.taps < 2 || a.taps > kGdnMaxConvTaps || a.Hk <= 0 || a.Hv % a.Hk != 0 || a.Hv / a.Hk > kGdnStepMaxGroup || a.dk <= 0 ||
       a.dk > kGdnStepMaxHeadDim || a.dv <= 0 || a.dv > kGdnStepMaxHeadDim || a.dv % 4 != 0 ||
       (a.out_q != nullptr && a.dv % kQuantBlock != 0) || !aligned16(a.state))
     return cudaErrorInvalidValue;

@@ -1,8 +1,9 @@
 """Gated full attention: per-head QK RMSNorm, partial NEOX RoPE, KV cache, causal GQA, sigmoid gate.
 
 The caches are [max_seq, Hkv, hd], one cache the T rows of a call share (a sequence's decode step, verify or
-prompt), or [T, max_seq, Hkv, hd]: batched rows, row t a sequence of its own with cache t. A batched call is, by
-definition, T one-row calls, row t on its own cache."""
+prompt), or [B, max_seq, Hkv, hd] with B dividing T: batched rows, T / B consecutive rows a sequence with its own
+cache (one row: its decode step; more: its verify). A batched call is, by definition, B calls of T / B rows, each
+on its own cache."""
 import torch
 
 from .norm_quant import write_activation
@@ -38,16 +39,26 @@ def _rope(x, cos, sin, rotary_dim):
     return torch.cat([rot * cos + rotated * sin, x[..., rotary_dim:]], dim=-1)
 
 
+def sequence_rows(num_rows: int, caches) -> int:
+    """Rows of each sequence in a batched call of num_rows rows over caches (or states) [B, ...]."""
+    if caches.shape[0] < 1 or num_rows % caches.shape[0]:
+        raise RuntimeError(f"batched rows: the caches' (states') B = {caches.shape[0]} must divide the {num_rows} rows "
+                           "(B sequences of the same number of consecutive rows)")
+    return num_rows // caches.shape[0]
+
+
 def attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, eps, rope_theta, rotary_dim, q_out, k_cache,
                             v_cache, bad_position=None) -> None:
     """Rows at positions outside the cache are not stored; they set bad_position to 1 (as the kernel does): its
     one element, shared by the rows, or element t of its T, row t's own flag."""
     if k_cache.dim() == 4:
-        for t in range(qgkv.shape[0]):
+        per = sequence_rows(qgkv.shape[0], k_cache)
+        for b in range(k_cache.shape[0]):
+            rows = slice(b * per, (b + 1) * per)
             shared = bad_position is None or bad_position.numel() == 1
-            flag = bad_position if shared else bad_position.view(-1)[t : t + 1]
-            attn_qk_norm_rope_store(qgkv[t : t + 1], q_norm, k_norm, positions[t : t + 1], eps, rope_theta,
-                                    rotary_dim, q_out[t : t + 1], k_cache[t], v_cache[t], flag)
+            flag = bad_position if shared else bad_position.view(-1)[rows]
+            attn_qk_norm_rope_store(qgkv[rows], q_norm, k_norm, positions[rows], eps, rope_theta, rotary_dim,
+                                    q_out[rows], k_cache[b], v_cache[b], flag)
         return
     dtype = q_out.dtype
     q, _, k, v = split_qgkv(qgkv.to(dtype), k_cache.shape[1], q_norm.shape[0])
@@ -74,8 +85,10 @@ def attention(q, k_cache, v_cache, positions, scale, out, workspace) -> None:
     in blocks of rows (memory O(rows * H * L), not O(T^2 H)); query head h reads KV head h // (Hq / Hkv),
     without copying K and V per query head."""
     if k_cache.dim() == 4:
-        for t in range(q.shape[0]):
-            attention(q[t : t + 1], k_cache[t], v_cache[t], positions[t : t + 1], scale, out[t : t + 1], workspace)
+        per = sequence_rows(q.shape[0], k_cache)
+        for b in range(k_cache.shape[0]):
+            rows = slice(b * per, (b + 1) * per)
+            attention(q[rows], k_cache[b], v_cache[b], positions[rows], scale, out[rows], workspace)
         return
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]

@@ -1,10 +1,13 @@
 """gdn_step: a GDN layer's decode step between its two projections, composed from the references of the
 ops it fuses (gdn_conv -> gdn_gates -> gdn_recurrent -> gated_rms_norm), which define it.
 
-Batched rows: with conv_state [T, K-1, C] and state [T, Hv, dv, dk] (one leading dimension more), row t of x is a
-sequence of its own, one token on conv_state[t] and state[t]: by definition T one-row calls."""
+Batched rows: with conv_state [B, K-1, C] and state [B, Hv, dv, dk] (one leading dimension more), B dividing x's
+T rows, x's rows are B sequences of T / B consecutive tokens, sequence b's on conv_state[b] and state[b] (its
+token states, when kept, at its rows of token_conv_states / token_states [T, ...]): by definition B calls of T / B
+rows."""
 import torch
 
+from .attention import sequence_rows
 from .gdn import gdn_conv, gdn_gates, gdn_recurrent
 from .norm_quant import gated_rms_norm
 
@@ -12,15 +15,13 @@ from .norm_quant import gated_rms_norm
 def gdn_step(x, conv_weight, a_neg, dt_bias, norm_weight, eps, conv_state, state, out, out_q=None, out_q_lo=None,
              out_d=None, token_conv_states=None, token_states=None) -> None:
     """x [T, C + Hv*dv + 2*Hv] = [q | k | v | z | b | a]; sizes from conv_weight [C, K] and state [Hv, dv, dk]
-    (or [T, Hv, dv, dk]: batched rows, which keep no per-token states)."""
+    (or [B, Hv, dv, dk]: batched rows)."""
     if state.dim() == 4:
-        if token_conv_states is not None or token_states is not None:
-            raise RuntimeError("gdn_step: batched rows (state [T, Hv, dv, dk]: T sequences of one token) keep no "
-                               "per-token states: token_conv_states and token_states must be None")
-        for t in range(x.shape[0]):
-            row = slice(t, t + 1)
-            gdn_step(x[row], conv_weight, a_neg, dt_bias, norm_weight, eps, conv_state[t], state[t], out[row],
-                     *(o if o is None else o[row] for o in (out_q, out_q_lo, out_d)))
+        per = sequence_rows(x.shape[0], state)
+        for b in range(state.shape[0]):
+            rows = slice(b * per, (b + 1) * per)
+            gdn_step(x[rows], conv_weight, a_neg, dt_bias, norm_weight, eps, conv_state[b], state[b], out[rows],
+                     *(o if o is None else o[rows] for o in (out_q, out_q_lo, out_d, token_conv_states, token_states)))
         return
     num_v_heads, dv, dk = state.shape
     channels = conv_weight.shape[0]

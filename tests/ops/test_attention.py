@@ -11,6 +11,12 @@ Batched rows (caches [T, max_seq, Hkv, hd]: row t a sequence of its own with cac
 against one-row calls and an explicit softmax loop, opcheck, per-row bad_position flags; on CUDA the kernels
 against the reference (each row at its own context length, unread cache rows poisoned), every row bit for bit a
 T = 1 call on its own cache for T up to 64, per-row flags, the workspace rule, bad arguments.
+
+Batched verify rows (caches [B, max_seq, Hkv, hd] for B * n rows: n consecutive rows a sequence, at consecutive
+positions, causal within the sequence): on the CPU the reference against each sequence's n-row call and a softmax
+loop, opcheck; on CUDA the store and attention against the float64 reference (unread rows poisoned), attention_gated
+the bits of attention then the gate, and every sequence's rows bit for bit its own n-row call on its cache alone
+(the one-sequence verify), at odd sizes and the 27B shape with B * n up to 112 rows.
 """
 import os
 from contextlib import nullcontext
@@ -249,6 +255,71 @@ def check_per_row_flags(device):
 
 def test_per_row_bad_position_flags():
     check_per_row_flags("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: batched verify rows (caches [B, max_seq, Hkv, hd], n consecutive rows a sequence).
+
+def verify_positions(bases, n):
+    """Each sequence's n rows at positions base .. base + n - 1 (its pending token and drafts), flattened."""
+    return torch.tensor([b + j for b in bases for j in range(n)], dtype=torch.int32)
+
+
+def test_opcheck_cpu_batched_verify_rows():
+    hq, hkv, hd, rd = ORACLE
+    bases, n, max_seq = [2, 9, 0], 3, 16
+    T = len(bases) * n
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd)
+    positions = verify_positions(bases, n)
+    k_cache, v_cache = make_row_caches([b + n - 1 for b in bases], max_seq, hkv, hd, torch.float32)
+    q_out, flags = torch.empty(T, hq, hd), torch.zeros(T, dtype=torch.int32)
+    torch.library.opcheck(ops.attn_qk_norm_rope_store.default,
+                          (qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache, flags))
+    out, workspace = torch.empty(T, hq, hd), torch.empty(workspace_numel(T, hq, hd, batched=True))
+    torch.library.opcheck(ops.attention.default, (q_out, k_cache, v_cache, positions, hd**-0.5, out, workspace))
+    gated = torch.empty(T, hq * hd)
+    torch.library.opcheck(ops.attention_gated.default,
+                          (q_out, k_cache, v_cache, positions, hd**-0.5, qgkv, workspace, gated, None, None, None))
+
+
+def test_batched_verify_reference_is_each_sequences_call():
+    """B sequences of n rows: sequence b's store and attention are its own n-row call on cache b alone (bit for
+    bit), and row j of it attends rows 0..base + j of cache b only (an explicit softmax loop): the causal bound
+    within the sequence is its position, the other caches are other sequences'."""
+    hq, hkv, hd, rd = 6, 2, 16, 8
+    bases, n, max_seq = [4, 0, 9], 3, 14
+    T, scale = len(bases) * n, hd**-0.5
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, dtype=torch.float64, seed=7)
+    positions = verify_positions(bases, n)
+    g = torch.Generator().manual_seed(4)
+    k0, v0 = (torch.randn(len(bases), max_seq, hkv, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k_cache, v_cache = torch.empty(T, hq, hd, dtype=torch.float64), k0.clone(), v0.clone()
+    ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q, k_cache, v_cache)
+    out = torch.empty(T, hq, hd, dtype=torch.float64)
+    ops.attention(q, k_cache, v_cache, positions, scale, out, torch.empty(0))
+    for b, base in enumerate(bases):
+        rows = slice(b * n, (b + 1) * n)
+        q_b, k_b, v_b = torch.empty(n, hq, hd, dtype=torch.float64), k0[b].clone(), v0[b].clone()
+        ops.attn_qk_norm_rope_store(qgkv[rows], q_norm, k_norm, positions[rows], EPS, THETA, rd, q_b, k_b, v_b)
+        assert torch.equal(q[rows], q_b) and torch.equal(k_cache[b], k_b) and torch.equal(v_cache[b], v_b), b
+        for j in range(n):
+            seen = base + j + 1
+            for h in range(hq):
+                kv = h // (hq // hkv)
+                p = torch.softmax(k_b[:seen, kv] @ q_b[j, h] * scale, dim=0)
+                torch.testing.assert_close(out[b * n + j, h], p @ v_b[:seen, kv], rtol=1e-12, atol=1e-12)
+
+
+def test_batched_rows_that_no_sequence_count_divides_are_refused():
+    hq, hkv, hd, rd = ORACLE
+    k_cache, v_cache = make_row_caches([3, 3], 8, hkv, hd, torch.float32)
+    qgkv, q_norm, k_norm = make_qgkv(3, hq, hkv, hd)
+    positions = torch.tensor([1, 2, 3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="B = 2 must divide the 3 rows"):
+        ops.attn_qk_norm_rope_store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, torch.empty(3, hq, hd), k_cache,
+                                    v_cache)
+    with pytest.raises(RuntimeError, match="B = 2 must divide the 3 rows"):
+        ops.attention(torch.zeros(3, hq, hd), k_cache, v_cache, positions, 0.1, torch.empty(3, hq, hd), torch.empty(0))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -686,9 +757,11 @@ def check_bad_inputs():
 
     # Batched rows: caches [T, max_seq, Hkv, hd], flags [1] or [T], the batched workspace.
     row_k, row_v = k_cache.expand(T, -1, -1, -1).contiguous(), v_cache.expand(T, -1, -1, -1).contiguous()
+    three_k, three_v = k_cache.expand(3, -1, -1, -1).contiguous(), v_cache.expand(3, -1, -1, -1).contiguous()
     progress()
-    with pytest.raises(RuntimeError, match="attn_qk_norm_rope_store: a 4-D k_cache holds a cache a row"):
-        store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, row_k[:1], row_v[:1])
+    with pytest.raises(RuntimeError, match="attn_qk_norm_rope_store: a 4-D k_cache holds a cache a sequence: .* B "
+                                           "dividing T = 2"):
+        store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, three_k, three_v)
     progress()
     with pytest.raises(RuntimeError, match="attn_qk_norm_rope_store: k_cache must be \\[max_seq, Hkv, hd\\], or"):
         store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, row_k[None], row_v[None])
@@ -708,8 +781,8 @@ def check_bad_inputs():
         with pytest.raises(RuntimeError, match="bad_position must be contiguous int32 with 1 element"):
             store(qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, row_k, row_v, flag)
     progress()
-    with pytest.raises(RuntimeError, match="attention: a 4-D k_cache holds a cache a row"):
-        ops.attention(q_out, row_k[:1], row_v[:1], positions, 0.1, out, workspace)
+    with pytest.raises(RuntimeError, match="attention: a 4-D k_cache holds a cache a sequence"):
+        ops.attention(q_out, three_k, three_v, positions, 0.1, out, workspace)
     rows_k, rows_v = k_cache.expand(rows, -1, -1, -1).contiguous(), v_cache.expand(rows, -1, -1, -1).contiguous()
     shared_size = torch.empty(workspace_numel(rows, hq, hd), device="cuda")  # the shared cache's: fewer splits
     progress()
@@ -951,3 +1024,141 @@ def test_batched_workspace_rule_is_the_kernels():
             with pytest.raises(RuntimeError, match="workspace must hold") if numel < needed else nullcontext():
                 ops.attention_gated(q, k_cache, v_cache, positions, 0.1, qgkv, workspace, gated, None, None, None)
     torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA: batched verify rows (caches [B, max_seq, Hkv, hd], n consecutive rows a sequence).
+
+VERIFY_CASES = [
+    # (Hq, Hkv, hd, n, bases): the 27B shape (verify of 2, 4 and 7 rows for 3 to 16 sequences, contexts from one
+    # tile to many splits), the oracle, odd group sizes and head_dims.
+    (24, 4, 256, 4, [0, 37, 4999]),
+    (24, 4, 256, 2, [1500, 3, 700, 1999, 64, 65, 127, 128]),
+    (24, 4, 256, 7, [(b * 389) % 1300 for b in range(16)]),
+    (4, 2, 32, 3, [5, 0, 1234, 77, 9]),
+    (5, 1, 64, 5, [999, 0]),
+    (6, 3, 128, 2, [300, 2100, 1]),
+    (8, 1, 128, 8, [2048, 129]),
+]
+
+
+def verify_caches(bases, n, hkv, hd, cache_dtype, seed):
+    """Cache b random up to its last verify row, NaN past it, max_seq 9 rows past the longest."""
+    last = [b + n - 1 for b in bases]
+    return make_row_caches(torch.tensor(last), max(last) + 9, hkv, hd, cache_dtype, seed=seed)
+
+
+@cuda
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_n{c[3]}_B{len(c[4])}")
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_batched_verify_attention_cuda_matches_reference(case, cache_dtype):
+    """attention over B sequences of n rows against the float64 reference (bound as
+    test_attention_cuda_matches_reference): each row sees its own cache up to its own position, the rows past it
+    (the sequence's later drafts, then NaN) unread; out and workspace poisoned."""
+    assert_cuda_kernel("attention")
+    hq, hkv, hd, n, bases = case
+    k_cache, v_cache = verify_caches(bases, n, hkv, hd, cache_dtype, seed=hd + n)
+    check_attention_against_reference(k_cache, v_cache, verify_positions(bases, n), hq)
+
+
+@cuda
+@pytest.mark.parametrize("case", VERIFY_CASES[:4], ids=lambda c: f"H{c[0]}x{c[1]}_hd{c[2]}_n{c[3]}_B{len(c[4])}")
+@pytest.mark.parametrize("lane", ["f32", "int8", "int8x2"])
+def test_batched_verify_attention_gated_equals_attention_then_gate(case, lane):
+    assert_cuda_kernel("attention_gated")
+    hq, hkv, hd, n, bases = case
+    k_cache, v_cache = verify_caches(bases, n, hkv, hd, torch.bfloat16, seed=hd + n)
+    T = len(bases) * n
+    q = torch.randn(T, hq, hd, generator=torch.Generator().manual_seed(T)) * 1.5
+    qgkv, _, _ = make_qgkv(T, hq, hkv, hd, seed=T + 1)
+    check_gated_equals_unfused(q, k_cache, v_cache, verify_positions(bases, n), qgkv, lane, batched=True)
+
+
+@cuda
+@pytest.mark.parametrize("shape", [ORACLE, M27B, (6, 3, 64, 64)])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("n", [2, 5])
+def test_batched_verify_store_cuda_float64(shape, cache_dtype, n):
+    """The store of B sequences of n rows against the float64 reference: sequence b's k and v at rows base_b ..
+    base_b + n - 1 of cache b, every other row of every cache still NaN."""
+    assert_cuda_kernel("attn_qk_norm_rope_store")
+    hq, hkv, hd, rd = shape
+    max_seq, bases = 64, [3, 0, 50, 20]
+    T = len(bases) * n
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, seed=n + hd)
+    positions = verify_positions(bases, n)
+    k_cache = torch.full((len(bases), max_seq, hkv, hd), float("nan"), dtype=torch.float64)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_out, v_out, exp_k, exp_v, tol = store_against_reference(qgkv, q_norm, k_norm, positions, rd, k_cache, v_cache,
+                                                             hq, cache_dtype)
+    written = torch.zeros(len(bases), max_seq, dtype=torch.bool)
+    for b, base in enumerate(bases):
+        written[b, base : base + n] = True
+    k_out, v_out = k_out.cpu().double(), v_out.cpu().double()
+    assert torch.isnan(k_out[~written]).all() and torch.isnan(v_out[~written]).all()
+    torch.testing.assert_close(k_out[written], exp_k[written], **tol)
+    torch.testing.assert_close(v_out[written], exp_v[written].to(cache_dtype).double(), rtol=0, atol=0)
+
+
+@cuda
+@pytest.mark.parametrize("sequences, n", [(1, 4), (3, 2), (5, 7), (16, 4), (16, 7)])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_batched_verify_rows_equal_one_sequence_calls_bitwise(sequences, n, cache_dtype):
+    """The contract the batched speculative step rests on: sequence b's n rows of a batched store -> attention ->
+    attention_gated (int8 lane) give, bit for bit, what the one-sequence verify (n rows on cache b alone, the
+    shared-cache mode) gives, which gives a decode step's bits row by row (test_attention_rows_equal_single_token
+    _calls_bitwise): q_out, the whole of cache b, attention's out, the gated out, its words and scales. The 27B
+    shape, each sequence at its own context length, qgkv row-strided, outputs poisoned."""
+    hq, hkv, hd, rd = M27B
+    width, scale, max_seq = hq * hd, hd**-0.5, 1500
+    g = torch.Generator().manual_seed(sequences * n)
+    bases = torch.randint(0, max_seq - n, (sequences,), generator=g).tolist()
+    bases[0] = max_seq - n
+    positions = verify_positions(bases, n).cuda()
+    T = sequences * n
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, seed=T)
+    qgkv, q_norm, k_norm = rows_view(qgkv.cuda()), q_norm.cuda(), k_norm.cuda()
+    g_cuda = torch.Generator(device="cuda").manual_seed(T)
+    k0, v0 = (torch.randn(sequences, max_seq, hkv, hd, generator=g_cuda, device="cuda").to(cache_dtype)
+              for _ in range(2))
+
+    def step(rows, k_cache, v_cache):
+        count = rows.stop - rows.start
+        nan = lambda *size: torch.full(size, float("nan"), device="cuda")
+        o = dict(q=nan(count, hq, hd), attn=nan(count, hq, hd), out=nan(count, width),
+                 out_q=torch.full((count, width), 0x7F, dtype=torch.int8, device="cuda"),
+                 out_d=nan(count, width // 32))
+        workspace = nan(workspace_numel(count, hq, hd, batched=k_cache.dim() == 4))
+        ops.attn_qk_norm_rope_store(qgkv[rows], q_norm, k_norm, positions[rows], EPS, THETA, rd, o["q"], k_cache,
+                                    v_cache)
+        ops.attention(o["q"], k_cache, v_cache, positions[rows], scale, o["attn"], workspace)
+        ops.attention_gated(o["q"], k_cache, v_cache, positions[rows], scale, qgkv[rows], workspace, o["out"],
+                            o["out_q"], None, o["out_d"])
+        return o
+
+    k_cache, v_cache = k0.clone(), v0.clone()
+    together = step(slice(0, T), k_cache, v_cache)
+    assert torch.isfinite(together["out"]).all()
+    for b in range(sequences):
+        rows = slice(b * n, (b + 1) * n)
+        k_alone, v_alone = k0[b].clone(), v0[b].clone()
+        alone = step(rows, k_alone, v_alone)
+        for name, value in alone.items():
+            assert torch.equal(together[name][rows], value), (b, name)
+        assert torch.equal(k_cache[b], k_alone) and torch.equal(v_cache[b], v_alone), b
+
+
+@cuda
+def test_opcheck_cuda_batched_verify_rows():
+    hq, hkv, hd, rd = ORACLE
+    bases, n = [2, 9, 0], 3
+    T = len(bases) * n
+    qgkv, q_norm, k_norm = make_qgkv(T, hq, hkv, hd, device="cuda")
+    positions = verify_positions(bases, n).cuda()
+    k_cache, v_cache = make_row_caches([b + n - 1 for b in bases], 16, hkv, hd, torch.bfloat16, device="cuda")
+    q_out, flags = torch.empty(T, hq, hd, device="cuda"), torch.zeros(T, dtype=torch.int32, device="cuda")
+    torch.library.opcheck(ops.attn_qk_norm_rope_store.default,
+                          (qgkv, q_norm, k_norm, positions, EPS, THETA, rd, q_out, k_cache, v_cache, flags))
+    out, workspace = torch.empty(T, hq, hd, device="cuda"), torch.empty(workspace_numel(T, hq, hd, batched=True),
+                                                                        device="cuda")
+    torch.library.opcheck(ops.attention.default, (q_out, k_cache, v_cache, positions, hd**-0.5, out, workspace))

@@ -14,6 +14,13 @@ the reference against one-row calls, opcheck, per-token states refused; on CUDA 
 op sequence run row by row on each row's own states (and near the float64 reference), at the 27B shape and odd
 shapes, in all three lanes, outputs poisoned and the states inside NaN padding, T past MAX_TOKENS; every row bit
 for bit a T = 1 call on its own states for T up to 64; graph replay == eager; bad arguments raise.
+
+Batched verify rows (conv_state [B, K-1, C], state [B, Hv, dv, dk] for B * n rows: n consecutive tokens a
+sequence, the state after each kept): on the CPU the reference against each sequence's n-token call, opcheck; on
+CUDA the kernel bit for bit against the op sequence run on each sequence alone, at the 27B shape and odd shapes, in
+all three lanes, with and without token states, outputs poisoned and the states and token states inside NaN
+padding; every sequence bit for bit its own n-token call (the one-sequence verify) for B up to 16; graph replay ==
+eager; bad arguments raise.
 """
 import copy
 
@@ -45,8 +52,9 @@ class Inputs:
     """A decode step's inputs at one shape, x row-strided with NaN past each row's end (a read beyond x's
     width shows as NaN)."""
 
-    def __init__(self, T, shape, taps=4, device="cuda", seed=0, dtype=torch.float32, batched=False):
-        """batched: conv_state [T, taps-1, C] and state [T, Hv, dv, dk], a sequence's states a row."""
+    def __init__(self, T, shape, taps=4, device="cuda", seed=0, dtype=torch.float32, batched=False, sequences=None):
+        """batched: conv_state [T, taps-1, C] and state [T, Hv, dv, dk], a sequence's states a row; sequences=B:
+        [B, ...], x's T rows B sequences of T / B tokens."""
         hk, hv, dk, dv = shape
         self.hk, self.hv, self.dk, self.dv, self.taps = hk, hv, dk, dv, taps
         self.C, self.Z = 2 * hk * dk + hv * dv, hv * dv
@@ -61,7 +69,7 @@ class Inputs:
         wide[:, :width] = x
         self.x = wide.to(device=device, dtype=dtype)[:, :width]
         self.conv_weight = (torch.randn(self.C, taps, generator=g, dtype=torch.float64) * 0.5).to(device, dtype)
-        lead = (T,) if batched else ()
+        lead = (sequences,) if sequences else (T,) if batched else ()
         self.conv_state = torch.randn(*lead, taps - 1, self.C, generator=g, dtype=torch.float64).to(device, dtype)
         self.a_neg = -torch.exp(torch.randn(hv, generator=g, dtype=torch.float64) - 2).to(device, dtype)
         self.dt_bias = torch.randn(hv, generator=g, dtype=torch.float64).to(device, dtype)
@@ -83,8 +91,12 @@ class Inputs:
 
     def row(self, t):
         """Row t of batched inputs as one sequence's one-token inputs: x's row t, conv_state[t], state[t] (views)."""
+        return self.sequence(t, 1)
+
+    def sequence(self, b, n):
+        """Sequence b of batched inputs of n tokens each, as one sequence's inputs (views)."""
         one = copy.copy(self)
-        one.x, one.conv_state, one.state = self.x[t : t + 1], self.conv_state[t], self.state[t]
+        one.x, one.conv_state, one.state = self.x[b * n : (b + 1) * n], self.conv_state[b], self.state[b]
         return one
 
 
@@ -203,10 +215,37 @@ def test_reference_batched_rows_are_one_row_calls(shape, T, lane):
     assert torch.isfinite(together["out"]).all() and not torch.equal(together["state"], inp.state)
 
 
-def test_reference_batched_rows_refuse_token_states():
-    inp = Inputs(2, SHAPE_ORACLE, device="cpu", batched=True)
-    with pytest.raises(RuntimeError, match="gdn_step: batched rows .* token_conv_states and token_states must be None"):
-        run_step(inp, inp.x, "f32", token_states=True)
+def test_opcheck_cpu_batched_verify_rows():
+    inp = Inputs(6, SHAPE_ORACLE, device="cpu", sequences=2)
+    for lane, token_states in (("f32", True), ("int8x2", False)):
+        o = inp.outputs(6, lane, token_states, poison=0)
+        args = (inp.x, inp.conv_weight, inp.a_neg, inp.dt_bias, inp.norm_weight, EPS, inp.conv_state.clone(),
+                inp.state.clone(), o["out"], o["out_q"], o["out_q_lo"], o["out_d"], o["token_conv_states"],
+                o["token_states"])
+        torch.library.opcheck(ops.gdn_step.default, args)
+
+
+@pytest.mark.parametrize("sequences, n", [(1, 3), (2, 4), (3, MAX_TOKENS)])
+@pytest.mark.parametrize("lane", LANES)
+def test_reference_batched_verify_rows_are_sequence_calls(sequences, n, lane):
+    """B sequences of n tokens (state [B, Hv, dv, dk]): sequence b's outputs, per-token states (at its rows of the
+    token states) and new states bit for bit its own n-token call on copies of its states."""
+    inp = Inputs(sequences * n, SHAPE_ORACLE, device="cpu", seed=n, sequences=sequences)
+    together = run_step(inp, inp.x, lane, token_states=True)
+    for b in range(sequences):
+        rows = slice(b * n, (b + 1) * n)
+        alone = run_step(inp.sequence(b, n), inp.x[rows], lane, token_states=True)
+        for name in ("out", "out_q", "out_q_lo", "out_d", "token_conv_states", "token_states"):
+            if alone[name] is not None:
+                assert torch.equal(together[name][rows], alone[name]), (b, name)
+        assert torch.equal(together["conv_state"][b], alone["conv_state"]), b
+        assert torch.equal(together["state"][b], alone["state"]), b
+
+
+def test_reference_batched_rows_the_sequences_do_not_divide_are_refused():
+    inp = Inputs(5, SHAPE_ORACLE, device="cpu", sequences=2)
+    with pytest.raises(RuntimeError, match="B = 2 must divide the 5 rows"):
+        run_step(inp, inp.x, "f32", token_states=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -498,6 +537,108 @@ def test_opcheck_cuda_batched_rows():
     opcheck_batched_rows("cuda")
 
 
+def check_batched_verify_against_sequence(shape, sequences, n, lane, token_states, seed):
+    """B sequences of n tokens with the states, out, out_d and token states inside NaN padding and every output
+    poisoned: the padding is untouched, and sequence b's rows are bit for bit the CUDA op sequence run on that
+    sequence alone, on copies of its own states (its token states at its rows)."""
+    T = sequences * n
+    inp = Inputs(T, shape, seed=seed, sequences=sequences)
+    want = [run_sequence(inp.sequence(b, n), lane) for b in range(sequences)]
+    o = inp.outputs(T, lane, token_states=token_states, poison=-77)
+    views, bufs = dict(out_q=o["out_q"], out_q_lo=o["out_q_lo"]), []
+    for name in ("conv_state", "state", "out", "out_d", "token_conv_states", "token_states"):
+        t = getattr(inp, name) if name in ("conv_state", "state") else o[name]
+        views[name] = None
+        if t is not None:
+            views[name], buf = padded(t)
+            bufs.append(buf)
+    ops.gdn_step(inp.x, inp.conv_weight, inp.a_neg, inp.dt_bias, inp.norm_weight, EPS, views["conv_state"],
+                 views["state"], views["out"], views["out_q"], views["out_q_lo"], views["out_d"],
+                 views["token_conv_states"], views["token_states"])
+    for buf in bufs:
+        assert buf[:64].isnan().all() and buf[-64:].isnan().all(), "a write outside an output"
+    for b in range(sequences):
+        rows = slice(b * n, (b + 1) * n)
+        for name in ("out", "out_q", "out_q_lo", "out_d", "token_conv_states", "token_states"):
+            if views[name] is not None:
+                assert torch.equal(views[name][rows], want[b][name]), (b, name)
+        assert torch.equal(views["conv_state"][b], want[b]["conv_state"]), b
+        assert torch.equal(views["state"][b], want[b]["state"]), b
+    assert torch.isfinite(views["out"]).all() and torch.isfinite(views["state"]).all()
+
+
+@cuda
+@pytest.mark.parametrize("sequences, n", [(1, 2), (3, 4), (16, 4), (5, MAX_TOKENS)])
+@pytest.mark.parametrize("token_states", [False, True])
+@pytest.mark.parametrize("lane", LANES)
+def test_batched_verify_27b_equals_op_sequence_per_sequence(sequences, n, token_states, lane):
+    assert_cuda_kernel("gdn_step")
+    check_batched_verify_against_sequence(SHAPE_27B, sequences, n, lane, token_states, seed=60 + sequences * n)
+
+
+@cuda
+@pytest.mark.parametrize("shape", [SHAPE_ORACLE] + SHAPES_ODD)
+@pytest.mark.parametrize("sequences, n", [(2, 3), (3, 7)])
+@pytest.mark.parametrize("lane", LANES)
+def test_batched_verify_odd_shapes_equal_op_sequence_per_sequence(shape, sequences, n, lane):
+    if lane != "f32" and shape[3] % 32:
+        pytest.skip("the quantized lanes need dv % 32 == 0")
+    check_batched_verify_against_sequence(shape, sequences, n, lane, True, seed=sum(shape) + 70 + n)
+
+
+@cuda
+@pytest.mark.parametrize("sequences, n", [(2, 2), (8, 4), (16, 4), (9, 7)])
+def test_batched_verify_equals_one_sequence_calls_bitwise(sequences, n):
+    """The contract the batched speculative step rests on: sequence b's n rows of a batched call give bit for bit
+    what its one-sequence verify (n tokens on copies of its own states, which gives n decode steps' bits:
+    test_tokens_equal_decode_steps) gives: out, its two-word int8 words and scales (the runs poisoned differently),
+    every per-token state, both new states. The 27B shape, x row-strided."""
+    T = sequences * n
+    inp = Inputs(T, SHAPE_27B, seed=80 + T, sequences=sequences)
+    together = run_step(inp, inp.x, "int8x2", token_states=True)
+    for b in range(sequences):
+        rows = slice(b * n, (b + 1) * n)
+        alone = run_step(inp.sequence(b, n), inp.x[rows], "int8x2", token_states=True, poison=77)
+        for name in ("out", "out_q", "out_q_lo", "out_d", "token_conv_states", "token_states"):
+            assert torch.equal(together[name][rows], alone[name]), (b, name)
+        assert torch.equal(together["conv_state"][b], alone["conv_state"]), b
+        assert torch.equal(together["state"][b], alone["state"]), b
+
+
+@cuda
+def test_batched_verify_graph_replay_equals_eager():
+    """A batched verify (8 sequences of 4 tokens, token states kept) captured once and replayed from the same
+    states: the eager bits."""
+    T = 32
+    inp = Inputs(T, SHAPE_27B, seed=8, sequences=8)
+    want = run_step(inp, inp.x, "int8", token_states=True)
+    o = inp.outputs(T, "int8", token_states=True, poison=-77)
+    o.update(conv_state=inp.conv_state.clone(), state=inp.state.clone())
+
+    def step():
+        ops.gdn_step(inp.x, inp.conv_weight, inp.a_neg, inp.dt_bias, inp.norm_weight, EPS, o["conv_state"],
+                     o["state"], o["out"], o["out_q"], None, o["out_d"], o["token_conv_states"], o["token_states"])
+
+    graph = capture_graph(step)
+    o["conv_state"].copy_(inp.conv_state)
+    o["state"].copy_(inp.state)
+    for name in ("out", "out_d", "token_conv_states", "token_states"):
+        o[name].fill_(NAN)
+    o["out_q"].fill_(77)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_bits(o, want)
+
+
+@cuda
+def test_opcheck_cuda_batched_verify_rows():
+    inp = Inputs(6, SHAPE_ORACLE, sequences=2)
+    o = inp.outputs(6, "int8x2", True, poison=0)
+    torch.library.opcheck(ops.gdn_step.default, (inp.x, inp.conv_weight, inp.a_neg, inp.dt_bias, inp.norm_weight, EPS,
+                                                 inp.conv_state.clone(), inp.state.clone(), o["out"], o["out_q"],
+                                                 o["out_q_lo"], o["out_d"], o["token_conv_states"], o["token_states"]))
+
+
 @cuda
 def test_opcheck_cuda():
     inp = Inputs(2, SHAPE_ORACLE)
@@ -512,6 +653,7 @@ def check_bad_inputs():
     test_bad_inputs_raise)."""
     inp = Inputs(2, SHAPE_ORACLE)
     batched = Inputs(2, SHAPE_ORACLE, batched=True)
+    three = Inputs(3, SHAPE_ORACLE, batched=True)
     no_token_states = dict(token_conv_states=None, token_states=None)
     hk, hv, dk, dv = SHAPE_ORACLE
 
@@ -548,11 +690,15 @@ def check_bad_inputs():
         ("token_states must be", dict(token_states=torch.zeros(2, hv, dk, dv, device="cuda").transpose(2, 3))),
         ("token_states must start 16-byte aligned",
          dict(token_states=torch.zeros(2 * hv * dv * dk + 1, device="cuda")[1:].view(2, hv, dv, dk))),
-        # batched rows: a state a row, one token each, no per-token states
-        ("batched rows .* token_conv_states and token_states must be None",
-         dict(conv_state=batched.conv_state.clone(), state=batched.state.clone())),
-        ("a 4-D state holds a sequence's state a row", dict(conv_state=batched.conv_state[:1].clone(),
-                                                           state=batched.state[:1].clone(), **no_token_states)),
+        # batched rows: a state a sequence, B dividing x's rows, at most 8 tokens a sequence
+        ("a 4-D state holds a sequence's state a row: .* dividing x's rows T = 2",
+         dict(conv_state=three.conv_state.clone(), state=three.state.clone(), **no_token_states)),
+        ("at most 8 tokens .* of a sequence, found 9 \\(x's rows / the states' B\\)",
+         dict(x=torch.zeros(18, inp.x.shape[1], device="cuda"), conv_state=batched.conv_state.clone(),
+              state=batched.state.clone(), out=torch.zeros(18, inp.Z, device="cuda"), out_q=None, out_q_lo=None,
+              out_d=None, **no_token_states)),
+        ("token_states must be", dict(conv_state=batched.conv_state.clone(), state=batched.state.clone(),
+                                      token_states=torch.zeros(1, hv, dv, dk, device="cuda"))),
         ("conv_state must be contiguous float32 \\[2, 3, ", dict(state=batched.state.clone(), **no_token_states)),
         ("conv_state must be contiguous float32 \\[3, ", dict(conv_state=batched.conv_state.clone(),
                                                             **no_token_states)),
