@@ -57,17 +57,12 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint
         "r"(c[3]));
 }
 
-// What a lane holds of one piece: its 16 bytes of weight rows group and group + 8 and the window's two block
-// scales of those rows (loaded a piece ahead), and the same 16 bytes of x row group with the two block scales of
-// x rows 2 quad and 2 quad + 1, its outputs' columns (loaded when the piece is computed: x is read by every block
-// of a column of tiles and comes from L2).
-struct PieceWeights {
-  int4 lo, hi;
-  __half2 d_lo, d_hi;
-};
-struct PieceX {
-  int4 q;
-  float2 d0, d1;
+// What a lane holds of one piece: its 16 bytes of weight rows group and group + 8 and of x row group, the
+// window's two block scales of those weight rows and of x rows 2 quad and 2 quad + 1 (its outputs' columns).
+struct Piece {
+  int4 w_lo, w_hi, x;
+  __half2 wd_lo, wd_hi;
+  float2 xd0, xd1;
 };
 
 // This lane's element offsets of piece 0 (32-bit: q8_0_gemv_rows_supported keeps N * K and T * x_stride below
@@ -76,19 +71,17 @@ struct LaneOffsets {
   uint32_t w_lo, w_hi, x, wd_lo, wd_hi, xd0, xd1;
 };
 
-__device__ __forceinline__ void load_weights(PieceWeights& w, const Q8GemvArgs& a, const LaneOffsets& o, int p) {
-  w.lo = load_weights16(a.weight_q + o.w_lo + 512 * p);
-  w.hi = load_weights16(a.weight_q + o.w_hi + 512 * p);
-  w.d_lo = load_weight_scales2(a.weight_d + o.wd_lo + 16 * p);
-  w.d_hi = load_weight_scales2(a.weight_d + o.wd_hi + 16 * p);
+__device__ __forceinline__ void load_weights(Piece& s, const Q8GemvArgs& a, const LaneOffsets& o, int p) {
+  s.w_lo = load_weights16(a.weight_q + o.w_lo + 512 * p);
+  s.w_hi = load_weights16(a.weight_q + o.w_hi + 512 * p);
+  s.wd_lo = load_weight_scales2(a.weight_d + o.wd_lo + 16 * p);
+  s.wd_hi = load_weight_scales2(a.weight_d + o.wd_hi + 16 * p);
 }
 
-__device__ __forceinline__ PieceX load_x(const Q8GemvArgs& a, const LaneOffsets& o, int p) {
-  PieceX x;
-  x.q = load_act16(reinterpret_cast<const int4*>(static_cast<const int8_t*>(a.x) + o.x + 512 * p));
-  x.d0 = load_act_scales2(a.x_d + o.xd0 + 16 * p);
-  x.d1 = load_act_scales2(a.x_d + o.xd1 + 16 * p);
-  return x;
+__device__ __forceinline__ void load_x(Piece& s, const Q8GemvArgs& a, const LaneOffsets& o, int p) {
+  s.x = load_act16(reinterpret_cast<const int4*>(static_cast<const int8_t*>(a.x) + o.x + 512 * p));
+  s.xd0 = load_act_scales2(a.x_d + o.xd0 + 16 * p);
+  s.xd1 = load_act_scales2(a.x_d + o.xd1 + 16 * p);
 }
 
 // acc += the GEMV's terms of one block for this lane's four outputs: c from an mma biased by 2^31 (see
@@ -103,20 +96,19 @@ __device__ __forceinline__ void scale_add(double (&acc)[4], const int (&c)[4], f
 }
 
 // The window's two blocks of one piece into chains acc[0] (block 2w) and acc[1] (block 2w + 1).
-__device__ __forceinline__ void compute_piece(double (&acc)[2][4], const PieceWeights& w, const PieceX& s,
-                                              bool first_block) {
-  const uint32_t x[4] = {static_cast<uint32_t>(s.q.x), static_cast<uint32_t>(s.q.y), static_cast<uint32_t>(s.q.z),
-                         static_cast<uint32_t>(s.q.w)};
+__device__ __forceinline__ void compute_piece(double (&acc)[2][4], const Piece& s, bool first_block) {
+  const uint32_t x[4] = {static_cast<uint32_t>(s.x.x), static_cast<uint32_t>(s.x.y), static_cast<uint32_t>(s.x.z),
+                         static_cast<uint32_t>(s.x.w)};
   uint32_t x0[4], x1[4];  // x in the k slots of block 0 (this lane's, if first_block) and of block 1
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     x0[i] = first_block ? x[i] : 0u;
     x1[i] = first_block ? 0u : x[i];
   }
-  const uint32_t a0[4] = {static_cast<uint32_t>(w.lo.x), static_cast<uint32_t>(w.hi.x), static_cast<uint32_t>(w.lo.y),
-                          static_cast<uint32_t>(w.hi.y)};
-  const uint32_t a1[4] = {static_cast<uint32_t>(w.lo.z), static_cast<uint32_t>(w.hi.z), static_cast<uint32_t>(w.lo.w),
-                          static_cast<uint32_t>(w.hi.w)};
+  const uint32_t a0[4] = {static_cast<uint32_t>(s.w_lo.x), static_cast<uint32_t>(s.w_hi.x),
+                          static_cast<uint32_t>(s.w_lo.y), static_cast<uint32_t>(s.w_hi.y)};
+  const uint32_t a1[4] = {static_cast<uint32_t>(s.w_lo.z), static_cast<uint32_t>(s.w_hi.z),
+                          static_cast<uint32_t>(s.w_lo.w), static_cast<uint32_t>(s.w_hi.w)};
   constexpr int kBias = static_cast<int>(0x80000000u);
   const int bias[4] = {kBias, kBias, kBias, kBias};
   int c0[4], c1[4];
@@ -124,13 +116,13 @@ __device__ __forceinline__ void compute_piece(double (&acc)[2][4], const PieceWe
   mma_s8(c0, a1, x0[2], x0[3], c0);
   mma_s8(c1, a0, x1[0], x1[1], bias);
   mma_s8(c1, a1, x1[2], x1[3], c1);
-  const float2 wd_lo = __half22float2(w.d_lo), wd_hi = __half22float2(w.d_hi);
-  scale_add(acc[0], c0, wd_lo.x, wd_hi.x, s.d0.x, s.d1.x);
-  scale_add(acc[1], c1, wd_lo.y, wd_hi.y, s.d0.y, s.d1.y);
+  const float2 wd_lo = __half22float2(s.wd_lo), wd_hi = __half22float2(s.wd_hi);
+  scale_add(acc[0], c0, wd_lo.x, wd_hi.x, s.xd0.x, s.xd1.x);
+  scale_add(acc[1], c1, wd_lo.y, wd_hi.y, s.xd0.y, s.xd1.y);
 }
 
 // The kernel body for the pieces of one part; PARTS > 1 runs the parts as the blocks of a cluster (blockIdx.z).
-template <int PARTS>
+template <int PARTS, int kAhead>
 __device__ __forceinline__ void gemv_rows(const Q8GemvArgs& a) {
   __shared__ double partial[16][16][8];  // [chain m of the part][weight row][row of x]
   __shared__ double part_sum[16][8];     // the part's butterfly total of each output
@@ -159,20 +151,28 @@ __device__ __forceinline__ void gemv_rows(const Q8GemvArgs& a) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[b][e] = 0.0;
 
-  // Two pieces of weights a warp: one computed while the next one's loads are in flight (three blocks of 8 warps
-  // an SM keep ~30 KB of weights in flight, as the T = 1 GEMV's 40 warps of two 16-byte loads a lane do). The
-  // weights do not depend on the predecessor: the first piece's are issued before the wait.
-  PieceWeights ring[2];
-  if (part < pieces) load_weights(ring[0], a, o, part);
+  // kAhead pieces in flight a warp beyond the one computed, weights and x alike (measured at 1 ahead, x loaded when
+  // computed: 1.5-1.9x the T = 1 time at T = 2, the warps waiting on each piece's x from L2 and on too few weight
+  // bytes in flight). The weights do not depend on the predecessor: the first pieces' are issued before the wait.
+  Piece ring[kAhead + 1];
+#pragma unroll
+  for (int u = 0; u < kAhead; ++u)
+    if (part + u * PARTS < pieces) load_weights(ring[u], a, o, part + u * PARTS);
   pdl_wait_for_predecessor();  // x, x_d and out may belong to the predecessor
-  const auto step = [&](int p, const PieceWeights& now, PieceWeights& next) {
-    if (p + PARTS < pieces) load_weights(next, a, o, p + PARTS);
-    compute_piece(acc, now, load_x(a, o, p), first_block);
-  };
-  for (int p = part; p < pieces; p += 2 * PARTS) {
-    step(p, ring[0], ring[1]);
-    if (p + PARTS >= pieces) break;  // warp-uniform
-    step(p + PARTS, ring[1], ring[0]);
+#pragma unroll
+  for (int u = 0; u < kAhead; ++u)
+    if (part + u * PARTS < pieces) load_x(ring[u], a, o, part + u * PARTS);
+  for (int p0 = part; p0 < pieces; p0 += (kAhead + 1) * PARTS) {
+#pragma unroll
+    for (int u = 0; u <= kAhead; ++u) {
+      const int p = p0 + u * PARTS, ahead = p + kAhead * PARTS;
+      if (p >= pieces) break;  // warp-uniform
+      if (ahead < pieces) {
+        load_weights(ring[(u + kAhead) % (kAhead + 1)], a, o, ahead);
+        load_x(ring[(u + kAhead) % (kAhead + 1)], a, o, ahead);
+      }
+      compute_piece(acc, ring[u], first_block);
+    }
   }
 
   // One thread per output adds the part's 16 chains in the GEMV's butterfly order (m + (m ^ 8), then ^ 4, ^ 2,
@@ -217,19 +217,43 @@ __device__ __forceinline__ void gemv_rows(const Q8GemvArgs& a) {
   if (owns_output && row < a.N && col < a.T) a.out[static_cast<size_t>(col) * a.out_stride + row] = static_cast<float>(total);
 }
 
-// 3 blocks an SM: 76-78 registers, no spills (at 4 blocks, 64 registers, ptxas spilled 8-32 bytes).
-__global__ void __launch_bounds__(kRowsThreads, 3) q8_0_gemv_rows_kernel(const Q8GemvArgs a) { gemv_rows<1>(a); }
+// EXPLORATION (to be removed once measured): QWEN38_Q8_GEMV_ROWS_AHEAD = 1, 2 or 3 pieces in flight a warp.
+template <int kAhead>
+__global__ void __launch_bounds__(kRowsThreads, kAhead == 1 ? 3 : 2) q8_0_gemv_rows_kernel(const Q8GemvArgs a) {
+  gemv_rows<1, kAhead>(a);
+}
 
 // The 5120-row shapes' 4 parts (q8_0_gemv_default_config) as a cluster of 4 blocks, one a part: each block has the
 // one part's registers and the same 8 warps, and the parts meet in block 0 through distributed shared memory.
-__global__ void __cluster_dims__(1, 1, 4) __launch_bounds__(kRowsThreads, 3) q8_0_gemv_rows4_kernel(const Q8GemvArgs a) {
-  gemv_rows<4>(a);
+template <int kAhead>
+__global__ void __cluster_dims__(1, 1, 4) __launch_bounds__(kRowsThreads, kAhead == 1 ? 3 : 2)
+    q8_0_gemv_rows4_kernel(const Q8GemvArgs a) {
+  gemv_rows<4, kAhead>(a);
+}
+
+int rows_ahead() {
+  static const int ahead = [] {
+    const char* v = std::getenv("QWEN38_Q8_GEMV_ROWS_AHEAD");
+    return v != nullptr && v[0] != '\0' ? std::atoi(v) : 3;
+  }();
+  return ahead;
+}
+
+template <int kAhead>
+cudaError_t launch_rows_ahead(const Q8GemvArgs& a, int parts, cudaStream_t stream) {
+  const dim3 grid((a.T + 7) / 8, (a.N + 15) / 16, parts);
+  if (grid.y > 65535u) return cudaErrorInvalidValue;
+  return launch_pdl(parts == 1 ? q8_0_gemv_rows_kernel<kAhead> : q8_0_gemv_rows4_kernel<kAhead>, grid,
+                    dim3(kRowsThreads), 0, stream, a);
 }
 
 cudaError_t launch_rows(const Q8GemvArgs& a, int parts, cudaStream_t stream) {
-  const dim3 grid((a.T + 7) / 8, (a.N + 15) / 16, parts);
-  if (grid.y > 65535u) return cudaErrorInvalidValue;
-  return launch_pdl(parts == 1 ? q8_0_gemv_rows_kernel : q8_0_gemv_rows4_kernel, grid, dim3(kRowsThreads), 0, stream, a);
+  switch (rows_ahead()) {
+    case 1: return launch_rows_ahead<1>(a, parts, stream);
+    case 2: return launch_rows_ahead<2>(a, parts, stream);
+    case 3: return launch_rows_ahead<3>(a, parts, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
