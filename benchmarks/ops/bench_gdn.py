@@ -8,11 +8,13 @@ Three sections. Decode (T = 1, 4, 16): the figures below. Prefill (T = 8, 32, 51
 GDN core (conv, gates, recurrent, and the three in model order) as one layer would run it on a prompt
 chunk of T tokens, graph-replayed over the 48 layers' states; us_per_token = us_per_layer / T, the number
 to hold against prefill's ~1.3 us per token per layer for the whole GDN core (b6f1a55, pp4096). From T = 8
-gdn_recurrent runs the chunked kernel (threshold in csrc/cuda_bindings/gdn.cpp; one chunk costs about the
-same for any T <= 16): its T = 8 row against the decode rows at T = 1 and 4 (token by token) places the
-threshold. Verify (T = 1..8): gdn_recurrent as speculative decoding's verify runs it, with token_states
+gdn_recurrent runs a chunked kernel (threshold in csrc/cuda_bindings/gdn.cpp): at this shape the tensor-core
+one (kernel=mma, gdn_chunk_mma.cu, 32-token chunks), and with QWEN38_GDN_PREFILL=fp32 the float32 one
+(kernel=fp32, gdn_prefill.cu, 16-token chunks); the recurrence and the three ops are timed with each, in the
+same run (ms_48_layers = us_per_layer x 48 / 1000: the whole model's GDN core on that chunk). The T = 8 row
+against the decode rows at T = 1 and 4 (token by token) places the threshold. Verify (T = 1..8): gdn_recurrent as speculative decoding's verify runs it, with token_states
 (the per-token kernel for any T, writing T x 3.1 MB more a layer; a buffer per layer, so those writes
-reach memory as the model's would) and without (T = 8 runs the chunked kernel); bytes = the state read
+reach memory as the model's would) and without (T = 8 runs the tensor-core chunked kernel); bytes = the state read
 and written once plus the token states written.
 
 The recurrent step is memory-bound: it reads and writes the float32 state once (48*128*128*4 B = 3.1 MB
@@ -32,6 +34,7 @@ Run: python3 -m benchmarks.ops.bench_gdn --json PATH
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -51,6 +54,7 @@ PREFILL_TOKENS = (8, 32, 512, 4096)
 PREFILL_REPLAYS = 3  # a T = 4096 replay of the per-token recurrence: ~0.25 s (252 ms GDN core, b6f1a55)
 VERIFY_TOKENS = range(1, 9)  # a verify checks k + 1 <= 8 tokens
 PDL = "0" if os.environ.get("QWEN38_PDL", "").startswith("0") else "1"  # pdl.cuh's reading of it
+PREFILL_KERNEL_ENV = "QWEN38_GDN_PREFILL"  # =fp32: the float32 prefill kernel where the tensor-core one applies
 
 
 def make_layers(num_tokens: int):
@@ -72,8 +76,34 @@ def make_layers(num_tokens: int):
                 ba=ba, a_neg=a_neg, dt_bias=dt_bias, beta=beta, decay=decay, out=out)
 
 
+@contextlib.contextmanager
+def prefill_kernel_env(value: str | None):
+    """QWEN38_GDN_PREFILL set to value (None: unset) inside the block: gdn_prefill_launch reads it at each launch,
+    so a graph captured inside runs that kernel."""
+    saved = os.environ.pop(PREFILL_KERNEL_ENV, None)
+    if value is not None:
+        os.environ[PREFILL_KERNEL_ENV] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(PREFILL_KERNEL_ENV, None)
+        if saved is not None:
+            os.environ[PREFILL_KERNEL_ENV] = saved
+
+
+def recurrent_kernel(fn) -> str:
+    """Which gdn_recurrent kernel fn() runs: mma (gdn_chunk_mma.cu), fp32 (gdn_prefill.cu) or per-token (gdn.cu)."""
+    names = kernels_run_by(fn)
+    for kernel, label in (("gdn_prefill_mma_kernel", "mma"), ("gdn_prefill_kernel", "fp32"),
+                          ("gdn_recurrent_kernel", "per-token")):
+        if kernel in names:
+            return label
+    raise AssertionError(f"no gdn_recurrent kernel among {names}")
+
+
 def bench_prefill() -> list[dict]:
-    """Per op and per layer, the GDN core on a prompt chunk of T tokens (graph-replayed, 48 layers' states)."""
+    """Per op and per layer, the GDN core on a prompt chunk of T tokens (graph-replayed, 48 layers' states); the
+    recurrence and the three ops once with the default kernel and once with the float32 one forced."""
     rows = []
     for num_tokens in PREFILL_TOKENS:
         L = make_layers(num_tokens)
@@ -92,11 +122,15 @@ def bench_prefill() -> list[dict]:
             gates(i)
             recurrent(i)
 
-        for name, fn in (("gdn_conv", conv), ("gdn_gates", gates), ("gdn_recurrent", recurrent),
-                         ("conv+gates+recurrent", layer)):
-            t = time_graph(fn, LAYERS, replays=PREFILL_REPLAYS, warmup=1)["median_s"]
-            rows.append(dict(op=name, T=num_tokens, mode="graph", pdl=PDL, us_per_layer=t * 1e6,
-                             us_per_token=t * 1e6 / num_tokens))
+        runs = [("gdn_conv", conv, None), ("gdn_gates", gates, None)]
+        runs += [(name, fn, forced) for forced in (None, "fp32")
+                 for name, fn in (("gdn_recurrent", recurrent), ("conv+gates+recurrent", layer))]
+        for name, fn, forced in runs:
+            with prefill_kernel_env(forced):
+                kernel = recurrent_kernel(lambda: recurrent(0)) if fn in (recurrent, layer) else ""
+                t = time_graph(fn, LAYERS, replays=PREFILL_REPLAYS, warmup=1)["median_s"]
+            rows.append(dict(op=name, T=num_tokens, kernel=kernel, mode="graph", pdl=PDL, us_per_layer=t * 1e6,
+                             us_per_token=t * 1e6 / num_tokens, ms_48_layers=t * 1e3 * LAYERS))
         del L
         torch.cuda.empty_cache()
     return rows
@@ -178,7 +212,7 @@ def bench_verify(probe_gbps: float) -> list[dict]:
 
             t = time_graph(recurrent, LAYERS)["median_s"]
             nbytes = (2 + (num_tokens if with_states else 0)) * state_bytes
-            kernel = "chunked" if "gdn_prefill_kernel" in kernels_run_by(lambda: recurrent(0)) else "per-token"
+            kernel = recurrent_kernel(lambda: recurrent(0))
             rows.append(dict(op="gdn_recurrent", T=num_tokens, token_states=with_states, kernel=kernel, mode="graph",
                              pdl=PDL, us_per_layer=t * 1e6, bytes_per_layer=nbytes, gbps=nbytes / t / 1e9,
                              ratio_vs_read_probe=nbytes / t / 1e9 / probe_gbps))
@@ -318,7 +352,7 @@ def main() -> None:
                         "kernels_per_token_48_layers"],
                 title="the GDN mixer of a decode token (int8 lane), before and after gdn_step")
     prefill = bench_prefill()
-    print_table(prefill, ["op", "T", "us_per_layer", "us_per_token"],
+    print_table(prefill, ["op", "T", "kernel", "us_per_layer", "us_per_token", "ms_48_layers"],
                 title=f"gdn prefill at the 27B shape, per layer (graph over {LAYERS} layers' states)")
     write_json(args.json, dict(env=env_info(), read_probe=probe, shape=dict(Hk=HK, Hv=HV, dk=DK, dv=DV, C=C),
                                layers=LAYERS, results=rows, verify=verify, step=step, mixer=mixer, prefill=prefill))

@@ -1,4 +1,4 @@
-// Gated DeltaNet prefill: the delta rule over T tokens in chunks of n = kGdnPrefillChunk, float32 throughout.
+// Gated DeltaNet prefill, float32 FMAs: the delta rule over T tokens in chunks of n = kGdnPrefillChunk.
 //
 // The recurrence (gdn_recurrent, per value head, state S [dv, dk], key index fastest), token i of a chunk:
 //   S~ = g_i S_{i-1},  delta_i = beta_i (v_i - S~ k_i),  S_i = S~ + delta_i k_i^T,  o_i = S_i q_i / sqrt(dk).
@@ -17,11 +17,9 @@
 //
 // Precision: float32 FMAs only, like the per-token kernel. The chunk form in float32 (a CPU emulation in
 // tests/ops/test_gdn.py) is ~1e-7 rel L2 from the float64 reference, ~2e-7 at T = 4096 and dk = 128, as
-// float32 token by token is. Why not tensor cores (FLA's chunk form, WY/UT matrices): the contract is float32
-// error (rel L2 <= 1e-5). That takes three bf16 planes (6 MMAs a product) or 3xTF32 (3 MMAs at half rate);
-// at that cost the MMA form's extra products (W, U, the intra-chunk matrices: ~1.5x these FMAs) leave
-// mma.sync roughly level with float32 FMAs here, and two bf16 planes (3 MMAs) measured ~6e-6 for a single
-// product in attention_prefill, too close to 1e-5 for a chain of products feeding a state.
+// float32 token by token is. The 27B shape (dk = 128, dv % 64 == 0) runs the tensor-core form of the same
+// chunk algebra instead (gdn_chunk_mma.cu: 3xTF32, no W = T diag(beta gamma) K, so ~1x these FMAs' count
+// in MMAs at 3 MMAs a product); this kernel takes every other shape and QWEN38_GDN_PREFILL=fp32 (gdn_prefill.h).
 //
 // Layout. A block serves key head kh and 16 state rows of each of its value heads kh, kh + Hk, ... (G =
 // ceil(Hv / Hk) slots): 4 warps a slot, each warp 4 rows, each row 8 lanes. Lane kg of a row holds keys
@@ -37,6 +35,9 @@
 // ~700 on warps 0-3 and staging ~120 a thread, so an SM sub-partition issues ~5.6K instructions per 16
 // tokens: ~0.18 us per token per layer at full issue; the whole GDN core took ~1.3 us (b6f1a55, pp4096).
 #include "gdn_prefill.h"
+
+#include <cstdlib>
+#include <cstring>
 
 #include <cuda_runtime.h>
 
@@ -428,18 +429,29 @@ cudaError_t launch(const Problem& p, float* state, float* out, cudaStream_t stre
                     state, out, q_scale);
 }
 
-}  // namespace
-
-bool gdn_prefill_supported(const GdnRecurrentArgs& a) {
+// The float32 kernel's shapes.
+bool fp32_supported(const GdnRecurrentArgs& a) {
   return a.token_states == nullptr && a.num_k_heads > 0 && a.head_k_dim > 0 &&
          a.head_k_dim <= kGdnPrefillMaxHeadKDim && a.head_k_dim % 4 == 0 &&
          (a.num_v_heads + a.num_k_heads - 1) / a.num_k_heads <= kGdnPrefillMaxGroup && a.qkv_row_stride % 4 == 0 &&
          aligned16(a.qkv) && aligned16(a.state);
 }
 
+// QWEN38_GDN_PREFILL=fp32: the float32 kernel where it applies (gdn_prefill.h); read at each launch, as
+// QWEN38_Q8_GEMM_TILE is, so a benchmark can time both kernels in one process.
+bool fp32_forced() {
+  const char* env = std::getenv("QWEN38_GDN_PREFILL");
+  return env != nullptr && std::strcmp(env, "fp32") == 0;
+}
+
+}  // namespace
+
+bool gdn_prefill_supported(const GdnRecurrentArgs& a) { return gdn_prefill_mma_supported(a) || fp32_supported(a); }
+
 cudaError_t gdn_prefill_launch(const GdnRecurrentArgs& a, cudaStream_t stream) {
   if (a.num_tokens <= 0 || a.num_v_heads <= 0 || a.head_v_dim <= 0) return cudaSuccess;
   if (!gdn_prefill_supported(a)) return cudaErrorInvalidValue;
+  if (gdn_prefill_mma_supported(a) && !(fp32_forced() && fp32_supported(a))) return gdn_prefill_mma_launch(a, stream);
   const Problem p{a.qkv, a.qkv_row_stride, a.beta, a.decay, a.num_tokens, a.num_k_heads, a.num_v_heads, a.head_k_dim,
                   a.head_v_dim};
   // A lane holds dk / 8 keys of its row, as float4s: one instance per power-of-two share.

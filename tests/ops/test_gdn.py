@@ -4,8 +4,9 @@ CPU (CI): opcheck of every op, each reference against an independent formula (co
 the delta rule on HF's [dk, dv] state layout), the per-token states of the references against single-token
 calls, and the chunk form the prefill kernel computes, in float32, against the reference. CUDA (-m cuda):
 every kernel against the reference in float64, on random inputs, outputs poisoned first, at odd sizes and
-the 27B shapes; gdn_recurrent's chunked prefill path (T >= its threshold, csrc/cuda_bindings/gdn.cpp) at
-rel L2 <= 1e-5 with gates at their edges; per-token states (speculative verify) and T <= 7 without them bit
+the 27B shapes; gdn_recurrent's chunked prefill paths (T >= its threshold, csrc/cuda_bindings/gdn.cpp: the
+tensor-core kernel at dk = 128, the float32 one elsewhere and with QWEN38_GDN_PREFILL=fp32) at rel L2 <= 1e-5
+with gates at their edges; per-token states (speculative verify) and T <= 7 without them bit
 for bit equal to T calls of one token; gdn_gates past 2^31 elements; two runs give the same bits; a captured
 graph replays bit for bit like eager; bad arguments raise.
 """
@@ -454,12 +455,15 @@ def test_recurrent_prefill_27b_matches_reference(T, gates):
 
 
 @cuda
-@pytest.mark.parametrize("shape", SHAPES + [(3, 7, 32, 20), (4, 2, 32, 16), (1, 5, 32, 32)])
+@pytest.mark.parametrize("shape", SHAPES + [(3, 7, 32, 20), (4, 2, 32, 16), (1, 5, 32, 32), (3, 7, 128, 128),
+                                            (4, 2, 128, 64), (1, 5, 128, 192), (2, 4, 128, 96)])
 @pytest.mark.parametrize("T", [17, 65])
 def test_recurrent_prefill_shapes(shape, T):
     """Odd shapes at edge gates: Hv not a multiple of Hk (7 value heads on 3 key heads), Hv < Hk, dk from
-    32 to 256 and not a power of 2, dv not a multiple of 16. The chunked kernel takes dk % 4 == 0, dk <= 256
-    and Hv / Hk <= 4; the others ((1, 3, 30, 30), (1, 5, 32, 32)) run token by token, same bar."""
+    32 to 256 and not a power of 2, dv not a multiple of 16. The tensor-core kernel takes dk = 128 and
+    dv % 64 == 0 at any Hv / Hk ((1, 5, 128, 192): 3 blocks a head, 5 value heads on one key head); the float32
+    one dk % 4 == 0, dk <= 256 and Hv / Hk <= 4 ((2, 4, 128, 96) among them); the others ((1, 3, 30, 30),
+    (1, 5, 32, 32)) run token by token, same bar."""
     hk, hv, dk, dv = shape
     qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda", seed=dk + T, gates="edge")
     exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
@@ -475,29 +479,71 @@ def kernels_run_by(fn) -> str:
     return " ".join(e.key for e in prof.key_averages())
 
 
+def recurrent_kernel(fn) -> str:
+    """Which gdn_recurrent kernel fn() runs: "mma" (gdn_chunk_mma.cu), "fp32" (gdn_prefill.cu) or "per-token"
+    (gdn.cu); exactly one of them."""
+    names = kernels_run_by(fn)
+    found = [label for kernel, label in (("gdn_prefill_mma_kernel", "mma"), ("gdn_prefill_kernel", "fp32"),
+                                         ("gdn_recurrent_kernel", "per-token")) if kernel in names]
+    assert len(found) == 1, names
+    return found[0]
+
+
 @cuda
-def test_recurrent_dispatch():
-    """A 64-token prompt runs the chunked kernel, so does T = 8 (the threshold); one token, T = 7, misaligned
-    qkv rows, an unsupported group (Hv / Hk = 5) and any T with token_states run the per-token kernel. (The
-    other tests pass with either kernel: this one says which.)"""
+def test_recurrent_dispatch(monkeypatch):
+    """A 64-token prompt at the 27B shape runs the tensor-core kernel, so does T = 8 (the threshold), and the
+    float32 chunked one with QWEN38_GDN_PREFILL=fp32 (read at each launch); the oracle shape (dk = 32) and
+    dv = 96 run the float32 one; one token, T = 7, misaligned qkv rows, an unsupported group at dk = 32
+    (Hv / Hk = 5) and any T with token_states run the per-token kernel. (The other tests pass with any
+    kernel: this one says which.)"""
+    monkeypatch.delenv("QWEN38_GDN_PREFILL", raising=False)
+
     def kernels(T, shape, view, with_token_states=False):
         hk, hv, dk, dv = shape
         qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda")
         out = torch.empty(T, hv, dv, device="cuda")
         tokens = torch.empty(T, hv, dv, dk, device="cuda") if with_token_states else None
-        names = kernels_run_by(lambda: ops.gdn_recurrent(view(qkv), beta, decay, state, out, tokens))
-        assert ("gdn_prefill_kernel" in names) != ("gdn_recurrent_kernel" in names), names
-        return "chunked" if "gdn_prefill_kernel" in names else "per-token"
+        return recurrent_kernel(lambda: ops.gdn_recurrent(view(qkv), beta, decay, state, out, tokens))
 
-    assert kernels(64, SHAPE_27B, aligned_rows_view) == "chunked"
-    assert kernels(64, SHAPE_ORACLE, lambda x: x) == "chunked"
-    assert kernels(8, SHAPE_27B, lambda x: x) == "chunked"
+    assert kernels(64, SHAPE_27B, aligned_rows_view) == "mma"
+    assert kernels(8, SHAPE_27B, lambda x: x) == "mma"
+    assert kernels(64, (1, 5, 128, 128), lambda x: x) == "mma"
+    assert kernels(64, SHAPE_ORACLE, lambda x: x) == "fp32"
+    assert kernels(64, (2, 4, 128, 96), lambda x: x) == "fp32"
     assert kernels(1, SHAPE_27B, lambda x: x) == "per-token"
     assert kernels(7, SHAPE_27B, lambda x: x) == "per-token"
     assert kernels(64, SHAPE_27B, rows_view) == "per-token"
     assert kernels(64, (1, 5, 32, 32), lambda x: x) == "per-token"
     assert kernels(8, SHAPE_27B, lambda x: x, with_token_states=True) == "per-token"
     assert kernels(64, SHAPE_27B, aligned_rows_view, with_token_states=True) == "per-token"
+    monkeypatch.setenv("QWEN38_GDN_PREFILL", "fp32")
+    assert kernels(64, SHAPE_27B, aligned_rows_view) == "fp32"
+    assert kernels(64, (1, 5, 128, 128), lambda x: x) == "mma"  # Hv / Hk = 5: the float32 kernel cannot
+
+
+@cuda
+@pytest.mark.parametrize("kernel", ["mma", "fp32"])
+@pytest.mark.parametrize("initial", ["random", "zero"])
+@pytest.mark.parametrize("gates", ["edge", "collinear"])
+@pytest.mark.parametrize("T", [31, 32, 33, 95, 4127])
+def test_recurrent_prefill_27b_kernels(kernel, initial, gates, T, monkeypatch):
+    """Both chunked kernels at the 27B shape, the tensor-core one (default) and the float32 one
+    (QWEN38_GDN_PREFILL=fp32), against the float64 reference at rel L2 <= 1e-5: T either side of the
+    32-token chunk and not a multiple of it (4127 = 128 chunks + 31), from a random state and from zero;
+    out poisoned, state and out inside NaN padding."""
+    if kernel == "fp32":
+        monkeypatch.setenv("QWEN38_GDN_PREFILL", "fp32")
+    else:
+        monkeypatch.delenv("QWEN38_GDN_PREFILL", raising=False)
+    hk, hv, dk, dv = SHAPE_27B
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda", seed=T + 1, gates=gates)
+    if initial == "zero":
+        state.zero_()
+    probe_out = torch.empty(T, hv, dv, device="cuda")
+    assert recurrent_kernel(lambda: ops.gdn_recurrent(qkv, beta, decay, state.clone(), probe_out)) == kernel
+    exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
+    out, new_state = run_recurrent_padded(qkv, beta, decay, state)
+    assert_float32_error(out, new_state, exp_out, exp_state)
 
 
 @cuda

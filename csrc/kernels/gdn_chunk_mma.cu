@@ -1,0 +1,453 @@
+// Gated DeltaNet prefill on tensor cores: the chunk form of gdn_prefill.cu in matrices of n = kGdnPrefillMmaChunk
+// tokens, every product on mma.sync m16n8k8 TF32 in the 3xTF32 split (float32 error, below).
+//
+// Per value head and chunk, from the state S_0 [dv, dk] it starts from (gamma_i = g_0 ... g_i, G_ij = g_{j+1}
+// ... g_i for j <= i, K, Q [n, dk], V [n, dv], beta, gamma diagonal):
+//   L = strictly-lower(diag(beta) G o K K^T),  T = (I + L)^-1        (the UT transform)
+//   R = diag(beta) (V - diag(gamma) K S_0^T)                          (each token's residual against S_0)
+//   D = T R                                                           (the deltas, = U - W S_0^T of the WY form)
+//   O = (diag(gamma) Q S_0^T + lower(G o Q K^T) D) / sqrt(dk)
+//   S_n = gamma_{n-1} S_0 + D^T diag(G_{n-1,.}) K
+// (the forward substitution of gdn_prefill.cu, solved as a matrix). D = T R instead of U - W S_0^T: this kernel
+// walks the chunks itself, so it never needs W = T diag(beta gamma) K (n x n x dk products a chunk) and the
+// residual cancels in R as it does token by token. Decay products are direct products of decays <= 1, never
+// ratios of cumulative products: a decay of 0 leaves exact zeros, not 0/0.
+//
+// Chunk of 32, not FLA's 64: the three passes over the state (K S^T, Q S^T, the update) cost the same per
+// token at any n, the intra-chunk products (K K^T, Q K^T, T R, M D) grow with n, and T's substitution is a
+// chain of n dependent steps on one warp.
+//
+// Precision (the 1e-5 contract of gdn_recurrent): each operand x = hi + lo, hi = tf32(x), lo = tf32(x - hi)
+// (cvt.rna), each product as lo*hi + hi*lo + hi*hi into one float32 accumulator, in a fresh accumulator per
+// chunk, added to the state with a float32 FMA (the tensor core's truncating sums never carry the state: the
+// float32 attention lane drifted to 1e-4 when they did, benchmarks/NOTES.md). A float64 emulation of this
+// kernel's algorithm (same chunk, splits, order and float32 roundings; the accumulator modelled as truncating
+// to 24 bits after every 4 products, coarser than the hardware) measured rel L2 <= 1.4e-6 against the float64
+// reference at the 27B head shape, T = 4096, uniform, edge, trained-like and nearly collinear gates (7e-8 with
+// exact float32 products: the TF32 split's error dominates, K K^T's most, through T).
+//
+// Layout: one block of 8 warps per (value head, 64 state rows), grid Hv x dv / 64 (27B: 96 blocks), the state's
+// 64 x 128 rows in registers (accumulator layout, 32 floats a thread) and in shared memory as the B operand of
+// K S^T and Q S^T. Operands in shared memory are stored so that fragment loads are free of bank conflicts:
+// k-contiguous ones (the MMA's A row-major, B column-major) with rows 4 floats apart modulo 32 banks, the
+// others with rows 8 apart; K is staged both ways. Per chunk, 5 barriers:
+//   [top]  chunk c landed, chunk c + 1's copies issued (2 stages)
+//   [1]    all: X = K S^T, Y = Q S^T (16 x 16 tiles); warps 0,1,4-7: K K^T and Q K^T (16 x 8 tiles);
+//          warps 2, 3: G (a column a lane), gamma, the tail products
+//   [2]    L^T and M from the Gram tiles and G; R from X
+//   [3]    warp 0: T by right-looking substitution (a column a lane)
+//   [4]    D = T R (16 x 16 tiles), D and D diag(tail) to shared memory
+//   [top]  O = gamma Y + M D stored; the state update (32 x 32 tiles), the state to shared memory
+#include "gdn_prefill.h"
+
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+#include "pdl.cuh"
+
+namespace qwen38 {
+namespace {
+
+constexpr int kC = kGdnPrefillMmaChunk;
+constexpr int kDk = 128;
+constexpr int kBV = 64;  // state rows (value channels) a block holds
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+// Row strides (floats): k-contiguous operands 4 banks apart, n- or m-contiguous ones 8 apart.
+constexpr int kQKStride = kDk + 4;
+constexpr int kKNStride = kDk + 8;
+constexpr int kVStride = kBV + 8;
+constexpr int kCStride = kC + 4;
+constexpr int kLtStride = kC;  // L^T below the diagonal, row k from L_{k+1,k}; zeros past row n - 1
+static_assert(kC == 32 && kBV == 64 && kWarps == 8, "the warp tilings below are written for these sizes");
+
+// Shared memory, in floats.
+constexpr int kStageFloats = 2 * kC * kQKStride + kC * kKNStride + kC * kVStride + 2 * kC;
+constexpr int kStateFloats = kBV * kQKStride;
+constexpr int kFixedFloats = kStateFloats + kC * kLtStride /* L^T */ + 2 * kC * kCStride /* M, T */ +
+                             kC * kC /* G */ + 3 * kC * kVStride /* R, D, D diag(tail) */ + 2 * kC /* gamma, tail */;
+constexpr int kSmemBytes = (2 * kStageFloats + kFixedFloats) * (int)sizeof(float);
+
+struct Stage {
+  float* q;      // [n][kQKStride]: rows past T zero
+  float* k;      // [n][kQKStride]
+  float* kn;     // [n][kKNStride]: k again
+  float* v;      // [n][kVStride]: the block's 64 value channels
+  float* beta;   // [n]: zero past T
+  float* decay;  // [n]: one past T
+};
+__device__ __forceinline__ Stage stage_at(float* smem, int index) {
+  Stage s;
+  s.q = smem + index * kStageFloats;
+  s.k = s.q + kC * kQKStride;
+  s.kn = s.k + kC * kQKStride;
+  s.v = s.kn + kC * kKNStride;
+  s.beta = s.v + kC * kVStride;
+  s.decay = s.beta + kC;
+  return s;
+}
+
+// ---- 3xTF32 mma.sync (PTX ISA, mma.m16n8k8 .tf32; lane = 4 g + t). A 16 x 8, row: a[r] = A(g + 8 (r & 1),
+// t + 4 (r >> 1)). B 8 x 8, col: b[r] = B(t + 4 r, g). C 16 x 8: c[r] = C(g + 8 (r >> 1), 2 t + (r & 1)).
+struct FragA {
+  uint32_t hi[4], lo[4];
+};
+struct FragB {
+  uint32_t hi[2], lo[2];
+};
+
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(__fsub_rn(x, __uint_as_float(hi))));
+}
+
+// A(m, k) at p[m * ld + k] (kKMajor) or p[k * ld + m]; the fragment of rows m0.., columns k0...
+template <bool kKMajor>
+__device__ __forceinline__ FragA load_a(const float* p, int ld, int m0, int k0, int g, int t) {
+  FragA f;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int m = m0 + g + 8 * (r & 1), k = k0 + t + 4 * (r >> 1);
+    split_tf32(kKMajor ? p[m * ld + k] : p[k * ld + m], f.hi[r], f.lo[r]);
+  }
+  return f;
+}
+// B(k, n) at p[n * ld + k] (kKMajor) or p[k * ld + n].
+template <bool kKMajor>
+__device__ __forceinline__ FragB load_b(const float* p, int ld, int n0, int k0, int g, int t) {
+  FragB f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int n = n0 + g, k = k0 + t + 4 * r;
+    split_tf32(kKMajor ? p[n * ld + k] : p[k * ld + n], f.hi[r], f.lo[r]);
+  }
+  return f;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// c += a b: the two small cross products first, then hi * hi (the emulated order).
+__device__ __forceinline__ void mma3(float (&c)[4], const FragA& a, const FragB& b) {
+  mma_tf32(c, a.lo, b.hi);
+  mma_tf32(c, a.hi, b.lo);
+  mma_tf32(c, a.hi, b.hi);
+}
+
+struct Problem {
+  const float* qkv;  // [T, 2*Hk*dk + Hv*dv], row stride qkv_row_stride
+  int64_t qkv_row_stride;
+  const float* beta;   // [T, Hv]
+  const float* decay;  // [T, Hv]
+  int num_tokens, num_k_heads, num_v_heads, dv;
+};
+
+// Chunk `first / n` of this block's head into stage `st` (all threads; cp.async, committed by the caller).
+__device__ void stage_chunk(const Stage& st, const Problem& p, int first, int head, int row0) {
+  constexpr int kQuads = kDk / 4, kVQuads = kBV / 4;
+  const int valid = min(kC, p.num_tokens - first), key_head = head % p.num_k_heads;
+  constexpr int kCopies = 3 * kQuads + kVQuads;  // 16-byte copies a token
+  for (int idx = threadIdx.x; idx < kC * kCopies; idx += kThreads) {
+    const int i = idx / kCopies, col = idx % kCopies;  // a warp copies runs of 512 contiguous bytes
+    const bool fill = i < valid;
+    const float* row = p.qkv + (int64_t)(first + (fill ? i : 0)) * p.qkv_row_stride;
+    if (col < 3 * kQuads) {  // q, k, k again
+      const int which = col / kQuads, quad = col % kQuads;
+      const float* src = row + (int64_t)((which == 0 ? 0 : p.num_k_heads) + key_head) * kDk + 4 * quad;
+      float* dst = which == 0 ? st.q + i * kQKStride : which == 1 ? st.k + i * kQKStride : st.kn + i * kKNStride;
+      cp_async<16>(dst + 4 * quad, src, fill);
+    } else {
+      const int quad = col - 3 * kQuads;
+      const float* src = row + 2 * (int64_t)p.num_k_heads * kDk + (int64_t)head * p.dv + row0 + 4 * quad;
+      cp_async<16>(st.v + i * kVStride + 4 * quad, src, fill);
+    }
+  }
+  // past T: beta = 0 and decay = 1, so those tokens leave the state as it is
+  if (threadIdx.x < 2 * kC) {
+    const int i = threadIdx.x % kC;
+    const bool is_decay = threadIdx.x >= kC;
+    float* dst = (is_decay ? st.decay : st.beta) + i;
+    if (i < valid)
+      cp_async<4>(dst, (is_decay ? p.decay : p.beta) + (int64_t)(first + i) * p.num_v_heads + head, true);
+    else
+      *dst = is_decay ? 1.0f : 0.0f;
+  }
+}
+
+// Steps k = k_begin .. k_end - 1 of T's substitution for column j (see [3] in the kernel): rows k + 1 .. k +
+// kRows - 1 below each step (kRows - 1 >= n - 1 - k). lt row k holds L_{k+1,k}, L_{k+2,k}, ..., then zeros.
+template <int kRows>
+__device__ __forceinline__ void substitution_steps(float (&partial)[kC], const float* lt, float* t_sh, int k_begin,
+                                                   int k_end, int j) {
+#pragma unroll 1
+  for (int k = k_begin; k < k_end; ++k) {
+    const float tkj = (k == j ? 1.0f : 0.0f) - partial[0];
+    t_sh[k * kCStride + j] = tkj;
+    const float* l_col = lt + k * kLtStride;
+#pragma unroll
+    for (int m = 0; m < kRows; m += 4) {
+      const float4 l4 = *reinterpret_cast<const float4*>(l_col + m);
+      const float l[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (m + e + 1 < kRows) partial[m + e] = fmaf(l[e], tkj, partial[m + e + 1]);
+    }
+    partial[kRows - 1] = 0.0f;
+  }
+}
+
+// Grid (Hv, dv / kBV), kThreads threads.
+__global__ void __launch_bounds__(kThreads, 1)
+gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
+                       float* __restrict__ out,                // [T, Hv, dv]
+                       float q_scale) {
+  extern __shared__ __align__(16) float smem[];
+  float* s_sh = smem + 2 * kStageFloats;  // [kBV][kQKStride] the state, S[a][d]
+  float* lt = s_sh + kStateFloats;        // [n][n] L^T shifted: lt[j * n + i - j - 1] = L_ij
+  float* m_sh = lt + kC * kLtStride;            // [n][kCStride] M
+  float* t_sh = m_sh + kC * kCStride;     // [n][kCStride] T
+  float* g_sh = t_sh + kC * kCStride;     // [n][n] G_ij, zero above the diagonal
+  float* r_sh = g_sh + kC * kC;           // [n][kVStride] R
+  float* d_sh = r_sh + kC * kVStride;     // [n][kVStride] D
+  float* dt_sh = d_sh + kC * kVStride;    // [n][kVStride] D_j G_{n-1,j}
+  float* gamma_sh = dt_sh + kC * kVStride;
+  float* tail_sh = gamma_sh + kC;  // G_{n-1,j}
+
+  const int head = blockIdx.x, row0 = blockIdx.y * kBV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // 16 x 16 tiles of X, Y, D, O (n x kBV): rows tm.., columns tn..; 32 x 32 tiles of the state: rows sm.., keys sn..
+  const int tm = (warp >> 2) * 16, tn = (warp & 3) * 16;
+  const int sm = (warp >> 2) * 32, sn = (warp & 3) * 32;
+  // Gram tiles (16 x 8 of the lower half of K K^T and Q K^T) on the warps whose X rows they share; warps 2, 3
+  // compute the decay products instead.
+  const bool gram = warp != 2 && warp != 3;
+  const int gn = warp < 2 ? 8 * warp : 8 * (warp - 4);
+  float* state_rows = state + ((int64_t)head * p.dv + row0) * kDk;
+
+  pdl_wait_for_predecessor();  // qkv, the gates or this state may be the predecessor's output
+  pdl_allow_successor();
+
+  // Entries no chunk writes: L's and M's tiles above the diagonal blocks, L^T's padding.
+  for (int idx = threadIdx.x; idx < kC * kLtStride; idx += kThreads) lt[idx] = 0.0f;
+  for (int idx = threadIdx.x; idx < kC * kC; idx += kThreads) m_sh[idx / kC * kCStride + idx % kC] = 0.0f;
+  float s[2][4][4];  // S[sm + 16 i + g + 8 (r >> 1)][sn + 8 j + 2 t + (r & 1)]
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int a = sm + 16 * i + g + 8 * h, d = sn + 8 * j + 2 * t;
+        const float2 x = *reinterpret_cast<const float2*>(state_rows + (int64_t)a * kDk + d);
+        s[i][j][2 * h] = x.x;
+        s[i][j][2 * h + 1] = x.y;
+        *reinterpret_cast<float2*>(s_sh + a * kQKStride + d) = x;
+      }
+    }
+  }
+
+  const int num_chunks = (p.num_tokens + kC - 1) / kC;
+  const int64_t out_token_stride = (int64_t)p.num_v_heads * p.dv;
+  float* out_cols = out + (int64_t)head * p.dv + row0;
+  stage_chunk(stage_at(smem, 0), p, 0, head, row0);
+  cp_async_commit();
+
+  for (int c = 0; c < num_chunks; ++c) {
+    const int first = c * kC;
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c and the state for every thread; chunk c - 1's stage is free
+    if (c + 1 < num_chunks) stage_chunk(stage_at(smem, (c + 1) & 1), p, first + kC, head, row0);
+    cp_async_commit();
+    const Stage st = stage_at(smem, c & 1);
+
+    // [1] X = K S^T, Y = Q S^T; K K^T, Q K^T; G, gamma, tail
+    float x[2][4] = {}, y[2][4] = {}, kk[4] = {}, qk[4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < kDk; k0 += 8) {
+      const FragA ka = load_a<true>(st.k, kQKStride, tm, k0, g, t);
+      const FragA qa = load_a<true>(st.q, kQKStride, tm, k0, g, t);
+      const FragB s0 = load_b<true>(s_sh, kQKStride, tn, k0, g, t);
+      const FragB s1 = load_b<true>(s_sh, kQKStride, tn + 8, k0, g, t);
+      mma3(x[0], ka, s0);
+      mma3(x[1], ka, s1);
+      mma3(y[0], qa, s0);
+      mma3(y[1], qa, s1);
+      if (gram) {
+        const FragB kb = load_b<true>(st.k, kQKStride, gn, k0, g, t);
+        mma3(kk, ka, kb);
+        mma3(qk, qa, kb);
+      }
+    }
+    if (warp == 2) {  // G, a column j a lane: G_ij = g_{j+1} ... g_i, multiplied in that order
+      const int j = lane;
+      float product = 1.0f;
+#pragma unroll
+      for (int i = 0; i < kC; ++i) {
+        if (i > j) product *= st.decay[i];
+        g_sh[i * kC + j] = i >= j ? product : 0.0f;
+      }
+      tail_sh[j] = product;
+    } else if (warp == 3) {  // gamma_i = g_0 ... g_i
+      const int i = lane;
+      float product = 1.0f;
+#pragma unroll
+      for (int l = 0; l < kC; ++l)
+        if (l <= i) product *= st.decay[l];
+      gamma_sh[i] = product;
+    }
+    __syncthreads();
+
+    // [2] L^T, M; R = beta (V - gamma X)
+    if (gram) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = tm + g + 8 * (r >> 1), j = gn + 2 * t + (r & 1);
+        const float gij = g_sh[i * kC + j];
+        if (j < i) lt[j * kLtStride + i - j - 1] = st.beta[i] * gij * kk[r];
+        m_sh[i * kCStride + j] = gij * qk[r];  // G is zero above the diagonal
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = tm + g + 8 * h, a = tn + 8 * nt + 2 * t;
+        const float2 v = *reinterpret_cast<const float2*>(st.v + i * kVStride + a);
+        const float b = st.beta[i], gm = gamma_sh[i];
+        *reinterpret_cast<float2*>(r_sh + i * kVStride + a) =
+            make_float2(b * fmaf(-gm, x[nt][2 * h], v.x), b * fmaf(-gm, x[nt][2 * h + 1], v.y));
+      }
+    }
+    __syncthreads();
+
+    // [3] T = (I + L)^-1, lane j its column: T_kj = [k == j] - sum_{l<k} L_kl T_lj, each T_kj added into the
+    // partial sums of the rows below it as soon as it is known (independent FMAs, not a chain). The partial
+    // sums shift down a register each step (partial[m] is row k + m's), so a step is one loop body with
+    // register indices fixed, not 32 unrolled copies (those took ptxas to 255 registers and spills).
+    if (warp == 0) {
+      const int j = lane;
+      float partial[kC];
+#pragma unroll
+      for (int m = 0; m < kC; ++m) partial[m] = 0.0f;
+      substitution_steps<kC>(partial, lt, t_sh, 0, kC / 2, j);  // rows below: up to n - 1
+      substitution_steps<kC / 2>(partial, lt, t_sh, kC / 2, kC, j);
+    }
+    __syncthreads();
+
+    // [4] D = T R (T lower triangular: columns past this tile's rows are zero)
+    {
+      float dacc[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < kC; k0 += 8) {
+        if (k0 >= tm + 16) break;
+        const FragA ta = load_a<true>(t_sh, kCStride, tm, k0, g, t);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) mma3(dacc[nt], ta, load_b<false>(r_sh, kVStride, tn + 8 * nt, k0, g, t));
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = tm + g + 8 * h, a = tn + 8 * nt + 2 * t;
+          const float tail = tail_sh[i];
+          *reinterpret_cast<float2*>(d_sh + i * kVStride + a) = make_float2(dacc[nt][2 * h], dacc[nt][2 * h + 1]);
+          *reinterpret_cast<float2*>(dt_sh + i * kVStride + a) =
+              make_float2(dacc[nt][2 * h] * tail, dacc[nt][2 * h + 1] * tail);
+        }
+      }
+    }
+    __syncthreads();
+
+    // O = gamma Y + M D (M lower triangular), scaled, stored for the chunk's tokens
+    {
+      float o[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < kC; k0 += 8) {
+        if (k0 >= tm + 16) break;
+        const FragA ma = load_a<true>(m_sh, kCStride, tm, k0, g, t);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) mma3(o[nt], ma, load_b<false>(d_sh, kVStride, tn + 8 * nt, k0, g, t));
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = tm + g + 8 * h;
+        if (first + i >= p.num_tokens) continue;
+        const float gm = gamma_sh[i];
+        float* dst = out_cols + (int64_t)(first + i) * out_token_stride + tn + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) dst[8 * nt + e] = fmaf(gm, y[nt][2 * h + e], o[nt][2 * h + e]) * q_scale;
+        }
+      }
+    }
+
+    // S = gamma_{n-1} S + (D diag(tail))^T K: A(a, j) = dt[j][a], B(j, d) = kn[j][d]
+    {
+      float acc[2][4][4] = {};
+#pragma unroll 1
+      for (int k0 = 0; k0 < kC; k0 += 8) {
+        const FragA a0 = load_a<false>(dt_sh, kVStride, sm, k0, g, t);
+        const FragA a1 = load_a<false>(dt_sh, kVStride, sm + 16, k0, g, t);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const FragB kb = load_b<false>(st.kn, kKNStride, sn + 8 * j, k0, g, t);
+          mma3(acc[0][j], a0, kb);
+          mma3(acc[1][j], a1, kb);
+        }
+      }
+      const float decay_all = gamma_sh[kC - 1];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s[i][j][r] = fmaf(decay_all, s[i][j][r], acc[i][j][r]);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int a = sm + 16 * i + g + 8 * h, d = sn + 8 * j + 2 * t;
+            *reinterpret_cast<float2*>(s_sh + a * kQKStride + d) = make_float2(s[i][j][2 * h], s[i][j][2 * h + 1]);
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int a = sm + 16 * i + g + 8 * h, d = sn + 8 * j + 2 * t;
+        *reinterpret_cast<float2*>(state_rows + (int64_t)a * kDk + d) = make_float2(s[i][j][2 * h], s[i][j][2 * h + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool gdn_prefill_mma_supported(const GdnRecurrentArgs& a) {
+  return a.token_states == nullptr && a.num_k_heads > 0 && a.head_k_dim == kDk && a.head_v_dim % kBV == 0 &&
+         a.qkv_row_stride % 4 == 0 && aligned16(a.qkv) && aligned16(a.state);
+}
+
+cudaError_t gdn_prefill_mma_launch(const GdnRecurrentArgs& a, cudaStream_t stream) {
+  if (a.num_tokens <= 0 || a.num_v_heads <= 0) return cudaSuccess;
+  if (!gdn_prefill_mma_supported(a)) return cudaErrorInvalidValue;
+  const cudaError_t err =
+      cudaFuncSetAttribute(gdn_prefill_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const Problem p{a.qkv, a.qkv_row_stride, a.beta, a.decay, a.num_tokens, a.num_k_heads, a.num_v_heads,
+                  a.head_v_dim};
+  const float q_scale = 1.0f / sqrtf((float)kDk);
+  return launch_pdl(gdn_prefill_mma_kernel, dim3(a.num_v_heads, a.head_v_dim / kBV), dim3(kThreads), kSmemBytes,
+                    stream, p, a.state, a.out, q_scale);
+}
+
+}  // namespace qwen38
