@@ -4,7 +4,10 @@ The CUDA sources are compiled when the installed torch is a CUDA build and a pro
 CUDA_HOME/bin/nvcc runs and reports its release, and CUDA_HOME/include holds cuda_runtime.h and
 cuda_bf16.h. An `nvcc` on the PATH is not enough (a wrapper script without the toolkit behind it made the
 build fail). The probe does not ask for a GPU: a GPU-less builder can compile the kernels.
-QWEN38_NO_CUDA=1 skips them; QWEN38_CUDA_ARCH (default 90) picks the GPU architecture.
+QWEN38_NO_CUDA=1 skips them; QWEN38_CUDA_ARCH (default 90a) picks the GPU architecture. The default, sm_90a,
+is sm_90 with Hopper's arch-specific instructions (wgmma, setmaxnreg: the int8 prefill GEMM, q8_gemm_sm90.cu); its
+cubin runs on sm_90 devices only. Any other value builds the portable kernels alone (QWEN38_CUDA_ARCH=90: the
+mma.sync GEMM on the same H100/H200).
 
 The build's summary and the torch version it compiles against go to qwen38_ops/_build_info.py:
 `import qwen38_ops` refuses a _C built against another torch (C++ extensions are tied to one torch).
@@ -24,7 +27,7 @@ except ImportError:  # an isolated build (pyproject.toml says why torch is not a
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-ARCH = os.environ.get("QWEN38_CUDA_ARCH", "90")
+ARCH = os.environ.get("QWEN38_CUDA_ARCH", "90a")
 
 
 def cuda_toolkit_problem() -> str | None:
@@ -56,6 +59,8 @@ def extension(cuda: bool):
     # No --use_fast_math: the int8 lane must reproduce ggml's activation rounding, and approximate
     # exp/rsqrt/division move values across rounding boundaries (measured: 1.8e-2 vs llama.cpp's logits).
     nvcc = ["-O3", "-lineinfo", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}", "--expt-relaxed-constexpr"]
+    if ARCH == "90a":  # the host code cannot see the device arch: this tells it the wgmma GEMM is compiled
+        nvcc.append("-DQWEN38_WGMMA")
     return CUDAExtension("qwen38_ops._C", sources, extra_compile_args={"cxx": ["-O2"], "nvcc": nvcc})
 
 

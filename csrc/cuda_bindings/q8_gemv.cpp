@@ -72,8 +72,14 @@ void run_gemm(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& 
               a.x_d_stride);
   const c10::cuda::CUDAGuard guard(weight_q.device());
   const cudaError_t err = q8_0_gemm_launch(act, a, current_stream());
+  Q8GemmKernel kernel;
   int tile;
-  launch_or_throw(op, err, q8_0_gemm_tile_from_env(&tile) ? " (QWEN38_Q8_GEMM_TILE must be 32, 64 or 128)" : "");
+  launch_or_throw(op, err,
+                  q8_0_gemm_kernel_from_env(&kernel)
+                      ? " (QWEN38_Q8_GEMM_KERNEL must be mma, wgmma or wgmma_iadd; the wgmma kernels need an sm_90a "
+                        "build, QWEN38_CUDA_ARCH=90a, on an sm_90 device, and 16-byte aligned operands)"
+                  : q8_0_gemm_tile_from_env(&tile) ? " (QWEN38_Q8_GEMM_TILE must be 32, 64 or 128)"
+                                                   : "");
 }
 
 void q8_0_gemv_f32(const at::Tensor& x, const at::Tensor& weight_q, const at::Tensor& weight_d, at::Tensor& out) {

@@ -9,7 +9,8 @@
 //   compute_stage): the conversion is an exponent trick folded into the MMA's accumulator input, not I2F
 //   (quarter rate). Even so the kernel reaches only 25-34% of torch._int_mm on the same shapes: ncu
 //   (T = 4096, 34816 x 5120) shows it latency-bound (issue slots 50% busy, 1.1 of 4 warps eligible per
-//   scheduler, FMA pipe 33%); benchmarks/NOTES.md has what was tried and what would be next (wgmma).
+//   scheduler, FMA pipe 33%); benchmarks/NOTES.md has what was tried. The next step, wgmma with TMA and warp
+//   specialization, is q8_gemm_sm90.cu; this kernel stays for other architectures and small T (q8_gemm.h).
 // - A = activation tokens (M), B = weight rows (N): both are [rows, K] with K contiguous, which is what
 //   ldmatrix hands to the s8 fragments (row-major A, column-major B) with no transpose; the accumulator's
 //   row pairs then fall on consecutive output features of one token.
@@ -25,6 +26,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 #include "common.cuh"  // cp.async, ldmatrix
 
@@ -336,9 +338,33 @@ bool q8_0_gemm_tile_from_env(int* tile) {
   return true;
 }
 
+bool q8_0_gemm_kernel_from_env(Q8GemmKernel* kernel) {
+  const char* env = std::getenv("QWEN38_Q8_GEMM_KERNEL");
+  if (env == nullptr || env[0] == '\0') return false;
+  *kernel = std::strcmp(env, "mma") == 0          ? Q8GemmKernel::MmaSync
+            : std::strcmp(env, "wgmma") == 0      ? Q8GemmKernel::Wgmma
+            : std::strcmp(env, "wgmma_iadd") == 0 ? Q8GemmKernel::WgmmaIadd
+                                                  : Q8GemmKernel::Unknown;
+  return true;
+}
+
+Q8GemmKernel q8_0_gemm_kernel(const Q8GemvArgs& args) {
+  Q8GemmKernel kernel;
+  if (q8_0_gemm_kernel_from_env(&kernel)) return kernel;
+  int tile;
+  if (q8_0_gemm_tile_from_env(&tile)) return Q8GemmKernel::MmaSync;
+  return args.T >= kQ8GemmWgmmaFromT && q8_0_gemm_sm90_supported(args) ? Q8GemmKernel::Wgmma : Q8GemmKernel::MmaSync;
+}
+
 cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream) {
   if (args.N == 0 || args.T == 0) return cudaSuccess;
   if (args.K <= 0 || args.K % 64 != 0 || act == Q8Act::F32) return cudaErrorInvalidValue;
+  switch (q8_0_gemm_kernel(args)) {
+    case Q8GemmKernel::MmaSync: break;
+    case Q8GemmKernel::Wgmma: return q8_0_gemm_sm90_launch(act, args, true, stream);
+    case Q8GemmKernel::WgmmaIadd: return q8_0_gemm_sm90_launch(act, args, false, stream);
+    default: return cudaErrorInvalidValue;
+  }
   int tile_tokens = 0;
   if (!q8_0_gemm_tile_from_env(&tile_tokens)) tile_tokens = q8_0_gemm_default_tile(act, args);
   const bool two_word = act == Q8Act::Int8x2;

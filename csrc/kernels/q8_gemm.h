@@ -2,7 +2,8 @@
 // activation lanes (the f32 lane's T-row form is dequantize-then-cuBLAS, in qwen38_model/layers.py).
 //
 // Same arguments and the same math as the GEMV's Int8 / Int8x2 lanes (q8_gemv.h): each 32-weight block's
-// int32 dot is exact (one mma.sync m16n8k32 is exactly one Q8_0 block), then scaled by weight_d * x_d.
+// int32 dot is exact (one mma.sync m16n8k32, or one wgmma m64nNk32, is exactly one Q8_0 block), then scaled by
+// weight_d * x_d.
 // What differs from the GEMV is only how the scaled block sums are added: in float32, in block order, where
 // the GEMV adds them in double. Extra requirements: K % 64 == 0 (at least two blocks per pipeline stage, and
 // 4-byte aligned scale pairs), x_d rows 8-byte aligned.
@@ -17,8 +18,30 @@ int q8_0_gemm_default_tile(Q8Act act, const Q8GemvArgs& args);
 // when unset or empty; another value is not compiled, so the launch fails.
 bool q8_0_gemm_tile_from_env(int* tile);
 
-// act is Int8 or Int8x2; the tile is q8_0_gemm_default_tile's (or the QWEN38_Q8_GEMM_TILE override). Launches on
-// `stream` without PDL (the kernel has no griddepcontrol.wait: pdl.cuh); no allocation, no host sync.
+// Two kernels compute the same bits: MmaSync (q8_gemm.cu, any sm_80+ build) and Wgmma (q8_gemm_sm90.cu: wgmma, TMA,
+// warp specialization; only in an sm_90a build, setup.py's default, and only on an sm_90 device). WgmmaIadd is the
+// wgmma kernel with its other accumulator reset (q8_gemm_sm90.cu's header), compiled so that one run measures both.
+enum class Q8GemmKernel : int { MmaSync, Wgmma, WgmmaIadd, Unknown };
+
+// The default: Wgmma from this many tokens where q8_0_gemm_sm90_supported (its tile is 128 tokens: below that the
+// mma.sync kernel's 32- and 64-token tiles waste less; not measured yet), MmaSync otherwise.
+constexpr int kQ8GemmWgmmaFromT = 128;
+// Testing and benchmarking knob: QWEN38_Q8_GEMM_KERNEL=mma|wgmma|wgmma_iadd forces a kernel, read at every call
+// (Unknown for another value: the launch fails). Returns false when unset or empty.
+bool q8_0_gemm_kernel_from_env(Q8GemmKernel* kernel);
+// The kernel a call runs: the QWEN38_Q8_GEMM_KERNEL override, else MmaSync when QWEN38_Q8_GEMM_TILE is set (the tile
+// is that kernel's), else the default.
+Q8GemmKernel q8_0_gemm_kernel(const Q8GemvArgs& args);
+
+// The build has the sm_90a kernel, the current device is sm_90, and the arguments suit TMA (16-byte aligned
+// weight_q, x and x_lo with 16-byte row strides; weight_d 4-byte aligned).
+bool q8_0_gemm_sm90_supported(const Q8GemvArgs& args);
+// reset_from_shared: Wgmma (true) or WgmmaIadd (false). cudaErrorNotSupported where not q8_0_gemm_sm90_supported.
+cudaError_t q8_0_gemm_sm90_launch(Q8Act act, const Q8GemvArgs& args, bool reset_from_shared, cudaStream_t stream);
+
+// act is Int8 or Int8x2; the kernel is q8_0_gemm_kernel's, the mma.sync kernel's tile q8_0_gemm_default_tile's (or
+// the QWEN38_Q8_GEMM_TILE override). Launches on `stream` without PDL (neither kernel has griddepcontrol.wait:
+// pdl.cuh); no allocation, no host sync.
 cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream);
 
 }  // namespace qwen38
