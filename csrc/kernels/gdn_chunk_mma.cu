@@ -178,24 +178,34 @@ __device__ void stage_chunk(const Stage& st, const Problem& p, int first, int he
   }
 }
 
-// Steps k = k_begin .. k_end - 1 of T's substitution for column j (see [3] in the kernel): rows k + 1 .. k +
-// kRows - 1 below each step (kRows - 1 >= n - 1 - k). lt row k holds L_{k+1,k}, L_{k+2,k}, ..., then zeros.
+// Steps k = k_begin .. k_end - 1 of T's substitution for column j (see [3] in the kernel), each updating the
+// kRows - 1 rows below it (kRows - 1 >= n - 1 - k: rows past n - 1 are L^T's zero padding, wasted FMAs, so the
+// caller shortens kRows as k grows). lt row k holds L_{k+1,k}, L_{k+2,k}, ..., then zeros. The next step's row of
+// L^T is loaded during this one: the loads do not wait on the chain of T_kj.
 template <int kRows>
 __device__ __forceinline__ void substitution_steps(float (&partial)[kC], const float* lt, float* t_sh, int k_begin,
                                                    int k_end, int j) {
+  constexpr int kQuads = kRows / 4;
+  float4 l_next[kQuads];
+#pragma unroll
+  for (int m = 0; m < kQuads; ++m) l_next[m] = *reinterpret_cast<const float4*>(lt + k_begin * kLtStride + 4 * m);
 #pragma unroll 1
   for (int k = k_begin; k < k_end; ++k) {
+    float l[kRows];
+#pragma unroll
+    for (int m = 0; m < kQuads; ++m) {
+      l[4 * m] = l_next[m].x;
+      l[4 * m + 1] = l_next[m].y;
+      l[4 * m + 2] = l_next[m].z;
+      l[4 * m + 3] = l_next[m].w;
+    }
+    const float* next_row = lt + min(k + 1, kC - 1) * kLtStride;
+#pragma unroll
+    for (int m = 0; m < kQuads; ++m) l_next[m] = *reinterpret_cast<const float4*>(next_row + 4 * m);
     const float tkj = (k == j ? 1.0f : 0.0f) - partial[0];
     t_sh[k * kCStride + j] = tkj;
-    const float* l_col = lt + k * kLtStride;
 #pragma unroll
-    for (int m = 0; m < kRows; m += 4) {
-      const float4 l4 = *reinterpret_cast<const float4*>(l_col + m);
-      const float l[4] = {l4.x, l4.y, l4.z, l4.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (m + e + 1 < kRows) partial[m + e] = fmaf(l[e], tkj, partial[m + e + 1]);
-    }
+    for (int m = 0; m + 1 < kRows; ++m) partial[m] = fmaf(l[m], tkj, partial[m + 1]);
     partial[kRows - 1] = 0.0f;
   }
 }
@@ -333,8 +343,10 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
       float partial[kC];
 #pragma unroll
       for (int m = 0; m < kC; ++m) partial[m] = 0.0f;
-      substitution_steps<kC>(partial, lt, t_sh, 0, kC / 2, j);  // rows below: up to n - 1
-      substitution_steps<kC / 2>(partial, lt, t_sh, kC / 2, kC, j);
+      substitution_steps<kC>(partial, lt, t_sh, 0, kC / 4, j);
+      substitution_steps<3 * kC / 4>(partial, lt, t_sh, kC / 4, kC / 2, j);
+      substitution_steps<kC / 2>(partial, lt, t_sh, kC / 2, 3 * kC / 4, j);
+      substitution_steps<kC / 4>(partial, lt, t_sh, 3 * kC / 4, kC, j);
     }
     __syncthreads();
 
