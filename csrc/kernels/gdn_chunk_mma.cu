@@ -32,12 +32,15 @@
 // k-contiguous ones (the MMA's A row-major, B column-major) with rows 4 floats apart modulo 32 banks, the
 // others with rows 8 apart; K is staged both ways. Per chunk, 5 barriers:
 //   [top]  chunk c landed, chunk c + 1's copies issued (2 stages)
-//   [1]    all: X = K S^T, Y = Q S^T (16 x 16 tiles); warps 0,1,4-7: K K^T and Q K^T (16 x 8 tiles);
-//          warps 2, 3: G (a column a lane), gamma, the tail products
-//   [2]    L^T and M from the Gram tiles and G; R from X
-//   [3]    warp 0: T by right-looking substitution (a column a lane)
+//   [1]    K K^T and Q K^T (16 x 8 tiles, three a sub-partition); warp 2: G (a column a lane) and the tail
+//          products, warp 3: gamma
+//   [2]    L^T and M from the Gram tiles and G
+//   [3]    warp 0: T by right-looking substitution (a column a lane), meanwhile warp 4 of its sub-partition
+//          keeps the tensor core busy; then every warp: X = K S^T, Y = Q S^T (16 x 16 tiles), R from X
 //   [4]    D = T R (16 x 16 tiles), D and D diag(tail) to shared memory
 //   [top]  O = gamma Y + M D stored; the state update (32 x 32 tiles), the state to shared memory
+// Tensor work a chunk: 3168 mma.sync (X, Y and the update 2304, the Gram tiles 576, D and O 288), 792 a
+// sub-partition.
 #include "gdn_prefill.h"
 
 #include <cuda_runtime.h>
@@ -232,10 +235,10 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
   // 16 x 16 tiles of X, Y, D, O (n x kBV): rows tm.., columns tn..; 32 x 32 tiles of the state: rows sm.., keys sn..
   const int tm = (warp >> 2) * 16, tn = (warp & 3) * 16;
   const int sm = (warp >> 2) * 32, sn = (warp & 3) * 32;
-  // Gram tiles (16 x 8 of the lower half of K K^T and Q K^T) on the warps whose X rows they share; warps 2, 3
-  // compute the decay products instead.
-  const bool gram = warp != 2 && warp != 3;
-  const int gn = warp < 2 ? 8 * warp : 8 * (warp - 4);
+  // Gram jobs, 16 x 8 tiles of the lower half of A = K K^T and P = Q K^T, three a sub-partition (warps w and
+  // w + 4 share one): warps 4-7 A and P at rows 16.., columns gn; warps 0-3 one of them (even warps A) at rows 0...
+  const bool both = warp >= 4, only_p = !both && (warp & 1);
+  const int gn = both ? 8 * (warp - 4) : 8 * (warp >> 1);
   float* state_rows = state + ((int64_t)head * p.dv + row0) * kDk;
 
   pdl_wait_for_predecessor();  // qkv, the gates or this state may be the predecessor's output
@@ -274,22 +277,16 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
     cp_async_commit();
     const Stage st = stage_at(smem, c & 1);
 
-    // [1] X = K S^T, Y = Q S^T; K K^T, Q K^T; G, gamma, tail
-    float x[2][4] = {}, y[2][4] = {}, kk[4] = {}, qk[4] = {};
+    // [1] K K^T, Q K^T (the Gram jobs); then warp 2: G and the tail products, warp 3: gamma
+    float gram0[4] = {}, gram1[4] = {};  // warps 4-7: A, P; warps 0-3: A or P in gram0
 #pragma unroll 2
     for (int k0 = 0; k0 < kDk; k0 += 8) {
-      const FragA ka = load_a<true>(st.k, kQKStride, tm, k0, g, t);
-      const FragA qa = load_a<true>(st.q, kQKStride, tm, k0, g, t);
-      const FragB s0 = load_b<true>(s_sh, kQKStride, tn, k0, g, t);
-      const FragB s1 = load_b<true>(s_sh, kQKStride, tn + 8, k0, g, t);
-      mma3(x[0], ka, s0);
-      mma3(x[1], ka, s1);
-      mma3(y[0], qa, s0);
-      mma3(y[1], qa, s1);
-      if (gram) {
-        const FragB kb = load_b<true>(st.k, kQKStride, gn, k0, g, t);
-        mma3(kk, ka, kb);
-        mma3(qk, qa, kb);
+      const FragB kb = load_b<true>(st.k, kQKStride, gn, k0, g, t);
+      if (both) {
+        mma3(gram0, load_a<true>(st.k, kQKStride, tm, k0, g, t), kb);
+        mma3(gram1, load_a<true>(st.q, kQKStride, tm, k0, g, t), kb);
+      } else {
+        mma3(gram0, load_a<true>(only_p ? st.q : st.k, kQKStride, tm, k0, g, t), kb);
       }
     }
     if (warp == 2) {  // G, a column j a lane: G_ij = g_{j+1} ... g_i, multiplied in that order
@@ -311,30 +308,18 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
     }
     __syncthreads();
 
-    // [2] L^T, M; R = beta (V - gamma X)
-    if (gram) {
+    // [2] L^T and M
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = tm + g + 8 * (r >> 1), j = gn + 2 * t + (r & 1);
-        const float gij = g_sh[i * kC + j];
-        if (j < i) lt[j * kLtStride + i - j - 1] = st.beta[i] * gij * kk[r];
-        m_sh[i * kCStride + j] = gij * qk[r];  // G is zero above the diagonal
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = tm + g + 8 * h, a = tn + 8 * nt + 2 * t;
-        const float2 v = *reinterpret_cast<const float2*>(st.v + i * kVStride + a);
-        const float b = st.beta[i], gm = gamma_sh[i];
-        *reinterpret_cast<float2*>(r_sh + i * kVStride + a) =
-            make_float2(b * fmaf(-gm, x[nt][2 * h], v.x), b * fmaf(-gm, x[nt][2 * h + 1], v.y));
-      }
+    for (int r = 0; r < 4; ++r) {
+      const int i = tm + g + 8 * (r >> 1), j = gn + 2 * t + (r & 1);
+      const float gij = g_sh[i * kC + j];
+      if (!only_p && j < i) lt[j * kLtStride + i - j - 1] = st.beta[i] * gij * gram0[r];
+      if (both || only_p) m_sh[i * kCStride + j] = gij * (both ? gram1[r] : gram0[r]);  // G is zero above the diagonal
     }
     __syncthreads();
 
-    // [3] T = (I + L)^-1, lane j its column: T_kj = [k == j] - sum_{l<k} L_kl T_lj, each T_kj added into the
+    // [3] T = (I + L)^-1 (warp 0, while the other warps of its sub-partition keep the tensor core busy with
+    // their X and Y), lane j its column: T_kj = [k == j] - sum_{l<k} L_kl T_lj, each T_kj added into the
     // partial sums of the rows below it as soon as it is known (independent FMAs, not a chain). The partial
     // sums shift down a register each step (partial[m] is row k + m's), so a step is one loop body with
     // register indices fixed, not 32 unrolled copies (those took ptxas to 255 registers and spills).
@@ -347,6 +332,31 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
       substitution_steps<3 * kC / 4>(partial, lt, t_sh, kC / 4, kC / 2, j);
       substitution_steps<kC / 2>(partial, lt, t_sh, kC / 2, 3 * kC / 4, j);
       substitution_steps<kC / 4>(partial, lt, t_sh, 3 * kC / 4, kC, j);
+    }
+
+    // X = K S^T, Y = Q S^T, then R = beta (V - gamma X)
+    float x[2][4] = {}, y[2][4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < kDk; k0 += 8) {
+      const FragA ka = load_a<true>(st.k, kQKStride, tm, k0, g, t);
+      const FragA qa = load_a<true>(st.q, kQKStride, tm, k0, g, t);
+      const FragB s0 = load_b<true>(s_sh, kQKStride, tn, k0, g, t);
+      const FragB s1 = load_b<true>(s_sh, kQKStride, tn + 8, k0, g, t);
+      mma3(x[0], ka, s0);
+      mma3(x[1], ka, s1);
+      mma3(y[0], qa, s0);
+      mma3(y[1], qa, s1);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = tm + g + 8 * h, a = tn + 8 * nt + 2 * t;
+        const float2 v = *reinterpret_cast<const float2*>(st.v + i * kVStride + a);
+        const float b = st.beta[i], gm = gamma_sh[i];
+        *reinterpret_cast<float2*>(r_sh + i * kVStride + a) =
+            make_float2(b * fmaf(-gm, x[nt][2 * h], v.x), b * fmaf(-gm, x[nt][2 * h + 1], v.y));
+      }
     }
     __syncthreads();
 

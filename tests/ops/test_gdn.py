@@ -630,13 +630,14 @@ def test_recurrent_dispatch(monkeypatch):
 @cuda
 @pytest.mark.parametrize("kernel", ["mma", "fp32"])
 @pytest.mark.parametrize("initial", ["random", "zero"])
-@pytest.mark.parametrize("gates", ["edge", "collinear"])
+@pytest.mark.parametrize("gates", ["uniform", "edge", "collinear"])
 @pytest.mark.parametrize("T", [31, 32, 33, 95, 4127])
 def test_recurrent_prefill_27b_kernels(kernel, initial, gates, T, monkeypatch):
     """Both chunked kernels at the 27B shape, the tensor-core one (default) and the float32 one
     (QWEN38_GDN_PREFILL=fp32), against the float64 reference at rel L2 <= 1e-5: T either side of the
     32-token chunk and not a multiple of it (4127 = 128 chunks + 31), from a random state and from zero;
-    out poisoned, state and out inside NaN padding."""
+    out poisoned, state and out inside NaN padding. Uniform gates too: at edge gates a decay of exactly 0
+    late in the last chunk leaves a final state that no earlier token reaches."""
     if kernel == "fp32":
         monkeypatch.setenv("QWEN38_GDN_PREFILL", "fp32")
     else:
