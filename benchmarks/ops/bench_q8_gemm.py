@@ -4,9 +4,12 @@ GEMV/GEMM crossover for small T (the verify and short-prompt sizes).
     python -m benchmarks.ops.bench_q8_gemm [--json PATH] [--profile]
 
 Also the f32 lane's crossover (GEMV vs dequantize + cuBLAS float32). Peaks: torch._int_mm and bf16 torch.mm on the same shapes, in the fast layout (b = W.t() of a row-major
-[N, K] weight: prefill-ceilings.md's layout trap). Our GEMM is timed at its default tile and at each
-compiled tile (QWEN38_Q8_GEMM_TILE). --profile runs the GEMM once at T = 4096 on 34816 x 5120 and exits,
-for a profiler (`ncu --clock-control none -k regex:q8_0_gemm python3 -m benchmarks.ops.bench_q8_gemm
+[N, K] weight: prefill-ceilings.md's layout trap). Our GEMM is timed as the dispatch picks it (q8_gemm_int8),
+with each kernel forced (QWEN38_Q8_GEMM_KERNEL: mma = the mma.sync kernel at its default tile, wgmma and
+wgmma_iadd = the sm_90a kernel's two accumulator resets; NaN where the build or device lacks them), the two-word
+lane's mma and wgmma, and the mma.sync kernel at each compiled tile (QWEN38_Q8_GEMM_TILE). --profile runs the GEMM
+once at T = 4096 on 34816 x 5120 and exits, for a profiler, with the kernel the environment picks
+(`QWEN38_Q8_GEMM_KERNEL=wgmma ncu --clock-control none -k regex:q8_0_gemm python3 -m benchmarks.ops.bench_q8_gemm
 --profile`).
 """
 from __future__ import annotations
@@ -59,30 +62,51 @@ def random_q8(N, K):
             (torch.rand(N, K // 32, device="cuda") * 4e-4 + 2e-4).half())
 
 
+def with_env(name: str, value: str, fn) -> float:
+    """median_time(fn) with the environment variable set (the GEMM reads it at every call); NaN where the
+    launch refuses it (the wgmma kernels on a build or device without sm_90a)."""
+    os.environ[name] = value
+    try:
+        return median_time(fn)
+    except RuntimeError:
+        return float("nan")
+    finally:
+        del os.environ[name]
+
+
+KERNELS = ("mma", "wgmma", "wgmma_iadd")
+
+
 def matrix_table(config, lengths=(512, 4096)) -> tuple[list[dict], dict]:
-    """Per shape and T: seconds of torch._int_mm, bf16 torch.mm and our int8 GEMM; trunk totals."""
+    """Per shape and T: seconds of torch._int_mm, bf16 torch.mm and our GEMM (default dispatch, each kernel
+    forced, the two-word lane, each mma.sync tile); trunk totals."""
     rows, totals = [], {}
     for T in lengths:
-        total = dict(int_mm=0.0, bf16_mm=0.0, q8_gemm_int8=0.0, tile32=0.0, tile64=0.0, tile128=0.0)
+        total = dict(int_mm=0.0, bf16_mm=0.0, q8_gemm_int8=0.0, **{k: 0.0 for k in KERNELS}, x2_mma=0.0,
+                     x2_wgmma=0.0, tile32=0.0, tile64=0.0, tile128=0.0)
         for N, K, count in trunk_shapes(config):
             w8, wd = random_q8(N, K)
             x8 = torch.randint(-127, 128, (T, K), dtype=torch.int8, device="cuda")
+            x8_lo = torch.randint(-64, 65, (T, K), dtype=torch.int8, device="cuda")
             xd = torch.rand(T, K // 32, device="cuda") * 0.01
             wb, xb = torch.randn(N, K, device="cuda").bfloat16(), torch.randn(T, K, device="cuda").bfloat16()
             out = torch.empty(T, N, device="cuda")
+            int8 = lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out)  # noqa: E731
+            int8x2 = lambda: ops.q8_0_gemm_int8x2(x8, x8_lo, xd, w8, wd, out)  # noqa: E731
             t = dict(
                 int_mm=median_time(lambda: torch._int_mm(x8, w8.t())) if N % 8 == 0 else float("nan"),
                 bf16_mm=median_time(lambda: torch.mm(xb, wb.t())),
-                q8_gemm_int8=median_time(lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out)))
-            for tile in ("32", "64", "128"):  # every compiled tile (the default picks by wave count)
-                os.environ["QWEN38_Q8_GEMM_TILE"] = tile
-                t[f"tile{tile}"] = median_time(lambda: ops.q8_0_gemm_int8(x8, xd, w8, wd, out))
-                del os.environ["QWEN38_Q8_GEMM_TILE"]
+                q8_gemm_int8=median_time(int8),
+                **{k: with_env("QWEN38_Q8_GEMM_KERNEL", k, int8) for k in KERNELS},
+                x2_mma=with_env("QWEN38_Q8_GEMM_KERNEL", "mma", int8x2),
+                x2_wgmma=with_env("QWEN38_Q8_GEMM_KERNEL", "wgmma", int8x2))
+            for tile in ("32", "64", "128"):  # every compiled mma.sync tile (its default picks by wave count)
+                t[f"tile{tile}"] = with_env("QWEN38_Q8_GEMM_TILE", tile, int8)
             flop = 2 * T * N * K
-            for k in total:
-                total[k] += t[k] * count if t[k] == t[k] else t["bf16_mm"] * count
+            for k in total:  # int_mm has no N % 8 != 0 form: bf16 stands in there; a missing kernel stays NaN
+                total[k] += (t[k] if t[k] == t[k] or k != "int_mm" else t["bf16_mm"]) * count
             rows.append(dict(T=T, N=N, K=K, count=count, **{f"{k}_tops": flop / v / 1e12 for k, v in t.items()},
-                             gemm_of_int_mm=t["int_mm"] / t["q8_gemm_int8"]))
+                             gemm_of_int_mm=t["int_mm"] / t["q8_gemm_int8"], wgmma_of_int_mm=t["int_mm"] / t["wgmma"]))
         totals[T] = {k: dict(s=v, tok_s=T / v) for k, v in total.items()}
         totals[T]["gemm_of_int_mm"] = total["int_mm"] / total["q8_gemm_int8"]
     torch.cuda.empty_cache()
@@ -161,12 +185,16 @@ def main(argv=None) -> dict:
 
     rows, totals = matrix_table(QWEN38_27B)
     small = small_t_table(QWEN38_27B)
-    print_table(rows, ["T", "N", "K", "count", "int_mm_tops", "bf16_mm_tops", "q8_gemm_int8_tops", "tile32_tops",
-                       "tile64_tops", "tile128_tops", "gemm_of_int_mm"], title="trunk matrices: TOPS (peak probes vs our Q8_0 GEMM)")
+    print_table(rows, ["T", "N", "K", "count", "int_mm_tops", "bf16_mm_tops", "q8_gemm_int8_tops", "mma_tops",
+                       "wgmma_tops", "wgmma_iadd_tops", "x2_mma_tops", "x2_wgmma_tops", "tile32_tops", "tile64_tops",
+                       "tile128_tops", "gemm_of_int_mm", "wgmma_of_int_mm"],
+                title="trunk matrices: TOPS (peak probes vs our Q8_0 GEMM)")
     for T, tot in totals.items():
         print(f"T={T}: trunk matrices alone: int_mm {tot['int_mm']['tok_s']:.0f} tok/s, bf16 mm "
               f"{tot['bf16_mm']['tok_s']:.0f}, our int8 GEMM {tot['q8_gemm_int8']['tok_s']:.0f} "
-              f"({tot['gemm_of_int_mm']:.1%} of int_mm)")
+              f"({tot['gemm_of_int_mm']:.1%} of int_mm; mma {tot['mma']['tok_s']:.0f}, wgmma "
+              f"{tot['wgmma']['tok_s']:.0f}, wgmma_iadd {tot['wgmma_iadd']['tok_s']:.0f}; two-word mma "
+              f"{tot['x2_mma']['tok_s']:.0f}, wgmma {tot['x2_wgmma']['tok_s']:.0f})")
     print_table(small, ["T", "gemv_ms", "gemm_ms", "gemv_of_t1", "gemm_of_t1"],
                 title="small T: trunk matrices, int8 lane (ms per call of every matrix)")
     f32 = f32_crossover_table(QWEN38_27B)

@@ -12,7 +12,12 @@
 //   costs 2 per block and the per-token x_d N/4 loads, 4 to an LDS.128 (the permuted x_d layout below). Stores
 //   still coalesce: a warp's store covers 8 consecutive rows of 4 tokens, four whole 32-byte sectors.
 // - Double-buffered accumulators: block b+1's wgmma is issued before block b's scale FMAs, so the tensor cores
-//   work under the FP32 pipe, which bounds this kernel (2 FMAs per output and block: NOTES.md's ceiling).
+//   work under the FP32 pipe, which bounds this kernel (2 FMAs per output and block: NOTES.md's ceiling). Not
+//   across stages (run_stage says why): a stage's first wgmma is waited for with nothing to do, which the other
+//   consumer warpgroup's FMAs (the same four schedulers) are there to cover.
+// - Registers: the consumers hold 64 float sums and 2 x 64 int32 accumulators a thread (int8; two-word 32 and
+//   2 x 2 x 32); at 232 registers the stage loop spilled, so the producer warpgroup keeps 24 (setmaxnreg) and the
+//   consumers get 240. The producer's few spills are off the FMA stream.
 // - The int -> float conversion is the mma.sync kernel's: the accumulator starts at the bits of kMagic and
 //   wgmma adds the dot to them (scale-d = 1). Resetting the accumulator to kMagic after each use is one register
 //   write per output and block, a third instruction next to the two FMAs; with kResetFromShared the reset is an
@@ -52,7 +57,7 @@ constexpr int kStageK = 128;
 constexpr int kStageBlocks = kStageK / 32;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 65536
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // see "Registers" above
 static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
 
 constexpr int kMagicBits = 0x4B400000;  // 1.5 * 2^23: see q8_gemm.cu's mma_block
@@ -65,10 +70,9 @@ struct Sm90Tile {
   static constexpr int kWBytes = kRows * kStageK;
   static constexpr int kXBytes = kTokens * kStageK;
   static constexpr int kXOffset = kWBytes;
-  static constexpr int kXloOffset = kXOffset + kXBytes;                         // two-word only
-  static constexpr int kXdOffset = kXOffset + (kTwoWord ? 2 : 1) * kXBytes;    // float [kStageBlocks][kTokens]
-  static constexpr int kWdOffset = kXdOffset + 4 * kStageBlocks * kTokens;      // half [kRows][kStageBlocks]
-  static constexpr int kStageBytes = kWdOffset + 2 * kStageBlocks * kRows;
+  static constexpr int kXdOffset = kXOffset + (kTwoWord ? 2 : 1) * kXBytes;  // x_lo (two-word) at kXOffset + kXBytes
+  static constexpr int kWdOffset = kXdOffset + 4 * kStageBlocks * kTokens;    // x_d: float [kStageBlocks][kTokens]
+  static constexpr int kStageBytes = kWdOffset + 2 * kStageBlocks * kRows;   // weight_d: half [kRows][kStageBlocks]
   static constexpr int kStages = 6;
   static constexpr int kBarOffset = kStages * kStageBytes;  // full[kStages], empty[kStages], 4 x kMagicBits
   static constexpr int kSmemBytes = 1024 + kBarOffset + 16 * kStages + 16;  // 1024: aligning the base
@@ -178,10 +182,12 @@ __device__ __forceinline__ void wgmma_s8(uint32_t (&d)[kN / 2], uint64_t desc_a,
   }
 }
 
-// Four registers = kMagicBits from shared memory in one instruction; volatile so that the 16 loads of a fragment
-// are not merged into one load and 64 register moves.
+// Four registers = kMagicBits from shared memory in one instruction; ld.volatile so that neither NVVM nor ptxas
+// merges the 16 loads of a fragment into one load and 64 register moves (ptxas did, with a plain ld.shared).
 __device__ __forceinline__ void load_magic4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t magic) {
-  asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(magic));
+  asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(magic));
 }
 #endif  // QWEN38_SM90A_BODY
 
@@ -241,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
           mbar_arrive_expect_tx(bar, L::kTmaBytes);
           tma_load_2d(s, &p.w, kt * kStageK, row0, bar);
           tma_load_2d(s + L::kXOffset, &p.x, kt * kStageK, tok0, bar);
-          if constexpr (kTwoWord) tma_load_2d(s + L::kXloOffset, &p.x_lo, kt * kStageK, tok0, bar);
+          if constexpr (kTwoWord) tma_load_2d(s + L::kXOffset + L::kXBytes, &p.x_lo, kt * kStageK, tok0, bar);
         }
         unsigned char* sp = smem_ptr + stage * L::kStageBytes;
         // x_d: a lane per token (its four blocks are one 16-byte run in global memory), zeros past T and K.
@@ -296,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
     if constexpr (kTwoWord) fence_registers(d.lo);
     wgmma_fence();
     wgmma_s8<L::kTokens, kScaleD>(d.hi, da, smem_descriptor(s + L::kXOffset));
-    if constexpr (kTwoWord) wgmma_s8<L::kTokens, kScaleD>(d.lo, da, smem_descriptor(s + L::kXloOffset));
+    if constexpr (kTwoWord) wgmma_s8<L::kTokens, kScaleD>(d.lo, da, smem_descriptor(s + L::kXOffset + L::kXBytes));
     wgmma_commit();
   };
   // The dot as kMagic + dot in float (exact): free with scale-d = 1, one integer add with scale-d = 0.
@@ -398,7 +404,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult found{};
 #if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
 #else
     const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
 #endif

@@ -1,17 +1,24 @@
 """q8_gemm: the tensor-core GEMM of the two integer lanes (q8_0_gemm_int8, q8_0_gemm_int8x2) for
 prompt-sized T. Same arguments and references as the GEMV lanes (test_q8_gemv.py has the helpers).
 
-CPU (CI): opcheck. CUDA (-m cuda): the kernel against the float64 reference, outputs poisoned with NaN,
-at T across every tile boundary (32/64/128 tokens, each tile forced), odd N and K, the 27B shapes at
+CPU (CI): opcheck. CUDA (-m cuda): the mma.sync kernel against the float64 reference, outputs poisoned with
+NaN, at T across every tile boundary (32/64/128 tokens, each tile forced), odd N and K, the 27B shapes at
 T = 512; strided activation rows; two runs give the same bits; graph replay == eager; bad arguments raise.
+The sm_90a kernels (wgmma, and wgmma_iadd, its other accumulator reset; forced with QWEN38_Q8_GEMM_KERNEL): the
+same checks, and the same bits as the mma.sync kernel everywhere (same per-block arithmetic, same block order),
+at odd T and N, K % 128 == 64 (a half stage), several tiles per persistent block, the 27B shapes at T = 512 and
+4096; skipped unless the build is sm_90a and the device sm_90.
 
 Error bound: each block's int32 dot is exact; per block the kernel rounds twice (int8: dot * weight_d,
 then the FMA with x_d into the float32 sum; two-word: 127 hi + lo, then the FMA with the exact scale
 product), in block order, so |y - y_ref| <= (2 K/32 + 4) * 2^-24 * sum_k |w_k x_k|.
 """
+import os
+
 import pytest
 import torch
 
+import qwen38_ops
 import qwen38_ops.ops  # noqa: F401  (registers torch.ops.qwen38.*)
 from test_q8_gemv import check_against_reference, make_activation, make_weights, sample_rows
 
@@ -22,6 +29,11 @@ LANES = ["int8", "int8x2"]
 SHAPES_27B = [(16480, 5120), (34816, 5120), (14336, 5120), (5120, 6144), (5120, 17408)]
 ODD_SHAPES = [(1, 64), (7, 128), (33, 192), (130, 576), (257, 1088), (100, 6144)]
 TILES = ["32", "64", "128"]
+WGMMA_KERNELS = ["wgmma", "wgmma_iadd"]
+# T around the 128-token wgmma tile (and the 64-token two-word tile); (4160, 1088): K % 128 == 64 with 264 tiles,
+# two or more per persistent block.
+WGMMA_T = (1, 2, 17, 63, 64, 65, 127, 128, 129, 300, 513)
+WGMMA_SHAPES = ODD_SHAPES + [(4160, 1088)]
 
 
 def op_for(lane):
@@ -30,6 +42,19 @@ def op_for(lane):
 
 def rel_bound(K):
     return (2 * (K // 32) + 4) * 2.0**-24
+
+
+def require_wgmma():
+    """The wgmma kernels exist only in an sm_90a build (setup.py's default) and run only on an sm_90 device."""
+    if "sm_90a" not in qwen38_ops.BUILD_SUMMARY or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"wgmma GEMM needs an sm_90a build on an sm_90 device ({qwen38_ops.BUILD_SUMMARY}; device "
+                    f"{torch.cuda.get_device_capability()})")
+
+
+def run_kernel(kernel, monkeypatch, lane, act, weight_q, weight_d, out=None):
+    """run_cuda with the GEMM kernel forced (poisoned output, synchronized)."""
+    monkeypatch.setenv("QWEN38_Q8_GEMM_KERNEL", kernel)
+    return run_cuda(lane, act, weight_q, weight_d, out)
 
 
 def run_cuda(lane, act, weight_q, weight_d, out=None):
@@ -104,6 +129,77 @@ def test_cuda_graph_replay_bitwise(lane):
     assert torch.equal(out, eager), "graph replay differs from eager"
 
 
+@cuda
+@pytest.mark.parametrize("kernel", WGMMA_KERNELS)
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("N,K", WGMMA_SHAPES)
+def test_cuda_wgmma_odd_shapes_bitwise_mma(lane, N, K, kernel, monkeypatch):
+    """Against the reference, and the mma.sync kernel's bits (its 64-token tile, so the two tile T differently)."""
+    require_wgmma()
+    weight_q, weight_d = make_weights(N, K, device="cuda", seed=N + K)
+    for T in WGMMA_T:
+        act = make_activation(lane, T, K, device="cuda", seed=T)
+        monkeypatch.setenv("QWEN38_Q8_GEMM_TILE", "64")
+        mma = run_kernel("mma", monkeypatch, lane, act, weight_q, weight_d).clone()
+        monkeypatch.delenv("QWEN38_Q8_GEMM_TILE")
+        out = run_kernel(kernel, monkeypatch, lane, act, weight_q, weight_d)
+        check_against_reference(lane, act, weight_q, weight_d, out, rel_bound=rel_bound(K))
+        assert torch.equal(out, mma), f"T = {T}: {kernel} differs from mma.sync in {(out != mma).sum().item()} outputs"
+
+
+@cuda
+@pytest.mark.parametrize("kernel", WGMMA_KERNELS)
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("T", [512, 4096])
+@pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
+def test_cuda_wgmma_27b_shapes(lane, N, K, T, kernel, monkeypatch):
+    """Sampled rows against the reference; every output the mma.sync kernel's bits; the same bits twice."""
+    require_wgmma()
+    weight_q, weight_d = make_weights(N, K, device="cuda", seed=7)
+    act = make_activation(lane, T, K, device="cuda", seed=8)
+    mma = run_kernel("mma", monkeypatch, lane, act, weight_q, weight_d).clone()
+    out = run_kernel(kernel, monkeypatch, lane, act, weight_q, weight_d)
+    rows, step = sample_rows(N, count=1024), T // 73  # ~74 tokens: the float64 reference costs seconds
+    check_against_reference(lane, tuple(a[::step] for a in act), weight_q, weight_d, out[::step], rows=rows,
+                            rel_bound=rel_bound(K))
+    assert torch.equal(out, mma), f"{kernel} differs from mma.sync in {(out != mma).sum().item()} outputs"
+    assert torch.equal(run_kernel(kernel, monkeypatch, lane, act, weight_q, weight_d), out), "two runs differ"
+
+
+@cuda
+@pytest.mark.parametrize("kernel", WGMMA_KERNELS)
+@pytest.mark.parametrize("lane", LANES)
+def test_cuda_wgmma_strided_activation_rows(lane, kernel, monkeypatch):
+    """Row slices of wider buffers: the tensor maps take the row strides, the scale copies x_d's."""
+    require_wgmma()
+    N, K, T = 70, 576, 140
+    weight_q, weight_d = make_weights(N, K, device="cuda")
+    act = make_activation(lane, T, K + 64, device="cuda")
+    sliced = tuple(a[:, : K // 32] if a.dtype == torch.float32 else a[:, :K] for a in act)
+    out = torch.empty(T, N + 5, device="cuda")[:, :N]
+    run_kernel(kernel, monkeypatch, lane, sliced, weight_q, weight_d, out=out)
+    check_against_reference(lane, sliced, weight_q, weight_d, out, rel_bound=rel_bound(K))
+    assert torch.equal(out, run_kernel("mma", monkeypatch, lane, sliced, weight_q, weight_d).clone())
+
+
+@cuda
+@pytest.mark.parametrize("lane", LANES)
+def test_cuda_wgmma_graph_replay_bitwise(lane, monkeypatch):
+    """The tensor maps are kernel parameters, encoded at the call: a captured graph replays them."""
+    require_wgmma()
+    monkeypatch.setenv("QWEN38_Q8_GEMM_KERNEL", "wgmma")
+    N, K, T = 1000, 1024, 300
+    weight_q, weight_d = make_weights(N, K, device="cuda")
+    act = make_activation(lane, T, K, device="cuda")
+    out = torch.empty(T, N, device="cuda")
+    eager = run_cuda(lane, act, weight_q, weight_d, out).clone()
+    graph = capture_graph(lambda: op_for(lane)(*act, weight_q, weight_d, out))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), "graph replay differs from eager"
+
+
 def check_bad_arguments():
     N, K, T = 64, 256, 40
     weight_q, weight_d = make_weights(N, K, device="cuda")
@@ -119,6 +215,10 @@ def check_bad_arguments():
         ops.q8_0_gemm_int8(x_q, xd_odd, weight_q, weight_d, out)
     with pytest.raises(RuntimeError, match="out must be"):
         ops.q8_0_gemm_int8(x_q, x_d, weight_q, weight_d, out[:, :10])
+    os.environ["QWEN38_Q8_GEMM_KERNEL"] = "fastest"
+    with pytest.raises(RuntimeError, match="QWEN38_Q8_GEMM_KERNEL must be mma, wgmma or wgmma_iadd"):
+        ops.q8_0_gemm_int8(x_q, x_d, weight_q, weight_d, out)
+    del os.environ["QWEN38_Q8_GEMM_KERNEL"]
 
 
 @cuda
