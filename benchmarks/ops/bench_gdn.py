@@ -12,10 +12,11 @@ gdn_recurrent runs a chunked kernel (threshold in csrc/cuda_bindings/gdn.cpp): a
 one (kernel=mma, gdn_chunk_mma.cu, 32-token chunks), and with QWEN38_GDN_PREFILL=fp32 the float32 one
 (kernel=fp32, gdn_prefill.cu, 16-token chunks); the recurrence and the three ops are timed with each, in the
 same run (ms_48_layers = us_per_layer x 48 / 1000: the whole model's GDN core on that chunk). The T = 8 row
-against the decode rows at T = 1 and 4 (token by token) places the threshold. Verify (T = 1..8): gdn_recurrent as speculative decoding's verify runs it, with token_states
-(the per-token kernel for any T, writing T x 3.1 MB more a layer; a buffer per layer, so those writes
-reach memory as the model's would) and without (T = 8 runs the tensor-core chunked kernel); bytes = the state read
-and written once plus the token states written.
+against the decode rows at T = 1 and 4 (token by token) places the threshold. Verify (T = 1..8):
+gdn_recurrent as speculative decoding's verify runs it, with token_states (the per-token kernel for any T,
+writing T x 3.1 MB more a layer; a buffer per layer, so those writes reach memory as the model's would) and
+without (T = 8 runs the tensor-core chunked kernel); bytes = the state read and written once plus the token
+states written.
 
 The recurrent step is memory-bound: it reads and writes the float32 state once (48*128*128*4 B = 3.1 MB
 each way per layer). Its figure of merit is state bytes (read + written) per second over the streaming
