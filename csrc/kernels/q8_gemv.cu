@@ -42,10 +42,48 @@
 
 #include "common.cuh"
 #include "pdl.cuh"
-#include "q8_loads.cuh"
 
 namespace qwen38 {
 namespace {
+
+// Every load here is a coherent ld.global, none is ld.global.nc (__ldg): ptxas takes .nc data to be constant
+// for the kernel's lifetime and moves .nc loads across griddepcontrol.wait both ways (SASS of CUDA 13.0's
+// ptxas): this kernel's weight loads, written before the wait, sank below it (the PDL prologue lost), and in
+// a minimal kernel an __ldg written after the wait was issued before it (a race with the predecessor that
+// writes the activation). Coherent loads stay on their side of the wait.
+// Weights: read once, L1::no_allocate so they do not evict the activation that all warps of an SM share.
+__device__ __forceinline__ int4 load_weights16(const int8_t* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ int load_weights4(const int8_t* p) {
+  int v;
+  asm volatile("ld.global.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float load_weight_scale(const __half* p) {
+  unsigned short bits;
+  asm volatile("ld.global.L1::no_allocate.u16 %0, [%1];" : "=h"(bits) : "l"(p));
+  return __half2float(__ushort_as_half(bits));
+}
+
+// Activations: L1-allocating (the default), read after the wait.
+__device__ __forceinline__ int4 load_act16(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float load_act_scale(const float* p) {
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
 
 __device__ __forceinline__ int dot16_i8(int4 w, int4 x) {
   return __dp4a(w.w, x.w, __dp4a(w.z, x.z, __dp4a(w.y, x.y, __dp4a(w.x, x.x, 0))));
