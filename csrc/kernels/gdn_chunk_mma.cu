@@ -23,14 +23,16 @@
 // float32 attention lane drifted to 1e-4 when they did, benchmarks/NOTES.md). A float64 emulation of this
 // kernel's algorithm (same chunk, splits, order and float32 roundings; the accumulator modelled as truncating
 // to 24 bits after every 4 products, coarser than the hardware) measured rel L2 <= 1.4e-6 against the float64
-// reference at the 27B head shape, T = 4096, uniform, edge, trained-like and nearly collinear gates (7e-8 with
-// exact float32 products: the TF32 split's error dominates, K K^T's most, through T).
+// reference at the 27B head shape, T = 4096, uniform, edge, trained-like and nearly collinear gates, <= 1.7e-6
+// at T = 100 (tests/ops/test_gdn.py runs it on the CPU); 7e-8 with exact float32 products: the TF32 split's
+// error dominates, K K^T's most, through T.
 //
 // Layout: one block of 8 warps per (value head, 64 state rows), grid Hv x dv / 64 (27B: 96 blocks), the state's
 // 64 x 128 rows in registers (accumulator layout, 32 floats a thread) and in shared memory as the B operand of
 // K S^T and Q S^T. Operands in shared memory are stored so that fragment loads are free of bank conflicts:
-// k-contiguous ones (the MMA's A row-major, B column-major) with rows 4 floats apart modulo 32 banks, the
-// others with rows 8 apart; K is staged both ways. Per chunk, 5 barriers:
+// k-contiguous ones (the MMA's A row-major, B column-major) with rows 4 floats apart modulo 32 banks (16 for q, k
+// and the state, read a float4 per row for two k-steps), the others with rows 8 apart; K is staged both ways.
+// 205 KB of shared memory. Per chunk, 5 barriers:
 //   [top]  chunk c landed, chunk c + 1's copies issued (2 stages)
 //   [1]    K K^T and Q K^T (16 x 8 tiles, three a sub-partition); warp 2: G (a column a lane) and the tail
 //          products, warp 3: gamma
@@ -56,8 +58,9 @@ constexpr int kDk = 128;
 constexpr int kBV = 64;  // state rows (value channels) a block holds
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-// Row strides (floats): k-contiguous operands 4 banks apart, n- or m-contiguous ones 8 apart.
-constexpr int kQKStride = kDk + 4;
+// Row strides (floats): k-contiguous operands 4 banks apart (q, k and the state 16 apart: read as float4s), n- or
+// m-contiguous ones 8 apart.
+constexpr int kQKStride = kDk + 16;
 constexpr int kKNStride = kDk + 8;
 constexpr int kVStride = kBV + 8;
 constexpr int kCStride = kC + 4;
@@ -125,6 +128,27 @@ __device__ __forceinline__ FragB load_b(const float* p, int ld, int n0, int k0, 
     split_tf32(kKMajor ? p[n * ld + k] : p[k * ld + n], f.hi[r], f.lo[r]);
   }
   return f;
+}
+
+// The fragments of two k-steps, k0.. and k0 + 8.., of a k-contiguous operand, one float4 a row: lane t holds keys
+// k0 + 4 t .. + 3, the first two in k-step 0's slots t and t + 4, the last two in k-step 1's. A permutation of
+// the 16 keys, the same for A and B, so the products are those of the natural order, summed in another.
+__device__ __forceinline__ void load_a_pair(FragA (&f)[2], const float* p, int ld, int m0, int k0, int g, int t) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // rows g, g + 8: registers 0, 2 and 1, 3
+    const float4 x = *reinterpret_cast<const float4*>(p + (m0 + g + 8 * h) * ld + k0 + 4 * t);
+    split_tf32(x.x, f[0].hi[h], f[0].lo[h]);
+    split_tf32(x.y, f[0].hi[h + 2], f[0].lo[h + 2]);
+    split_tf32(x.z, f[1].hi[h], f[1].lo[h]);
+    split_tf32(x.w, f[1].hi[h + 2], f[1].lo[h + 2]);
+  }
+}
+__device__ __forceinline__ void load_b_pair(FragB (&f)[2], const float* p, int ld, int n0, int k0, int g, int t) {
+  const float4 x = *reinterpret_cast<const float4*>(p + (n0 + g) * ld + k0 + 4 * t);
+  split_tf32(x.x, f[0].hi[0], f[0].lo[0]);
+  split_tf32(x.y, f[0].hi[1], f[0].lo[1]);
+  split_tf32(x.z, f[1].hi[0], f[1].lo[0]);
+  split_tf32(x.w, f[1].hi[1], f[1].lo[1]);
 }
 
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -280,13 +304,17 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
     // [1] K K^T, Q K^T (the Gram jobs); then warp 2: G and the tail products, warp 3: gamma
     float gram0[4] = {}, gram1[4] = {};  // warps 4-7: A, P; warps 0-3: A or P in gram0
 #pragma unroll 2
-    for (int k0 = 0; k0 < kDk; k0 += 8) {
-      const FragB kb = load_b<true>(st.k, kQKStride, gn, k0, g, t);
+    for (int k0 = 0; k0 < kDk; k0 += 16) {
+      FragB kb[2];
+      FragA a[2];
+      load_b_pair(kb, st.k, kQKStride, gn, k0, g, t);
+      load_a_pair(a, only_p ? st.q : st.k, kQKStride, tm, k0, g, t);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) mma3(gram0, a[h], kb[h]);
       if (both) {
-        mma3(gram0, load_a<true>(st.k, kQKStride, tm, k0, g, t), kb);
-        mma3(gram1, load_a<true>(st.q, kQKStride, tm, k0, g, t), kb);
-      } else {
-        mma3(gram0, load_a<true>(only_p ? st.q : st.k, kQKStride, tm, k0, g, t), kb);
+        load_a_pair(a, st.q, kQKStride, tm, k0, g, t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma3(gram1, a[h], kb[h]);
       }
     }
     if (warp == 2) {  // G, a column j a lane: G_ij = g_{j+1} ... g_i, multiplied in that order
@@ -337,15 +365,20 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
     // X = K S^T, Y = Q S^T, then R = beta (V - gamma X)
     float x[2][4] = {}, y[2][4] = {};
 #pragma unroll 2
-    for (int k0 = 0; k0 < kDk; k0 += 8) {
-      const FragA ka = load_a<true>(st.k, kQKStride, tm, k0, g, t);
-      const FragA qa = load_a<true>(st.q, kQKStride, tm, k0, g, t);
-      const FragB s0 = load_b<true>(s_sh, kQKStride, tn, k0, g, t);
-      const FragB s1 = load_b<true>(s_sh, kQKStride, tn + 8, k0, g, t);
-      mma3(x[0], ka, s0);
-      mma3(x[1], ka, s1);
-      mma3(y[0], qa, s0);
-      mma3(y[1], qa, s1);
+    for (int k0 = 0; k0 < kDk; k0 += 16) {
+      FragA ka[2], qa[2];
+      FragB s0[2], s1[2];
+      load_a_pair(ka, st.k, kQKStride, tm, k0, g, t);
+      load_a_pair(qa, st.q, kQKStride, tm, k0, g, t);
+      load_b_pair(s0, s_sh, kQKStride, tn, k0, g, t);
+      load_b_pair(s1, s_sh, kQKStride, tn + 8, k0, g, t);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mma3(x[0], ka[h], s0[h]);
+        mma3(x[1], ka[h], s1[h]);
+        mma3(y[0], qa[h], s0[h]);
+        mma3(y[1], qa[h], s1[h]);
+      }
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
