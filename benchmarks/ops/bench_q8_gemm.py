@@ -6,8 +6,9 @@ GEMV/GEMM crossover for small T (the verify and short-prompt sizes).
 Also the f32 lane's crossover (GEMV vs dequantize + cuBLAS float32). Peaks: torch._int_mm and bf16 torch.mm on the same shapes, in the fast layout (b = W.t() of a row-major
 [N, K] weight: prefill-ceilings.md's layout trap). Our GEMM is timed as the dispatch picks it (q8_gemm_int8),
 with each kernel forced (QWEN38_Q8_GEMM_KERNEL: mma = the mma.sync kernel at its default tile, wgmma and
-wgmma_iadd = the sm_90a kernel's two accumulator resets; NaN where the build or device lacks them), the two-word
-lane's mma and wgmma, and the mma.sync kernel at each compiled tile (QWEN38_Q8_GEMM_TILE). --profile runs the GEMM
+wgmma_iadd = the sm_90a kernel's two accumulator resets at its default tile; NaN where the build or device lacks
+them), wgmma at each of its tiles, the two-word lane's mma and wgmma, and the mma.sync kernel at each compiled tile
+(QWEN38_Q8_GEMM_TILE alone). --profile runs the GEMM
 once at T = 4096 on 34816 x 5120 and exits, for a profiler, with the kernel the environment picks
 (`QWEN38_Q8_GEMM_KERNEL=wgmma ncu --clock-control none -k regex:q8_0_gemm python3 -m benchmarks.ops.bench_q8_gemm
 --profile`).
@@ -62,16 +63,17 @@ def random_q8(N, K):
             (torch.rand(N, K // 32, device="cuda") * 4e-4 + 2e-4).half())
 
 
-def with_env(name: str, value: str, fn) -> float:
-    """median_time(fn) with the environment variable set (the GEMM reads it at every call); NaN where the
-    launch refuses it (the wgmma kernels on a build or device without sm_90a)."""
-    os.environ[name] = value
+def with_env(fn, **env: str) -> float:
+    """median_time(fn) with the environment variables set (the GEMM reads them at every call); NaN where the
+    launch refuses them (the wgmma kernels on a build or device without sm_90a)."""
+    os.environ.update(env)
     try:
         return median_time(fn)
     except RuntimeError:
         return float("nan")
     finally:
-        del os.environ[name]
+        for name in env:
+            del os.environ[name]
 
 
 KERNELS = ("mma", "wgmma", "wgmma_iadd")
@@ -82,8 +84,8 @@ def matrix_table(config, lengths=(512, 4096)) -> tuple[list[dict], dict]:
     forced, the two-word lane, each mma.sync tile); trunk totals."""
     rows, totals = [], {}
     for T in lengths:
-        total = dict(int_mm=0.0, bf16_mm=0.0, q8_gemm_int8=0.0, **{k: 0.0 for k in KERNELS}, x2_mma=0.0,
-                     x2_wgmma=0.0, tile32=0.0, tile64=0.0, tile128=0.0)
+        total = dict(int_mm=0.0, bf16_mm=0.0, q8_gemm_int8=0.0, **{k: 0.0 for k in KERNELS}, wgmma64=0.0,
+                     wgmma128=0.0, x2_mma=0.0, x2_wgmma=0.0, tile32=0.0, tile64=0.0, tile128=0.0)
         for N, K, count in trunk_shapes(config):
             w8, wd = random_q8(N, K)
             x8 = torch.randint(-127, 128, (T, K), dtype=torch.int8, device="cuda")
@@ -97,11 +99,13 @@ def matrix_table(config, lengths=(512, 4096)) -> tuple[list[dict], dict]:
                 int_mm=median_time(lambda: torch._int_mm(x8, w8.t())) if N % 8 == 0 else float("nan"),
                 bf16_mm=median_time(lambda: torch.mm(xb, wb.t())),
                 q8_gemm_int8=median_time(int8),
-                **{k: with_env("QWEN38_Q8_GEMM_KERNEL", k, int8) for k in KERNELS},
-                x2_mma=with_env("QWEN38_Q8_GEMM_KERNEL", "mma", int8x2),
-                x2_wgmma=with_env("QWEN38_Q8_GEMM_KERNEL", "wgmma", int8x2))
+                **{k: with_env(int8, QWEN38_Q8_GEMM_KERNEL=k) for k in KERNELS},
+                **{f"wgmma{tile}": with_env(int8, QWEN38_Q8_GEMM_KERNEL="wgmma", QWEN38_Q8_GEMM_TILE=tile)
+                   for tile in ("64", "128")},  # the wgmma kernel's tiles (its default picks by wave count)
+                x2_mma=with_env(int8x2, QWEN38_Q8_GEMM_KERNEL="mma"),
+                x2_wgmma=with_env(int8x2, QWEN38_Q8_GEMM_KERNEL="wgmma"))
             for tile in ("32", "64", "128"):  # every compiled mma.sync tile (its default picks by wave count)
-                t[f"tile{tile}"] = with_env("QWEN38_Q8_GEMM_TILE", tile, int8)
+                t[f"tile{tile}"] = with_env(int8, QWEN38_Q8_GEMM_TILE=tile)
             flop = 2 * T * N * K
             for k in total:  # int_mm has no N % 8 != 0 form: bf16 stands in there; a missing kernel stays NaN
                 total[k] += (t[k] if t[k] == t[k] or k != "int_mm" else t["bf16_mm"]) * count
@@ -186,8 +190,9 @@ def main(argv=None) -> dict:
     rows, totals = matrix_table(QWEN38_27B)
     small = small_t_table(QWEN38_27B)
     print_table(rows, ["T", "N", "K", "count", "int_mm_tops", "bf16_mm_tops", "q8_gemm_int8_tops", "mma_tops",
-                       "wgmma_tops", "wgmma_iadd_tops", "x2_mma_tops", "x2_wgmma_tops", "tile32_tops", "tile64_tops",
-                       "tile128_tops", "gemm_of_int_mm", "wgmma_of_int_mm"],
+                       "wgmma_tops", "wgmma_iadd_tops", "wgmma64_tops", "wgmma128_tops", "x2_mma_tops",
+                       "x2_wgmma_tops", "tile32_tops", "tile64_tops", "tile128_tops", "gemm_of_int_mm",
+                       "wgmma_of_int_mm"],
                 title="trunk matrices: TOPS (peak probes vs our Q8_0 GEMM)")
     for T, tot in totals.items():
         print(f"T={T}: trunk matrices alone: int_mm {tot['int_mm']['tok_s']:.0f} tok/s, bf16 mm "

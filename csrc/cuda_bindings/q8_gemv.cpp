@@ -77,7 +77,8 @@ void run_gemm(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& 
   launch_or_throw(op, err,
                   q8_0_gemm_kernel_from_env(&kernel)
                       ? " (QWEN38_Q8_GEMM_KERNEL must be mma, wgmma or wgmma_iadd; the wgmma kernels need an sm_90a "
-                        "build, QWEN38_CUDA_ARCH=90a, on an sm_90 device, and 16-byte aligned operands)"
+                        "build, QWEN38_CUDA_ARCH=90a, on an sm_90 device, and 16-byte aligned operands, and take "
+                        "QWEN38_Q8_GEMM_TILE 64 or 128 (int8), 64 (int8x2))"
                   : q8_0_gemm_tile_from_env(&tile) ? " (QWEN38_Q8_GEMM_TILE must be 32, 64 or 128)"
                                                    : "");
 }

@@ -359,14 +359,15 @@ Q8GemmKernel q8_0_gemm_kernel(const Q8GemvArgs& args) {
 cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream) {
   if (args.N == 0 || args.T == 0) return cudaSuccess;
   if (args.K <= 0 || args.K % 64 != 0 || act == Q8Act::F32) return cudaErrorInvalidValue;
-  switch (q8_0_gemm_kernel(args)) {
-    case Q8GemmKernel::MmaSync: break;
-    case Q8GemmKernel::Wgmma: return q8_0_gemm_sm90_launch(act, args, true, stream);
-    case Q8GemmKernel::WgmmaIadd: return q8_0_gemm_sm90_launch(act, args, false, stream);
-    default: return cudaErrorInvalidValue;
-  }
   int tile_tokens = 0;
-  if (!q8_0_gemm_tile_from_env(&tile_tokens)) tile_tokens = q8_0_gemm_default_tile(act, args);
+  const bool tile_from_env = q8_0_gemm_tile_from_env(&tile_tokens);
+  const Q8GemmKernel kernel = q8_0_gemm_kernel(args);
+  if (kernel == Q8GemmKernel::Wgmma || kernel == Q8GemmKernel::WgmmaIadd) {
+    if (!tile_from_env) tile_tokens = q8_0_gemm_sm90_default_tile(act, args);
+    return q8_0_gemm_sm90_launch(act, args, tile_tokens, kernel == Q8GemmKernel::Wgmma, stream);
+  }
+  if (kernel != Q8GemmKernel::MmaSync) return cudaErrorInvalidValue;
+  if (!tile_from_env) tile_tokens = q8_0_gemm_default_tile(act, args);
   const bool two_word = act == Q8Act::Int8x2;
   if (four_blocks_per_stage(args))
     return two_word ? dispatch<true, 4>(args, tile_tokens, stream) : dispatch<false, 4>(args, tile_tokens, stream);

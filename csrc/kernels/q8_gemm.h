@@ -29,15 +29,20 @@ constexpr int kQ8GemmWgmmaFromT = 128;
 // Testing and benchmarking knob: QWEN38_Q8_GEMM_KERNEL=mma|wgmma|wgmma_iadd forces a kernel, read at every call
 // (Unknown for another value: the launch fails). Returns false when unset or empty.
 bool q8_0_gemm_kernel_from_env(Q8GemmKernel* kernel);
-// The kernel a call runs: the QWEN38_Q8_GEMM_KERNEL override, else MmaSync when QWEN38_Q8_GEMM_TILE is set (the tile
-// is that kernel's), else the default.
+// The kernel a call runs: the QWEN38_Q8_GEMM_KERNEL override, else MmaSync when QWEN38_Q8_GEMM_TILE is set alone
+// (the tile knob predates the wgmma kernel: set alone it keeps meaning the mma.sync kernel's tile), else the default.
 Q8GemmKernel q8_0_gemm_kernel(const Q8GemvArgs& args);
 
 // The build has the sm_90a kernel, the current device is sm_90, and the arguments suit TMA (16-byte aligned
 // weight_q, x and x_lo with 16-byte row strides; weight_d 4-byte aligned).
 bool q8_0_gemm_sm90_supported(const Q8GemvArgs& args);
-// reset_from_shared: Wgmma (true) or WgmmaIadd (false). cudaErrorNotSupported where not q8_0_gemm_sm90_supported.
-cudaError_t q8_0_gemm_sm90_launch(Q8Act act, const Q8GemvArgs& args, bool reset_from_shared, cudaStream_t stream);
+// The wgmma kernel's token tile: 128 or 64 (int8, by wave count, q8_0_gemm_sm90.cu), 64 (two-word). With the wgmma
+// kernel forced, QWEN38_Q8_GEMM_TILE replaces it (int8: 64 or 128; two-word: 64; another value fails the launch).
+int q8_0_gemm_sm90_default_tile(Q8Act act, const Q8GemvArgs& args);
+// reset_from_shared: Wgmma (true) or WgmmaIadd (false). cudaErrorNotSupported where not q8_0_gemm_sm90_supported,
+// cudaErrorInvalidValue for a tile that is not compiled.
+cudaError_t q8_0_gemm_sm90_launch(Q8Act act, const Q8GemvArgs& args, int tile_tokens, bool reset_from_shared,
+                                  cudaStream_t stream);
 
 // act is Int8 or Int8x2; the kernel is q8_0_gemm_kernel's, the mma.sync kernel's tile q8_0_gemm_default_tile's (or
 // the QWEN38_Q8_GEMM_TILE override). Launches on `stream` without PDL (neither kernel has griddepcontrol.wait:

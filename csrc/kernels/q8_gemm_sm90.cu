@@ -6,8 +6,9 @@
 //   issue ldmatrix, MMAs and scale FMAs in one stream. Here one wgmma m64nNk32 per warpgroup and Q8_0 block
 //   (k32 = one block: each int32 dot is exact) replaces 64-128 mma.sync and every ldmatrix, and a producer warp
 //   feeds shared memory through TMA, so what the consumer warps issue is almost only the scale FMAs.
-// - Weights are wgmma's M (64 rows a consumer warpgroup, two of them: 128 rows a tile), tokens its N (128; 64 in
-//   the two-word lane, whose hi and lo dots need twice the accumulators). A thread's accumulator fragment spans
+// - Weights are wgmma's M (64 rows a consumer warpgroup, two of them: 128 rows a tile), tokens its N (128, or 64
+//   where that fills the waves better; always 64 in the two-word lane, whose hi and lo dots need twice the
+//   accumulators). A thread's accumulator fragment spans
 //   2 rows and N/4 tokens, so the per-row scale (fp16 weight_d, which needs a conversion and the magic product)
 //   costs 2 per block and the per-token x_d N/4 loads, 4 to an LDS.128 (the permuted x_d layout below). Stores
 //   still coalesce: a warp's store covers 8 consecutive rows of 4 tokens, four whole 32-byte sectors.
@@ -63,9 +64,11 @@ static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "
 constexpr int kMagicBits = 0x4B400000;  // 1.5 * 2^23: see q8_gemm.cu's mma_block
 constexpr float kMagic = 12582912.0f;
 
-template <bool kTwoWord>
+template <bool kTwoWord, int kTokenTile>
 struct Sm90Tile {
-  static constexpr int kTokens = kTwoWord ? 64 : 128;
+  static_assert(kTokenTile == 128 || kTokenTile == 64, "compiled token tiles: 128, 64");
+  static_assert(!kTwoWord || kTokenTile == 64, "two-word: hi and lo accumulators, double-buffered, fit 64 tokens");
+  static constexpr int kTokens = kTokenTile;
   static constexpr int kFrag = kTokens / 2;  // accumulator registers per thread and matrix
   static constexpr int kWBytes = kRows * kStageK;
   static constexpr int kXBytes = kTokens * kStageK;
@@ -192,16 +195,16 @@ __device__ __forceinline__ void load_magic4(uint32_t& r0, uint32_t& r1, uint32_t
 #endif  // QWEN38_SM90A_BODY
 
 // The accumulators of one Q8_0 block: the dot (two-word: hi and lo dots) of the warpgroup's 64 rows x kTokens.
-template <bool kTwoWord>
+template <bool kTwoWord, int kFrag>
 struct BlockAcc {
-  uint32_t hi[Sm90Tile<kTwoWord>::kFrag];
-  uint32_t lo[kTwoWord ? Sm90Tile<kTwoWord>::kFrag : 1];
+  uint32_t hi[kFrag];
+  uint32_t lo[kTwoWord ? kFrag : 1];
 };
 
-template <bool kTwoWord, bool kResetFromShared>
+template <bool kTwoWord, int kTokenTile, bool kResetFromShared>
 __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __grid_constant__ Sm90Params p) {
 #ifdef QWEN38_SM90A_BODY
-  using L = Sm90Tile<kTwoWord>;
+  using L = Sm90Tile<kTwoWord, kTokenTile>;
   constexpr int kFrag = L::kFrag;
   constexpr int kScaleD = kResetFromShared ? 1 : 0;
   extern __shared__ unsigned char smem_raw[];
@@ -285,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
   const int c = warpgroup - 1, warp = (threadIdx.x / 32) % 4, g = lane / 4, q = lane % 4;
   const int frag_row = 64 * c + 16 * warp + g;  // and frag_row + 8: the fragment's two rows
 
-  BlockAcc<kTwoWord> acc_buf[2];
+  BlockAcc<kTwoWord, kFrag> acc_buf[2];
   // Every accumulator starts reset: kMagic for scale-d = 1, anything for scale-d = 0 (overwritten).
 #pragma unroll
   for (int bi = 0; bi < 2; ++bi) {
@@ -295,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
     for (int i = 0; i < (kTwoWord ? kFrag : 1); ++i) acc_buf[bi].lo[i] = kMagicBits;
   }
 
-  auto issue = [&](BlockAcc<kTwoWord>& d, int stage, int b) {
+  auto issue = [&](BlockAcc<kTwoWord, kFrag>& d, int stage, int b) {
     const uint32_t s = smem + stage * L::kStageBytes + 32 * b;
     const uint64_t da = smem_descriptor(s + 64 * c * kStageK);
     fence_registers(d.hi);
@@ -327,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
       } else {
         wgmma_wait<0>();
       }
-      BlockAcc<kTwoWord>& d = acc_buf[b & 1];
+      BlockAcc<kTwoWord, kFrag>& d = acc_buf[b & 1];
       fence_registers(d.hi);
       if constexpr (kTwoWord) fence_registers(d.lo);
 
@@ -441,10 +444,10 @@ int multiprocessors(int device) {
   return count[device];
 }
 
-template <bool kTwoWord, bool kResetFromShared>
+template <bool kTwoWord, int kTokenTile, bool kResetFromShared>
 cudaError_t launch(const Q8GemvArgs& a, cudaStream_t stream) {
-  using L = Sm90Tile<kTwoWord>;
-  auto kernel = q8_0_gemm_sm90_kernel<kTwoWord, kResetFromShared>;
+  using L = Sm90Tile<kTwoWord, kTokenTile>;
+  auto kernel = q8_0_gemm_sm90_kernel<kTwoWord, kTokenTile, kResetFromShared>;
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmemBytes);
   if (attr_err != cudaSuccess) return attr_err;
@@ -487,11 +490,31 @@ bool q8_0_gemm_sm90_supported(const Q8GemvArgs& a) {
 #endif
 }
 
-cudaError_t q8_0_gemm_sm90_launch(Q8Act act, const Q8GemvArgs& a, bool reset_from_shared, cudaStream_t stream) {
+// 64-token tiles give twice the tiles, for the shapes whose 128-token tiles leave a wave mostly empty (T = 512 on
+// the 5120-row projections: 160 tiles on 132 SMs); a wave of 64-token tiles is costed at 55% of one of 128 (the
+// per-block wgmma, wait and scale loads are spread over half the outputs; an estimate, not measured).
+int q8_0_gemm_sm90_default_tile(Q8Act act, const Q8GemvArgs& a) {
+  if (act == Q8Act::Int8x2) return 64;
+  int device = 0;
+  cudaGetDevice(&device);
+  const long sms = multiprocessors(device), row_tiles = (a.N + kRows - 1) / kRows;
+  auto waves = [&](int tile) { return ((a.T + tile - 1) / tile * row_tiles + sms - 1) / sms; };
+  return 55 * waves(64) < 100 * waves(128) ? 64 : 128;
+}
+
+cudaError_t q8_0_gemm_sm90_launch(Q8Act act, const Q8GemvArgs& a, int tile_tokens, bool reset_from_shared,
+                                  cudaStream_t stream) {
   if (a.N == 0 || a.T == 0) return cudaSuccess;
   if (!q8_0_gemm_sm90_supported(a) || act == Q8Act::F32) return cudaErrorNotSupported;
-  if (act == Q8Act::Int8x2) return reset_from_shared ? launch<true, true>(a, stream) : launch<true, false>(a, stream);
-  return reset_from_shared ? launch<false, true>(a, stream) : launch<false, false>(a, stream);
+  if (act == Q8Act::Int8x2) {
+    if (tile_tokens != 64) return cudaErrorInvalidValue;
+    return reset_from_shared ? launch<true, 64, true>(a, stream) : launch<true, 64, false>(a, stream);
+  }
+  switch (tile_tokens) {
+    case 64: return reset_from_shared ? launch<false, 64, true>(a, stream) : launch<false, 64, false>(a, stream);
+    case 128: return reset_from_shared ? launch<false, 128, true>(a, stream) : launch<false, 128, false>(a, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace qwen38

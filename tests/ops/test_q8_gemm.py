@@ -30,6 +30,7 @@ SHAPES_27B = [(16480, 5120), (34816, 5120), (14336, 5120), (5120, 6144), (5120, 
 ODD_SHAPES = [(1, 64), (7, 128), (33, 192), (130, 576), (257, 1088), (100, 6144)]
 TILES = ["32", "64", "128"]
 WGMMA_KERNELS = ["wgmma", "wgmma_iadd"]
+WGMMA_TILES = {"int8": ["128", "64"], "int8x2": ["64"]}
 # T around the 128-token wgmma tile (and the 64-token two-word tile); (4160, 1088): K % 128 == 64 with 264 tiles,
 # two or more per persistent block.
 WGMMA_T = (1, 2, 17, 63, 64, 65, 127, 128, 129, 300, 513)
@@ -134,17 +135,22 @@ def test_cuda_graph_replay_bitwise(lane):
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("N,K", WGMMA_SHAPES)
 def test_cuda_wgmma_odd_shapes_bitwise_mma(lane, N, K, kernel, monkeypatch):
-    """Against the reference, and the mma.sync kernel's bits (its 64-token tile, so the two tile T differently)."""
+    """Each compiled token tile (QWEN38_Q8_GEMM_TILE with the kernel forced) against the reference and against
+    the mma.sync kernel's bits (its 32-token tile: the two tile T differently)."""
     require_wgmma()
     weight_q, weight_d = make_weights(N, K, device="cuda", seed=N + K)
+    rows = sample_rows(N, count=1024)
     for T in WGMMA_T:
         act = make_activation(lane, T, K, device="cuda", seed=T)
-        monkeypatch.setenv("QWEN38_Q8_GEMM_TILE", "64")
+        monkeypatch.setenv("QWEN38_Q8_GEMM_TILE", "32")
         mma = run_kernel("mma", monkeypatch, lane, act, weight_q, weight_d).clone()
-        monkeypatch.delenv("QWEN38_Q8_GEMM_TILE")
-        out = run_kernel(kernel, monkeypatch, lane, act, weight_q, weight_d)
-        check_against_reference(lane, act, weight_q, weight_d, out, rel_bound=rel_bound(K))
-        assert torch.equal(out, mma), f"T = {T}: {kernel} differs from mma.sync in {(out != mma).sum().item()} outputs"
+        for tile in WGMMA_TILES[lane]:
+            monkeypatch.setenv("QWEN38_Q8_GEMM_TILE", tile)
+            out = run_kernel(kernel, monkeypatch, lane, act, weight_q, weight_d)
+            if tile == WGMMA_TILES[lane][0]:
+                check_against_reference(lane, act, weight_q, weight_d, out, rows=rows, rel_bound=rel_bound(K))
+            assert torch.equal(out, mma), (f"T = {T}, tile {tile}: {kernel} differs from mma.sync in "
+                                           f"{(out != mma).sum().item()} outputs")
 
 
 @cuda
@@ -153,7 +159,8 @@ def test_cuda_wgmma_odd_shapes_bitwise_mma(lane, N, K, kernel, monkeypatch):
 @pytest.mark.parametrize("T", [512, 4096])
 @pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
 def test_cuda_wgmma_27b_shapes(lane, N, K, T, kernel, monkeypatch):
-    """Sampled rows against the reference; every output the mma.sync kernel's bits; the same bits twice."""
+    """The default tile: sampled rows against the reference; every output the mma.sync kernel's bits; the same
+    bits twice."""
     require_wgmma()
     weight_q, weight_d = make_weights(N, K, device="cuda", seed=7)
     act = make_activation(lane, T, K, device="cuda", seed=8)
@@ -218,7 +225,10 @@ def check_bad_arguments():
     os.environ["QWEN38_Q8_GEMM_KERNEL"] = "fastest"
     with pytest.raises(RuntimeError, match="QWEN38_Q8_GEMM_KERNEL must be mma, wgmma or wgmma_iadd"):
         ops.q8_0_gemm_int8(x_q, x_d, weight_q, weight_d, out)
-    del os.environ["QWEN38_Q8_GEMM_KERNEL"]
+    os.environ["QWEN38_Q8_GEMM_KERNEL"], os.environ["QWEN38_Q8_GEMM_TILE"] = "wgmma", "32"  # no 32-token wgmma tile
+    with pytest.raises(RuntimeError, match="QWEN38_Q8_GEMM_TILE 64 or 128"):
+        ops.q8_0_gemm_int8(x_q, x_d, weight_q, weight_d, out)
+    del os.environ["QWEN38_Q8_GEMM_KERNEL"], os.environ["QWEN38_Q8_GEMM_TILE"]
 
 
 @cuda
