@@ -23,8 +23,9 @@ bool q8_0_gemm_tile_from_env(int* tile);
 // wgmma kernel with its other accumulator reset (q8_gemm_sm90.cu's header), compiled so that one run measures both.
 enum class Q8GemmKernel : int { MmaSync, Wgmma, WgmmaIadd, Unknown };
 
-// The default: Wgmma from this many tokens where q8_0_gemm_sm90_supported (its tile is 128 tokens: below that the
-// mma.sync kernel's 32- and 64-token tiles waste less; not measured yet), MmaSync otherwise.
+// The default: Wgmma from this many tokens where q8_0_gemm_sm90_supported, MmaSync otherwise. A wgmma tile (64 or
+// 128 tokens) costs its whole FMA stream however little of it T fills; below 128 tokens the mma.sync kernel's 32-
+// and 64-token tiles waste less (a guess, not measured: bench_q8_gemm's small-T table can move it).
 constexpr int kQ8GemmWgmmaFromT = 128;
 // Testing and benchmarking knob: QWEN38_Q8_GEMM_KERNEL=mma|wgmma|wgmma_iadd forces a kernel, read at every call
 // (Unknown for another value: the launch fails). Returns false when unset or empty.
