@@ -31,8 +31,8 @@ ODD_SHAPES = [(1, 64), (7, 128), (33, 192), (130, 576), (257, 1088), (100, 6144)
 TILES = ["32", "64", "128"]
 WGMMA_KERNELS = ["wgmma", "wgmma_iadd"]
 WGMMA_TILES = {"int8": ["128", "64"], "int8x2": ["64"]}
-# T around the 128-token wgmma tile (and the 64-token two-word tile); (4160, 1088): K % 128 == 64 with 264 tiles,
-# two or more per persistent block.
+# T around the wgmma tiles (128 and 64 tokens); (4160, 1088): K % 128 == 64, and at T = 513 more tiles than SMs
+# (33 x 5 of 128 tokens, 33 x 9 of 64): two per persistent block.
 WGMMA_T = (1, 2, 17, 63, 64, 65, 127, 128, 129, 300, 513)
 WGMMA_SHAPES = ODD_SHAPES + [(4160, 1088)]
 
