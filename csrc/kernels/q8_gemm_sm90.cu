@@ -45,7 +45,7 @@
 // The host side cannot see which device architecture the kernels were compiled for: setup.py defines QWEN38_WGMMA
 // with its sm_90a gencode, and the dispatch (q8_gemm.cu) picks this kernel only then and only on an sm_90 device.
 // A device pass without sm_90a's features (QWEN38_CUDA_ARCH=90, or the compute_90 PTX of -arch=sm_90a) compiles
-// the kernel body out.
+// the kernel body out (to a trap).
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QWEN38_SM90A_BODY 1
 #endif
@@ -399,6 +399,8 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
     kt = 0;
     tile += gridDim.x;
   }
+#else
+  __trap();  // a device pass without sm_90a: loud if a build ever launched it (the dispatch never does)
 #endif  // QWEN38_SM90A_BODY
 }
 
