@@ -13,9 +13,8 @@
 //   costs 2 per block and the per-token x_d N/4 loads, 4 to an LDS.128 (the permuted x_d layout below). Stores
 //   still coalesce: a warp's store covers 8 consecutive rows of 4 tokens, four whole 32-byte sectors.
 // - Double-buffered accumulators: block b+1's wgmma is issued before block b's scale FMAs, so the tensor cores
-//   work under the FP32 pipe, which bounds this kernel (2 FMAs per output and block: NOTES.md's ceiling). Not
-//   across stages (run_stage says why): a stage's first wgmma is waited for with nothing to do, which the other
-//   consumer warpgroup's FMAs (the same four schedulers) are there to cover.
+//   work under the FP32 pipe, which bounds this kernel (2 FMAs per output and block: NOTES.md's ceiling), across
+//   runs of two stages (run_stages says why not further).
 // - Registers: the consumers hold 64 float sums and 2 x 64 int32 accumulators a thread (int8; two-word 32 and
 //   2 x 2 x 32); at 232 registers the stage loop spilled, so the producer warpgroup keeps 24 (setmaxnreg) and the
 //   consumers get 240. The producer's few spills are off the FMA stream.
@@ -27,8 +26,8 @@
 //   shared-memory traffic. Both are compiled so that one run can measure both (QWEN38_Q8_GEMM_KERNEL, q8_gemm.h).
 // - A stage is 128 bytes of K (four blocks): one 128-byte swizzle row of TMA and wgmma, so the tiles need no
 //   padding and every wgmma reads them conflict-free; the k32 steps advance the descriptors by 32 bytes.
-//   K % 128 == 64 runs a last stage half past K: TMA fills zeros there and the scale copies zeros, and a zero
-//   block adds exactly nothing (fma(0, 0, acc) == acc, up to the sign of a zero).
+//   Past K (K % 128 == 64: half a stage; K % 256 != 0: a whole stage, to make runs of two) the scale copies fill
+//   zeros, and a block with zero scales adds exactly nothing (see num_k).
 // - Scales (x_d, weight_d) are not TMA-able in general (TMA wants 16-byte row strides), so the producer warp
 //   copies them with 4-byte cp.async that arrive on the same mbarrier as the TMA bytes.
 // - Persistent: one block per SM walks tiles t = blockIdx.x, + gridDim.x, ..., token tiles fastest, so the
@@ -225,7 +224,9 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
   }
   __syncthreads();
 
-  const int blocks = a.K / 32, num_k = (a.K + kStageK - 1) / kStageK;
+  // Stages in runs of two (run_stages): a stage past K has zero scales, so it adds exactly nothing whatever its
+  // tiles hold (fma(c, 0, -0) = +0, and acc + 0 == acc: the sums start at +0 and never become -0).
+  const int blocks = a.K / 32, num_k = 2 * ((a.K + 2 * kStageK - 1) / (2 * kStageK));
   const int tok_tiles = (a.T + L::kTokens - 1) / L::kTokens;
   const int num_tiles = tok_tiles * ((a.N + kRows - 1) / kRows);
   const int warpgroup = threadIdx.x / 128, lane = threadIdx.x & 31;
@@ -246,11 +247,13 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
       for (int kt = 0; kt < num_k; ++kt) {
         mbar_wait(empty_bar + 8 * stage, phase ^ 1);  // the first pass finds every stage free
         const uint32_t s = smem + stage * L::kStageBytes, bar = full_bar + 8 * stage;
-        if (lane == 0) {
+        if (lane == 0 && kt * kStageK < a.K) {
           mbar_arrive_expect_tx(bar, L::kTmaBytes);
           tma_load_2d(s, &p.w, kt * kStageK, row0, bar);
           tma_load_2d(s + L::kXOffset, &p.x, kt * kStageK, tok0, bar);
           if constexpr (kTwoWord) tma_load_2d(s + L::kXOffset + L::kXBytes, &p.x_lo, kt * kStageK, tok0, bar);
+        } else if (lane == 0) {
+          mbar_arrive(bar);  // a stage past K: its scales alone (zeros) matter
         }
         unsigned char* sp = smem_ptr + stage * L::kStageBytes;
         // x_d: a lane per token (its four blocks are one 16-byte run in global memory), zeros past T and K.
@@ -313,29 +316,43 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
     return kResetFromShared ? __uint_as_float(d) : __int_as_float(static_cast<int>(d) + kMagicBits);
   };
 
-  // One stage's four blocks: block b + 1's wgmma goes in before block b's FMAs. The stage ends with no wgmma in
-  // flight: ptxas serializes every wgmma of a loop whose back edge carries one (measured in its SASS: every
-  // wait became "all"), so the next stage's first block is not issued ahead; the other consumer warpgroup's
-  // FMAs fill that gap on the same schedulers.
-  auto run_stage = [&](int stage, float (&acc)[kFrag]) {
-    const unsigned char* sp = smem_ptr + stage * L::kStageBytes;
-    const uint2 wd_lo = *reinterpret_cast<const uint2*>(sp + L::kWdOffset + 2 * kStageBlocks * frag_row);
-    const uint2 wd_hi = *reinterpret_cast<const uint2*>(sp + L::kWdOffset + 2 * kStageBlocks * (frag_row + 8));
-    issue(acc_buf[0], stage, 0);
+  // Two consecutive stages of one tile as one pipeline: block j + 1's wgmma goes in before block j's FMAs, across
+  // the stage boundary too. A run ends with no wgmma in flight: ptxas serializes every wgmma of a loop whose back
+  // edge carries one (measured in its SASS: every wait became "all"), so each run's first block is waited for with
+  // nothing to do; runs of two stages halve that, and the other consumer warpgroup's FMAs (the same four
+  // schedulers) cover some of it.
+  constexpr int kRun = 2, kRunBlocks = kRun * kStageBlocks;
+  auto run_stages = [&](int& stage, uint32_t& phase, float (&acc)[kFrag]) {
+    int stages[kRun];
+    uint32_t phases[kRun];
 #pragma unroll
-    for (int b = 0; b < kStageBlocks; ++b) {
-      if (b + 1 < kStageBlocks) {
-        issue(acc_buf[(b + 1) & 1], stage, b + 1);
+    for (int r = 0; r < kRun; ++r) {
+      stages[r] = stage, phases[r] = phase;
+      if (++stage == L::kStages) stage = 0, phase ^= 1;
+    }
+    mbar_wait(full_bar + 8 * stages[0], phases[0]);
+    issue(acc_buf[0], stages[0], 0);
+    uint2 wd_lo, wd_hi;  // weight_d of the fragment's rows in the current stage: fp16 [4 blocks]
+#pragma unroll
+    for (int j = 0; j < kRunBlocks; ++j) {
+      const int r = j / kStageBlocks, b = j % kStageBlocks;
+      if (j + 1 < kRunBlocks) {
+        if ((j + 1) % kStageBlocks == 0) mbar_wait(full_bar + 8 * stages[r + 1], phases[r + 1]);
+        issue(acc_buf[(j + 1) & 1], stages[(j + 1) / kStageBlocks], (j + 1) % kStageBlocks);
         wgmma_wait<1>();
       } else {
         wgmma_wait<0>();
       }
-      BlockAcc<kTwoWord, kFrag>& d = acc_buf[b & 1];
+      BlockAcc<kTwoWord, kFrag>& d = acc_buf[j & 1];
       fence_registers(d.hi);
       if constexpr (kTwoWord) fence_registers(d.lo);
 
-      // weight_d of the fragment's rows for block b (fp16 pairs: blocks 0-1 in .x, 2-3 in .y).
-      float dw[2];
+      const unsigned char* sp = smem_ptr + stages[r] * L::kStageBytes;
+      if (b == 0) {
+        wd_lo = *reinterpret_cast<const uint2*>(sp + L::kWdOffset + 2 * kStageBlocks * frag_row);
+        wd_hi = *reinterpret_cast<const uint2*>(sp + L::kWdOffset + 2 * kStageBlocks * (frag_row + 8));
+      }
+      float dw[2];  // block b's: fp16 pairs, blocks 0-1 in .x, 2-3 in .y
       {
         const uint32_t w0 = b < 2 ? wd_lo.x : wd_lo.y, w1 = b < 2 ? wd_hi.x : wd_hi.y;
         const int sh = (b & 1) * 16;
@@ -370,23 +387,17 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
           for (int i = 0; i < kFrag; i += 4) load_magic4(d.lo[i], d.lo[i + 1], d.lo[i + 2], d.lo[i + 3], magic4);
         }
       }
+      if (b + 1 == kStageBlocks) mbar_arrive(empty_bar + 8 * stages[r]);  // its wgmmas done, its scales read
     }
-    mbar_arrive(empty_bar + 8 * stage);  // its wgmmas are complete and its scales read
   };
 
-  // One loop over this block's stages of all its tiles.
-  const int my_stages = (num_tiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
-                        static_cast<int>(gridDim.x) * num_k;
-  int stage = 0, kt = 0, tile = blockIdx.x;
+  int stage = 0;
   uint32_t phase = 0;
-  float acc[kFrag];
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    float acc[kFrag];
 #pragma unroll
-  for (int i = 0; i < kFrag; ++i) acc[i] = 0.0f;
-  for (int it = 0; it < my_stages; ++it) {
-    mbar_wait(full_bar + 8 * stage, phase);
-    run_stage(stage, acc);
-    if (++stage == L::kStages) stage = 0, phase ^= 1;
-    if (++kt < num_k) continue;
+    for (int i = 0; i < kFrag; ++i) acc[i] = 0.0f;
+    for (int kt = 0; kt < num_k; kt += kRun) run_stages(stage, phase, acc);
     const int row0 = (tile / tok_tiles) * kRows, tok0 = (tile % tok_tiles) * L::kTokens;
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
@@ -394,10 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1) q8_0_gemm_sm90_kernel(const __gri
       const int tok = tok0 + 8 * (i >> 2) + 2 * q + (i & 1);
       if (row < a.N && tok < a.T)
         a.out[static_cast<int64_t>(tok) * a.out_stride + row] = kTwoWord ? acc[i] / 127.0f : acc[i];
-      acc[i] = 0.0f;
     }
-    kt = 0;
-    tile += gridDim.x;
   }
 #else
   __trap();  // a device pass without sm_90a: loud if a build ever launched it (the dispatch never does)

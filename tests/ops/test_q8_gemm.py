@@ -6,7 +6,7 @@ NaN, at T across every tile boundary (32/64/128 tokens, each tile forced), odd N
 T = 512; strided activation rows; two runs give the same bits; graph replay == eager; bad arguments raise.
 The sm_90a kernels (wgmma, and wgmma_iadd, its other accumulator reset; forced with QWEN38_Q8_GEMM_KERNEL): the
 same checks, and the same bits as the mma.sync kernel everywhere (same per-block arithmetic, same block order),
-at odd T and N, K % 128 == 64 (a half stage), several tiles per persistent block, the 27B shapes at T = 512 and
+at odd T and N, K % 256 != 0 (stages past K, which must add nothing), several tiles per persistent block, the 27B shapes at T = 512 and
 4096; skipped unless the build is sm_90a and the device sm_90.
 
 Error bound: each block's int32 dot is exact; per block the kernel rounds twice (int8: dot * weight_d,
@@ -31,7 +31,7 @@ ODD_SHAPES = [(1, 64), (7, 128), (33, 192), (130, 576), (257, 1088), (100, 6144)
 TILES = ["32", "64", "128"]
 WGMMA_KERNELS = ["wgmma", "wgmma_iadd"]
 WGMMA_TILES = {"int8": ["128", "64"], "int8x2": ["64"]}
-# T around the wgmma tiles (128 and 64 tokens); (4160, 1088): K % 128 == 64, and at T = 513 more tiles than SMs
+# T around the wgmma tiles (128 and 64 tokens); (4160, 1088): K % 256 == 64, and at T = 513 more tiles than SMs
 # (33 x 5 of 128 tokens, 33 x 9 of 64): two per persistent block.
 WGMMA_T = (1, 2, 17, 63, 64, 65, 127, 128, 129, 300, 513)
 WGMMA_SHAPES = ODD_SHAPES + [(4160, 1088)]
