@@ -74,16 +74,11 @@ __device__ __forceinline__ void cp_async(Dst* dst, const Src* src, bool fill) {
                  : "memory");
   }
 }
-// The same copy (always filled) to a shared-memory address already in the .shared state space (a kernel that
-// computes its stage addresses once, not a generic-to-shared conversion per copy).
-template <int kBytes, typename Src>
-__device__ __forceinline__ void cp_async_shared(uint32_t dst, const Src* src) {
-  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
-  if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(kBytes) : "memory");
-  }
+// The same copy to a shared-memory address already in the .shared state space (a kernel that computes its stage
+// addresses once, not a generic-to-shared conversion per copy).
+template <typename Src>
+__device__ __forceinline__ void cp_async16_shared(uint32_t dst, const Src* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most kPending of this thread's committed groups are still in flight (0: all have landed). Other
