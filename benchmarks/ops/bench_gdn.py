@@ -9,7 +9,7 @@ GDN core (conv, gates, recurrent, and the three in model order) as one layer wou
 chunk of T tokens, graph-replayed over the 48 layers' states; us_per_token = us_per_layer / T, the number
 to hold against prefill's ~1.3 us per token per layer for the whole GDN core (b6f1a55, pp4096). From T = 8
 gdn_recurrent runs a chunked kernel (threshold in csrc/cuda_bindings/gdn.cpp): at this shape the tensor-core
-one (kernel=mma, gdn_chunk_mma.cu, 32-token chunks), and with QWEN38_GDN_PREFILL=fp32 the float32 one
+one (kernel=mma, gdn_chunk_mma.cu, 32-token chunks; the default from 32 tokens), and the float32 one
 (kernel=fp32, gdn_prefill.cu, 16-token chunks); the recurrence and the three ops are timed with each, in the
 same run (ms_48_layers = us_per_layer x 48 / 1000: the whole model's GDN core on that chunk). The T = 8 row
 against the decode rows at T = 1 and 4 (token by token) places the threshold. Verify (T = 1..8):
@@ -55,7 +55,7 @@ PREFILL_TOKENS = (8, 32, 512, 4096)
 PREFILL_REPLAYS = 3  # a T = 4096 replay of the per-token recurrence: ~0.25 s (252 ms GDN core, b6f1a55)
 VERIFY_TOKENS = range(1, 9)  # a verify checks k + 1 <= 8 tokens
 PDL = "0" if os.environ.get("QWEN38_PDL", "").startswith("0") else "1"  # pdl.cuh's reading of it
-PREFILL_KERNEL_ENV = "QWEN38_GDN_PREFILL"  # =fp32: the float32 prefill kernel where the tensor-core one applies
+PREFILL_KERNEL_ENV = "QWEN38_GDN_PREFILL"  # =fp32|mma: that prefill kernel where it applies
 
 
 def make_layers(num_tokens: int):
@@ -124,7 +124,7 @@ def bench_prefill() -> list[dict]:
             recurrent(i)
 
         runs = [("gdn_conv", conv, None), ("gdn_gates", gates, None)]
-        runs += [(name, fn, forced) for forced in (None, "fp32")
+        runs += [(name, fn, forced) for forced in ("mma", "fp32")
                  for name, fn in (("gdn_recurrent", recurrent), ("conv+gates+recurrent", layer))]
         for name, fn, forced in runs:
             with prefill_kernel_env(forced):

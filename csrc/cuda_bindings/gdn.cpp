@@ -90,8 +90,9 @@ void gdn_gates(const at::Tensor& ba, const at::Tensor& a_neg, const at::Tensor& 
   launch_or_throw(op, gdn_gates_launch(a, current_stream()));
 }
 
-// From this many tokens gdn_recurrent runs the chunked kernel (gdn_prefill.cu: one pass over the state
-// serves 16 tokens) instead of the token-by-token one (gdn.cu), which stays the decode kernel. Estimated
+// From this many tokens gdn_recurrent runs a chunked kernel (gdn_prefill.h: the float32 one, a pass over the state
+// for 16 tokens, and from 32 tokens at the 27B shape the tensor-core one) instead of the token-by-token one
+// (gdn.cu), which stays the decode kernel. Estimated
 // crossover, not yet measured: at the 27B shape the per-token kernel costs ~2.7 us a layer plus ~1 us a
 // token, a chunk of up to 16 tokens ~3 us plus the state's read and write; bench_gdn's prefill row at
 // T = 8 against its decode rows at T = 1 and 4 places it. With token_states the per-token kernel runs for

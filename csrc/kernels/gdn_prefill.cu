@@ -19,7 +19,7 @@
 // tests/ops/test_gdn.py) is ~1e-7 rel L2 from the float64 reference, ~2e-7 at T = 4096 and dk = 128, as
 // float32 token by token is. The 27B shape (dk = 128, dv % 64 == 0) runs the tensor-core form of the same
 // chunk algebra instead (gdn_chunk_mma.cu: 3xTF32, no W = T diag(beta gamma) K, so ~1x these FMAs' count
-// in MMAs at 3 MMAs a product); this kernel takes every other shape and QWEN38_GDN_PREFILL=fp32 (gdn_prefill.h).
+// in MMAs at 3 MMAs a product); this kernel takes every other shape, chunks under 32 tokens and QWEN38_GDN_PREFILL=fp32 (gdn_prefill.h).
 //
 // Layout. A block serves key head kh and 16 state rows of each of its value heads kh, kh + Hk, ... (G =
 // ceil(Hv / Hk) slots): 4 warps a slot, each warp 4 rows, each row 8 lanes. Lane kg of a row holds keys
@@ -437,11 +437,24 @@ bool fp32_supported(const GdnRecurrentArgs& a) {
          aligned16(a.qkv) && aligned16(a.state);
 }
 
-// QWEN38_GDN_PREFILL=fp32: the float32 kernel where it applies (gdn_prefill.h); read at each launch, as
+// QWEN38_GDN_PREFILL=fp32 or =mma: that kernel where it applies (gdn_prefill.h); read at each launch, as
 // QWEN38_Q8_GEMM_TILE is, so a benchmark can time both kernels in one process.
-bool fp32_forced() {
+const char* forced_kernel() {
   const char* env = std::getenv("QWEN38_GDN_PREFILL");
-  return env != nullptr && std::strcmp(env, "fp32") == 0;
+  return env != nullptr && (std::strcmp(env, "fp32") == 0 || std::strcmp(env, "mma") == 0) ? env : nullptr;
+}
+
+// The tensor-core kernel from this many tokens, where both apply. Measured on the H200 at the 27B shape (5e2d493,
+// bench_gdn, a layer's gdn_recurrent): 20.6 us (tensor cores) against 13.7 (float32) at 8 tokens, 20.4 against 22.4
+// at 32, 221 against 308 at 512, 1732 against 2424 at 4096.
+constexpr int kMmaMinTokens = 32;
+
+bool use_mma(const GdnRecurrentArgs& a) {
+  if (!gdn_prefill_mma_supported(a)) return false;
+  if (!fp32_supported(a)) return true;
+  const char* forced = forced_kernel();
+  if (forced != nullptr) return std::strcmp(forced, "mma") == 0;
+  return a.num_tokens >= kMmaMinTokens;
 }
 
 }  // namespace
@@ -451,7 +464,7 @@ bool gdn_prefill_supported(const GdnRecurrentArgs& a) { return gdn_prefill_mma_s
 cudaError_t gdn_prefill_launch(const GdnRecurrentArgs& a, cudaStream_t stream) {
   if (a.num_tokens <= 0 || a.num_v_heads <= 0 || a.head_v_dim <= 0) return cudaSuccess;
   if (!gdn_prefill_supported(a)) return cudaErrorInvalidValue;
-  if (gdn_prefill_mma_supported(a) && !(fp32_forced() && fp32_supported(a))) return gdn_prefill_mma_launch(a, stream);
+  if (use_mma(a)) return gdn_prefill_mma_launch(a, stream);
   const Problem p{a.qkv, a.qkv_row_stride, a.beta, a.decay, a.num_tokens, a.num_k_heads, a.num_v_heads, a.head_k_dim,
                   a.head_v_dim};
   // A lane holds dk / 8 keys of its row, as float4s: one instance per power-of-two share.

@@ -1,9 +1,10 @@
 // Gated DeltaNet prefill: the delta-rule recurrence of gdn_recurrent over T tokens in chunks, the float32 state
 // continued from and written back in place. Same inputs, outputs and layouts as gdn_recurrent_launch (gdn.h), less
 // the per-token states; float32 error. Two kernels behind one launcher: at dk = 128 and dv % 64 == 0 (the 27B
-// shape) the tensor-core one (gdn_chunk_mma.cu: 3xTF32 mma.sync over chunks of kGdnPrefillMmaChunk), otherwise
-// float32 FMAs (gdn_prefill.cu: chunks of kGdnPrefillChunk). QWEN38_GDN_PREFILL=fp32 in the environment (read at
-// each launch) runs the float32 one wherever it applies: both measurable in one process. The host launcher takes
+// shape) from 32 tokens the tensor-core one (gdn_chunk_mma.cu: 3xTF32 mma.sync over chunks of
+// kGdnPrefillMmaChunk), otherwise float32 FMAs (gdn_prefill.cu: chunks of kGdnPrefillChunk).
+// QWEN38_GDN_PREFILL=fp32 or =mma in the environment (read at each launch) runs that one wherever it applies: both
+// measurable in one process. The host launcher takes
 // gdn_recurrent's Args and a stream; it launches asynchronously (with PDL when pdl_enabled(): pdl.cuh) and
 // returns the launch's cudaError_t.
 #pragma once

@@ -5,7 +5,7 @@ the delta rule on HF's [dk, dv] state layout), the per-token states of the refer
 calls, and the chunk form the prefill kernel computes, in float32, against the reference. CUDA (-m cuda):
 every kernel against the reference in float64, on random inputs, outputs poisoned first, at odd sizes and
 the 27B shapes; gdn_recurrent's chunked prefill paths (T >= its threshold, csrc/cuda_bindings/gdn.cpp: the
-tensor-core kernel at dk = 128, the float32 one elsewhere and with QWEN38_GDN_PREFILL=fp32) at rel L2 <= 1e-5
+tensor-core kernel at dk = 128 from 32 tokens, the float32 one elsewhere, QWEN38_GDN_PREFILL=fp32|mma forcing one) at rel L2 <= 1e-5
 with gates at their edges; per-token states (speculative verify) and T <= 7 without them bit
 for bit equal to T calls of one token; gdn_gates past 2^31 elements; two runs give the same bits; a captured
 graph replays bit for bit like eager; bad arguments raise.
@@ -597,8 +597,9 @@ def recurrent_kernel(fn) -> str:
 
 @cuda
 def test_recurrent_dispatch(monkeypatch):
-    """A 64-token prompt at the 27B shape runs the tensor-core kernel, so does T = 8 (the threshold), and the
-    float32 chunked one with QWEN38_GDN_PREFILL=fp32 (read at each launch); the oracle shape (dk = 32) and
+    """A 64-token prompt at the 27B shape runs the tensor-core kernel (from 32 tokens), T = 8 (the chunked
+    threshold) the float32 one, which QWEN38_GDN_PREFILL=fp32 forces and =mma overrides (read at each launch); the
+    oracle shape (dk = 32) and
     dv = 96 run the float32 one; one token, T = 7, misaligned qkv rows, an unsupported group at dk = 32
     (Hv / Hk = 5) and any T with token_states run the per-token kernel. (The other tests pass with any
     kernel: this one says which.)"""
@@ -612,8 +613,10 @@ def test_recurrent_dispatch(monkeypatch):
         return recurrent_kernel(lambda: ops.gdn_recurrent(view(qkv), beta, decay, state, out, tokens))
 
     assert kernels(64, SHAPE_27B, aligned_rows_view) == "mma"
-    assert kernels(8, SHAPE_27B, lambda x: x) == "mma"
-    assert kernels(64, (1, 5, 128, 128), lambda x: x) == "mma"
+    assert kernels(32, SHAPE_27B, lambda x: x) == "mma"
+    assert kernels(31, SHAPE_27B, lambda x: x) == "fp32"
+    assert kernels(8, SHAPE_27B, lambda x: x) == "fp32"
+    assert kernels(8, (1, 5, 128, 128), lambda x: x) == "mma"  # Hv / Hk = 5: the float32 kernel cannot
     assert kernels(64, SHAPE_ORACLE, lambda x: x) == "fp32"
     assert kernels(64, (2, 4, 128, 96), lambda x: x) == "fp32"
     assert kernels(1, SHAPE_27B, lambda x: x) == "per-token"
@@ -624,7 +627,10 @@ def test_recurrent_dispatch(monkeypatch):
     assert kernels(64, SHAPE_27B, aligned_rows_view, with_token_states=True) == "per-token"
     monkeypatch.setenv("QWEN38_GDN_PREFILL", "fp32")
     assert kernels(64, SHAPE_27B, aligned_rows_view) == "fp32"
-    assert kernels(64, (1, 5, 128, 128), lambda x: x) == "mma"  # Hv / Hk = 5: the float32 kernel cannot
+    assert kernels(64, (1, 5, 128, 128), lambda x: x) == "mma"
+    monkeypatch.setenv("QWEN38_GDN_PREFILL", "mma")
+    assert kernels(8, SHAPE_27B, lambda x: x) == "mma"
+    assert kernels(64, SHAPE_ORACLE, lambda x: x) == "fp32"  # dk = 32: the tensor-core kernel cannot
 
 
 @cuda
@@ -633,15 +639,11 @@ def test_recurrent_dispatch(monkeypatch):
 @pytest.mark.parametrize("gates", ["uniform", "edge", "collinear"])
 @pytest.mark.parametrize("T", [31, 32, 33, 95, 4127])
 def test_recurrent_prefill_27b_kernels(kernel, initial, gates, T, monkeypatch):
-    """Both chunked kernels at the 27B shape, the tensor-core one (default) and the float32 one
-    (QWEN38_GDN_PREFILL=fp32), against the float64 reference at rel L2 <= 1e-5: T either side of the
+    """Both chunked kernels at the 27B shape, each forced by QWEN38_GDN_PREFILL (the default picks by T), against the float64 reference at rel L2 <= 1e-5: T either side of the
     32-token chunk and not a multiple of it (4127 = 128 chunks + 31), from a random state and from zero;
     out poisoned, state and out inside NaN padding. Uniform gates too: at edge gates a decay of exactly 0
     late in the last chunk leaves a final state that no earlier token reaches."""
-    if kernel == "fp32":
-        monkeypatch.setenv("QWEN38_GDN_PREFILL", "fp32")
-    else:
-        monkeypatch.delenv("QWEN38_GDN_PREFILL", raising=False)
+    monkeypatch.setenv("QWEN38_GDN_PREFILL", kernel)
     hk, hv, dk, dv = SHAPE_27B
     qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda", seed=T + 1, gates=gates)
     if initial == "zero":
