@@ -348,12 +348,9 @@ bool q8_0_gemm_kernel_from_env(Q8GemmKernel* kernel) {
   return true;
 }
 
-Q8GemmKernel q8_0_gemm_kernel(const Q8GemvArgs& args) {
+Q8GemmKernel q8_0_gemm_kernel() {
   Q8GemmKernel kernel;
-  if (q8_0_gemm_kernel_from_env(&kernel)) return kernel;
-  int tile;
-  if (q8_0_gemm_tile_from_env(&tile)) return Q8GemmKernel::MmaSync;
-  return args.T >= kQ8GemmWgmmaFromT && q8_0_gemm_sm90_supported(args) ? Q8GemmKernel::Wgmma : Q8GemmKernel::MmaSync;
+  return q8_0_gemm_kernel_from_env(&kernel) ? kernel : Q8GemmKernel::MmaSync;
 }
 
 cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream) {
@@ -361,7 +358,7 @@ cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t str
   if (args.K <= 0 || args.K % 64 != 0 || act == Q8Act::F32) return cudaErrorInvalidValue;
   int tile_tokens = 0;
   const bool tile_from_env = q8_0_gemm_tile_from_env(&tile_tokens);
-  const Q8GemmKernel kernel = q8_0_gemm_kernel(args);
+  const Q8GemmKernel kernel = q8_0_gemm_kernel();
   if (kernel == Q8GemmKernel::Wgmma || kernel == Q8GemmKernel::WgmmaIadd) {
     if (!tile_from_env) tile_tokens = q8_0_gemm_sm90_default_tile(act, args);
     return q8_0_gemm_sm90_launch(act, args, tile_tokens, kernel == Q8GemmKernel::Wgmma, stream);

@@ -23,16 +23,14 @@ bool q8_0_gemm_tile_from_env(int* tile);
 // wgmma kernel with its other accumulator reset (q8_gemm_sm90.cu's header), compiled so that one run measures both.
 enum class Q8GemmKernel : int { MmaSync, Wgmma, WgmmaIadd, Unknown };
 
-// The default: Wgmma from this many tokens where q8_0_gemm_sm90_supported, MmaSync otherwise. A wgmma tile (64 or
-// 128 tokens) costs its whole FMA stream however little of it T fills; below 128 tokens the mma.sync kernel's 32-
-// and 64-token tiles waste less (a guess, not measured: bench_q8_gemm's small-T table can move it).
-constexpr int kQ8GemmWgmmaFromT = 128;
+// The default is MmaSync: the wgmma kernel, the same bits, measured slower on the H200 (5e2d493, bench_q8_gemm, the
+// trunk matrices: 2202 against 4099 tok/s at T = 512, 2947 against 4961 at 4096; NOTES, "The wgmma GEMM"). It
+// runs only when QWEN38_Q8_GEMM_KERNEL asks for it, until it measures faster.
 // Testing and benchmarking knob: QWEN38_Q8_GEMM_KERNEL=mma|wgmma|wgmma_iadd forces a kernel, read at every call
 // (Unknown for another value: the launch fails). Returns false when unset or empty.
 bool q8_0_gemm_kernel_from_env(Q8GemmKernel* kernel);
-// The kernel a call runs: the QWEN38_Q8_GEMM_KERNEL override, else MmaSync when QWEN38_Q8_GEMM_TILE is set alone
-// (the tile knob predates the wgmma kernel: set alone it keeps meaning the mma.sync kernel's tile), else the default.
-Q8GemmKernel q8_0_gemm_kernel(const Q8GemvArgs& args);
+// The kernel a call runs: the QWEN38_Q8_GEMM_KERNEL override, else MmaSync.
+Q8GemmKernel q8_0_gemm_kernel();
 
 // The build has the sm_90a kernel, the current device is sm_90, and the arguments suit TMA (16-byte aligned
 // weight_q, x and x_lo with 16-byte row strides; weight_d 4-byte aligned).
