@@ -1,6 +1,7 @@
 """MTP speculative decoding at the 27B shape: what can be measured honestly with synthetic weights.
 
     python -m benchmarks.speculative [--model PATH] [--json PATH] [--draft-tokens 3] [--new-tokens 256]
+    python -m benchmarks.speculative --batches 1,2,4,8,16 [--drafts perfect|wrong|mtp] [--new-tokens 128]
 
 Synthetic weights give the MTP block ~0 acceptance, so acceptance itself is not measured here. Measured in
 ONE run, all through CUDA graphs: plain greedy decode (the baseline, and the token sequence the forced
@@ -10,6 +11,13 @@ the verify's rows; whole speculative steps with drafts forced to be right (the m
 acceptance: tok/s and equality with plain greedy), forced to be wrong (0%: fixed k and adaptive k); and
 tok/s as a function of mean tokens per step, 1 .. k+1, labelled a projection (the step time is fixed by
 the graph, only the tokens it emits vary).
+
+With --batches, instead, many sequences at once (issue 22): at each B, B sequences of random 64-token prompts
+decoded together through the batch engine's graphs, all admitted before the clock starts, first with the plain
+step, then with the MTP step over the same B slots (B*(k+1) verify rows a step), in the same run: aggregate
+decode tok/s, mean tokens a step per sequence, ms a step, and whether every sequence's tokens are plain greedy's.
+--drafts: forced right (perfect: 100% acceptance, k fixed), forced wrong (0%, k fixed; adaptive k would fall to
+plain steps) or the MTP block's own (adaptive k; ~0 acceptance on synthetic weights).
 """
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ import torch
 
 from benchmarks.decode import build_model, fill_caches, kernel_split
 from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, time_graph, write_json
-from qwen38_model.engine import BatchEngine, Sequence, run_batch
+from qwen38_model.engine import BatchEngine, Sequence, run_batch, run_to_end
 from qwen38_model.generation import StopCondition
 from qwen38_model.sampling import SamplingConfig
 from qwen38_model.scratch import Scratch
@@ -74,25 +82,85 @@ def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor
     speculation = Speculation(k, draft_vocab, adaptive=adaptive, forced_drafts=True)
     engine = BatchEngine(model, 1, prompt.shape[0] + new_tokens + 24 * (k + 1), kv_dtype, use_graph=True,
                          speculation=speculation)
-    engine.mtp.forced[: forced.shape[0]].copy_(forced)
+    engine.mtp.forced[0, : forced.shape[0]].copy_(forced)
     seq = Sequence(prompt, SamplingConfig(), 0, new_tokens, StopCondition(frozenset()))
     run_batch(engine, [seq], chunk_size=4096)
     stats = seq.stats
-    # The step graph's own time, replayed back to back (what a step costs whatever it emits).
-    graph = engine.mtp.graphs[(SamplingConfig(), k)]
+    # The step's graphs' own time, replayed back to back (what a step costs whatever it emits).
+    verify, finish = engine.mtp.graphs[(1, k)]
+    select = engine.mtp.select_graphs[(0, SamplingConfig())][k]
+
+    def replay():
+        verify.replay()
+        select.replay()
+        finish.replay()
+
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(12):
-        graph.replay()
+        replay()
     stop.record()
     stop.synchronize()
     step_s = start.elapsed_time(stop) * 1e-3 / 12
     result = dict(tokens=seq.tokens, decode_tok_s=stats.decode_tok_s, tokens_per_step=stats.tokens_per_step,
                   steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted, step_s=step_s,
-                  capture_s=stats.capture_s, kernel_split_ms=kernel_split(graph.replay, steps=4))
-    del engine, graph
+                  capture_s=stats.capture_s, kernel_split_ms=kernel_split(replay, steps=4))
+    del engine, verify, select, finish
     torch.cuda.empty_cache()
     return result
+
+
+def decode_batch(engine: BatchEngine, prompts: list, new_tokens: int, forced: list | None = None) -> dict:
+    """Every prompt admitted into the engine (its graphs captured first), then decoded to new_tokens tokens each,
+    timed from the first step to the last token read; forced: each sequence's forced draft row."""
+    engine.capture(engine.buckets[: engine.buckets.index(engine.bucket(len(prompts))) + 1])
+    sequences = [Sequence(p, SamplingConfig(), 0, new_tokens, StopCondition(frozenset())) for p in prompts]
+    for j, seq in enumerate(sequences):
+        run_to_end(engine.admit(seq, 4096))
+        if forced is not None:
+            engine.mtp.forced[seq.slot, : forced[j].shape[0]].copy_(forced[j])
+    engine.drain()
+    torch.cuda.synchronize()
+    steps, clock = 0, time.perf_counter()
+    while any(engine.active):
+        engine.step()
+        steps += 1
+        engine.read(wait=False)
+    engine.drain()
+    wall = time.perf_counter() - clock
+    decoded = sum(len(seq.tokens) - 1 for seq in sequences)  # the first of each is the prefill's
+    return dict(tokens=[seq.tokens for seq in sequences], tok_s=decoded / wall, step_ms=wall / steps * 1e3,
+                steps=steps, tokens_per_step=decoded / steps / len(sequences), wall_s=wall)
+
+
+def batch_table(model, batches: list[int], k: int, new_tokens: int, kv_dtype, drafts: str) -> dict:
+    """Plain and MTP steps at each B (decode_batch), the MTP engine's drafts as --drafts says."""
+    V, results, rows = model.config.vocab_size, {}, []
+    max_seq_len = 64 + new_tokens + 8
+    for b in batches:
+        g = torch.Generator(model.device).manual_seed(b)
+        prompts = [torch.randint(0, V, (64,), dtype=torch.int32, device=model.device, generator=g) for _ in range(b)]
+        engine = BatchEngine(model, b, max_seq_len, kv_dtype, use_graph=True)
+        plain = decode_batch(engine, prompts, new_tokens)
+        del engine
+        forced = None
+        if drafts != "mtp":
+            forced = [torch.cat([p, torch.tensor(t, dtype=torch.int32, device=model.device)])
+                      for p, t in zip(prompts, plain["tokens"])]
+            forced = forced if drafts == "perfect" else [(f + 1) % V for f in forced]
+        speculation = Speculation(k, adaptive=drafts == "mtp", forced_drafts=forced is not None)
+        engine = BatchEngine(model, b, max_seq_len, kv_dtype, use_graph=True, speculation=speculation)
+        mtp = decode_batch(engine, prompts, new_tokens, forced)
+        del engine
+        torch.cuda.empty_cache()
+        identical = mtp.pop("tokens") == plain.pop("tokens")
+        results[f"B{b}"] = dict(plain=plain, mtp=mtp, identical_to_plain=identical, vs_plain=mtp["tok_s"] / plain["tok_s"])
+        rows.append(dict(B=b, plain_tok_s=plain["tok_s"], mtp_tok_s=mtp["tok_s"], vs_plain=mtp["tok_s"] / plain["tok_s"],
+                         tokens_per_step=mtp["tokens_per_step"], plain_ms=plain["step_ms"], mtp_ms=mtp["step_ms"],
+                         identical=identical))
+    print_table(rows, ["B", "plain_tok_s", "mtp_tok_s", "vs_plain", "tokens_per_step", "plain_ms", "mtp_ms", "identical"],
+                title=f"B sequences at once, plain vs MTP (k = {k}, drafts {drafts}), {new_tokens} new tokens each")
+    return results
 
 
 def main(argv=None) -> dict:
@@ -103,12 +171,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--draft-vocab", type=int, default=32768, help="the reduced draft vocabulary measured beside the full one")
     parser.add_argument("--kv-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--batches", help="B values (e.g. 1,2,4,8,16): plain vs MTP steps over B sequences instead")
+    parser.add_argument("--drafts", choices=["perfect", "wrong", "mtp"], default="perfect",
+                        help="with --batches: forced right or wrong drafts (k fixed), or the MTP block's (adaptive k)")
     args = parser.parse_args(argv)
     k, kv_dtype = args.draft_tokens, getattr(torch, args.kv_dtype)
     env = env_info()
     results = dict(env=env, read_probe=read_probe_result(), draft_tokens=k, kv_dtype=args.kv_dtype)
     model = build_model(args.model, "int8", mtp=True)
     V = model.config.vocab_size
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
+        results.update(new_tokens=args.new_tokens, drafts=args.drafts,
+                       batches=batch_table(model, batches, k, args.new_tokens, kv_dtype, args.drafts))
+        write_json(args.json or default_result_path(env, "speculative-batch"), results)
+        return results
 
     state = model.new_state(CONTEXT + 64, kv_dtype)
     state.keep_token_states(8)

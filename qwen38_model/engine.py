@@ -31,10 +31,12 @@ READ_BEHIND launches late: their tokens do not change, only the host's lead over
 of READ_BEHIND) while a constrained sequence decodes.
 
 The step is pluggable: the plain step above, or (speculation: speculative.MTPStep) the MTP step, which drafts
-k tokens with the model's MTP block and verifies them in one pass of the trunk over k+1 rows of one slot, a
-whole step (drafts, verify, selection, acceptance) one graph per (sampling config, k). Either way a launch
-leaves in `emitted` the tokens each slot's row chose (1, or the MTP step's a+1) and in `accepted` how many
-beyond the first; the ring copies both and read() hands each sequence its tokens. Both steps, like every
+k tokens for every slot below the bucket with the model's MTP block and verifies them in one pass of the trunk
+over each slot's k+1 rows (B*(k+1) in all), one k for all slots; its graphs are the drafts and verify, and the
+rollback, per (bucket, k), captured by capture() as the plain step's are, between them each selecting slot's
+acceptance, a graph per (slot, sampling config, k) captured at its admission. Either way a launch leaves in
+`emitted` the tokens each slot's row chose (1, or the MTP step's a+1) and in `accepted` how many beyond the
+first; the ring copies both and read() hands each sequence its tokens. Both steps, like every
 prefill, advance a state's MTP part by the MTP rule (state.py), so a snapshot of either drafts as well.
 """
 from __future__ import annotations
@@ -119,6 +121,9 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # with cfg.logprobs: one per token read
     _mark: tuple | None = None
     _steps: int = 0  # steps whose rows included this sequence (each consumes its pending token)
+    # MTP steps whose rows included this sequence but that selected nothing for it (it had launched all its tokens):
+    # each fed junk into its recurrent states without moving its position.
+    _idle_steps: int = 0
     _admitted_at: float = 0.0
     _first_token_at: float = 0.0
 
@@ -134,7 +139,7 @@ class BatchEngine:
         at every row count, in passes of 8 rows from 9). False: the int8 tensor-core GEMM from 8 rows, which
         sums a row in another order than the GEMV, so a sequence's tokens may change when its batch crosses 8
         rows; faster from 16 rows (benchmarks/batch.py measures both). speculation: the MTP step instead of the
-        plain one (max_batch 1: speculative.MTPStep says why)."""
+        plain one (speculative.MTPStep), over all max_batch slots."""
         self.model = model
         self.speculation = speculation
         self.batch_invariant = batch_invariant
@@ -188,8 +193,8 @@ class BatchEngine:
         self.host_logprob = torch.zeros(ring, max_batch, pin_memory=on_gpu)
         self.host_top_ids = torch.zeros(ring, max_batch, TOP_LOGPROBS, dtype=torch.int32, pin_memory=on_gpu)
         self.host_top_logprobs = torch.zeros(ring, max_batch, TOP_LOGPROBS, pin_memory=on_gpu)
-        self.launches: deque = deque()  # (ring index, event, [(slot, sequence)], MTP draft count) in launch order
-        self._step_event = None  # the event of the last MTP step read (its successor's time is measured from it)
+        # (ring index, event, [(slot, sequence)], the MTP step's (k, bucket, start event) or None) in launch order
+        self.launches: deque = deque()
         self.next_ring = 0
         self._finished: list[Sequence] = []  # finished while a launch waited for a ring entry (_record)
         # Where a sequence is prefilled before it moves into its slot (admit says why).
@@ -246,14 +251,23 @@ class BatchEngine:
         return graph
 
     def capture(self, buckets=None) -> None:
-        """Capture the plain step of each bucket (default: all) not captured yet. The warm-up steps write the
-        states of the slots they cover, so no sequence may be active. (The MTP step's graphs are per sampling
-        config: admit() captures them.)"""
-        todo = [b for b in (buckets or self.buckets) if b not in self.step_graphs]
-        if not todo or not self.use_graph or self.mtp is not None:
+        """Capture the step of each bucket (default: all) not captured yet: the plain step, or the MTP step's
+        drafts-and-verify and rollback for every draft count. The warm-up steps write the states of the slots
+        they cover, so no sequence may be active. (The MTP step's selections are per sampling config: admit()
+        captures them.)"""
+        if self.mtp is not None:
+            todo = [b for b in (buckets or self.buckets) if not self.mtp.captured(b)]
+        else:
+            todo = [b for b in (buckets or self.buckets) if b not in self.step_graphs]
+        if not todo or not self.use_graph:
             return
         if any(self.active):
             raise RuntimeError("step graphs are captured while no sequence is active (the warm-up writes the slots)")
+        if self.mtp is not None:
+            for b in todo:
+                self.mtp.capture(b)
+            self.slots.flags.zero_()
+            return
 
         def warm_up():
             # Valid inputs for the warm-up: token 0 at position 1 (the MTP rule's pair then sits at 0).
@@ -343,9 +357,9 @@ class BatchEngine:
                                           seq.splits)
         if logits is None:  # start holds the whole history
             logits = seq.start_logits[None]
-        if self.mtp is not None:
-            self.mtp.admit(seq)  # (its capture's warm-up writes the slot: before the sequence moves in)
         slot = self.active.index(None)
+        if self.mtp is not None:
+            self.mtp.admit(seq, slot)
         seq.slot, self.active[slot] = slot, seq
         state = self.slots.slot(slot)
         state.bad_position.zero_()
@@ -368,18 +382,13 @@ class BatchEngine:
 
     def step(self) -> None:
         """One decode step over every active sequence (a no-op with none)."""
-        if self.mtp is not None:
-            seq = self.active[0]
-            if seq is not None and seq.launched < seq.max_new_tokens:
-                k = self.mtp.launch(seq, self.use_graph)
-                seq.launched += 1
-                seq._steps += 1
-                self._record([(0, seq)], k)
-            return
         top = max((s for s, seq in enumerate(self.active) if seq is not None), default=-1)
         if top < 0:
             return
         rows = self.bucket(top + 1)
+        if self.mtp is not None:
+            self._mtp_step(rows)
+            return
         if not self.use_graph:
             self.run_rows(rows)
         elif rows in self.step_graphs:
@@ -402,6 +411,29 @@ class BatchEngine:
                 selected.append((slot, seq))
         self._record(selected)
 
+    def _mtp_step(self, rows: int) -> None:
+        """The MTP step over rows 0..rows-1, selecting for every sequence with tokens left to launch. Its tokens are
+        read behind like the plain step's (no constrained sequence runs with it: check). With none left to launch
+        there is no step: what is in flight is read instead (no later launch would push it past read_ahead)."""
+        selecting = [(slot, seq) for slot, seq in enumerate(self.active[:rows])
+                     if seq is not None and seq.launched < seq.max_new_tokens]
+        if not selecting:
+            while self.launches:
+                self._finished.extend(self.read(wait=True))
+            return
+        start = None
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        k = self.mtp.launch(rows, selecting, self.use_graph)
+        for seq in self.active[:rows]:
+            if seq is not None:
+                seq._steps += 1
+                seq._idle_steps += seq.launched >= seq.max_new_tokens
+        for _, seq in selecting:
+            seq.launched += 1
+        self._record(selecting, (k, rows, start))
+
     def _load_mask(self, slot: int, seq: Sequence) -> None:
         """The tokens seq's constraint allows next (every token it selected read and consumed) into the slot's
         device bitmask, before its selection."""
@@ -413,8 +445,8 @@ class BatchEngine:
             self.mask_copied[slot] = torch.cuda.Event()
             self.mask_copied[slot].record()
 
-    def _record(self, selected: list, draft_count: int | None = None) -> None:
-        """The launch just made (an MTP step's with its draft count) into the ring."""
+    def _record(self, selected: list, mtp_step: tuple | None = None) -> None:
+        """The launch just made (an MTP step's with its (k, bucket, start event)) into the ring."""
         if len(self.launches) == self.host_tokens.shape[0]:
             self._finished.extend(self.read(wait=True))  # never overwrite a launch's tokens before they are read
         i = self.next_ring
@@ -432,34 +464,37 @@ class BatchEngine:
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=self.mtp is not None)  # the draft policy times MTP steps
             event.record()
-        self.launches.append((i, event, selected, draft_count))
+        self.launches.append((i, event, selected, mtp_step))
 
     def read(self, wait: bool) -> list[Sequence]:
         """Read the launches whose tokens have arrived (all in flight beyond read_ahead, and with wait=True the
         oldest at least); returns the sequences that finished (since the last call)."""
         finished, self._finished = self._finished, []
         while self.launches:
-            i, event, selected, draft_count = self.launches[0]
+            i, event, selected, mtp_step = self.launches[0]
             must = wait or len(self.launches) > self.read_ahead
             if not must and (event is None or not event.query()):  # (the CPU: read_ahead 0, every launch is due)
                 break
             if event is not None:
                 event.synchronize()
             self.launches.popleft()
+            counts = []  # the MTP step's (sequence, accepted drafts)
             for slot, seq in selected:
                 if seq.done:
                     continue
                 accepted = 0
-                if draft_count is not None:
+                if mtp_step is not None:
                     accepted = int(self.host_accepted[i, slot])
-                    self.mtp.read(seq, draft_count, accepted, self._step_event, event)
+                    counts.append((seq, accepted))
                     seq.launched += accepted
                 tokens = self.host_tokens[i, slot, : accepted + 1].tolist()
                 if self._deliver(seq, tokens, int(self.host_flags[i, slot]), bool(self.host_nonfinite[i, slot]),
                                  self._logprobs(i, slot) if seq.cfg.logprobs else None):
                     self._finish(seq)
                     finished.append(seq)
-            self._step_event = event if draft_count is not None else None
+            if mtp_step is not None:
+                k, rows, start = mtp_step
+                self.mtp.read(k, rows, counts, start, event)
             wait = False
         return finished
 
@@ -509,9 +544,10 @@ class BatchEngine:
             state = self.slots.slot(seq.slot)
             # The state is exact when it consumed the reply's tokens but the last and nothing else. Each plain
             # step consumed its row's token (a row that selected nothing, its token again: only the count of
-            # steps tells); each MTP step moved the position by what it consumed.
+            # steps tells); each MTP step that selected for it moved the position by what it consumed, and one
+            # that did not (idle) changed its recurrent states all the same.
             if self.mtp is not None:
-                consumed = state.sync_position() - seq.history.shape[0]
+                consumed = state.sync_position() - seq.history.shape[0] + seq._idle_steps
             else:
                 consumed = seq._steps
             if consumed == len(seq.tokens) - 1:

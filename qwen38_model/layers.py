@@ -198,7 +198,8 @@ class GatedDeltaNet(nn.Module):
         out = scratch.activation(self, "normed", rows, c.linear_value_dim, self.normed_format)
         # gdn_step and the op sequence below give the same bits for up to GDN_STEP_ROWS rows (both recur token
         # by token there); gdn_step is one launch instead of four. A batched state (slots.SlotStates.rows:
-        # recurrent [B, Hv, dv, dk]) is B sequences of one token each: gdn_step's batched-rows mode, any B.
+        # recurrent [B, Hv, dv, dk]) is B sequences of rows / B tokens each (one: a decode step, any B; up to
+        # GDN_STEP_ROWS: a speculative verify): gdn_step's batched-rows mode.
         if rows <= GDN_STEP_ROWS or state.recurrent.dim() == 4:
             ops.gdn_step(x, self.conv_weight, self.a_neg, self.dt_bias, self.norm_weight, c.rms_norm_eps, state.conv,
                          state.recurrent, *out.outs(), token_conv, token_recurrent)
@@ -239,7 +240,7 @@ class GatedAttention(nn.Module):
         ops.attn_qk_norm_rope_store(qgkv, self.q_norm, self.k_norm, positions, c.rms_norm_eps, c.rope_theta,
                                     c.rotary_dim, q, cache.k, cache.v, cache.bad_position)
         out = scratch.activation(self, "gated", rows, c.num_attention_heads * c.head_dim, self.gated_format)
-        batched = cache.k.dim() == 4  # slots.SlotStates.rows: row t is sequence t, cache t
+        batched = cache.k.dim() == 4  # slots.SlotStates.rows: rows / B consecutive rows a sequence, its own cache
         if rows > SAME_SPLIT_TOKENS and not batched:  # a prompt chunk: flash attention on tensor cores, then the gate
             attn = scratch.empty(self, "attn", q.shape)
             workspace = scratch.empty(self, "prefill_workspace", (prefill_workspace_numel(

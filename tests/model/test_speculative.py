@@ -6,8 +6,13 @@ arguments are errors. Every path leaves a state's MTP part as the MTP rule says 
 the reference): plain and speculative turns of a conversation, one or several sequences, a reply read behind
 and rolled back, so a speculative turn after plain ones drafts from a filled cache. A capture's warm-up embeds
 only valid ids whatever the engine holds (issue 20: it read the -1 placeholder), and an id flagged on the
-device is a RuntimeError at the state's next sync. `-m cuda`: the step graphs, on the GGUF model and on the
-issue's dense small-vocabulary HF checkpoint."""
+device is a RuntimeError at the state's next sync. Many slots: sequences joining and leaving a speculative engine
+at different times, each with its own drafts (forced right, wrong or partly right, or the block's own), get plain
+greedy's tokens; sampled with a fixed k, their solo speculative runs' tokens; their states at the end are the rule's,
+read behind too. `-m cuda`: the step graphs, on the GGUF model and on the issue's dense small-vocabulary HF
+checkpoint, one slot and many."""
+from collections import deque
+
 import pytest
 import torch
 from test_speculative_sampling import chi_square_p
@@ -58,7 +63,7 @@ def forced_engine(model, drafts: list[int], k: int, use_graph=False, adaptive=Fa
     """An engine whose MTP step drafts drafts[position] (a token sequence) with k drafts a step."""
     engine = BatchEngine(model, 1, 64, torch.float32, use_graph,
                          speculation=Speculation(k, adaptive=adaptive, forced_drafts=True))
-    engine.mtp.forced[: len(drafts)] = torch.tensor(drafts, dtype=torch.int32)
+    engine.mtp.forced[0, : len(drafts)] = torch.tensor(drafts, dtype=torch.int32)
     return engine
 
 
@@ -257,7 +262,8 @@ def test_capture_warm_up_embeds_only_valid_ids(model):
             engine.emitted.fill_(poison)
             engine.accepted.fill_(2)
         for k in range(engine.mtp.k_max + 1):
-            engine.mtp.warm_up(k, cfg)
+            engine.mtp.warm_up(1, k)
+            engine.mtp.finish(1, k)
         engine.slots.slot(0).sync_position()  # raises if a warm-up flagged anything
 
 
@@ -270,12 +276,156 @@ def test_the_old_placeholder_in_a_step_is_a_clear_error_on_the_cpu(model):
     engine.emitted.fill_(-1)
     engine.accepted.zero_()
     with pytest.raises(ValueError, match=r"q8_0_embedding: token id -1 \(row 0 of 1\) is outside the vocabulary"):
-        engine.mtp.step(1, SamplingConfig())
+        engine.mtp.verify(1, 1)
 
 
-def test_more_than_one_mtp_slot_is_refused(model):
-    with pytest.raises(ValueError, match=r"one sequence at a time: max_batch must be 1, found 2 \(several MTP slots"):
-        BatchEngine(model, 2, 64, torch.float32, False, speculation=Speculation(3))
+# --------------------------------------------------------------------------------------------------
+# Many slots: B sequences drafting and verifying together (B*(k+1) verify rows), joining and leaving
+# --------------------------------------------------------------------------------------------------
+
+def slot_prompts(count: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 500, (n,), generator=g, dtype=torch.int32)
+            for n in torch.randint(2, 14, (count,), generator=g).tolist()]
+
+
+def drafts_for(mode: str, sequence: list[int]) -> list[int]:
+    """Forced drafts from a sequence's plain greedy history: right, wrong, or every third wrong."""
+    if mode == "perfect":
+        return sequence
+    if mode == "wrong":
+        return [(t + 1) % 500 for t in sequence]
+    return [t if i % 3 else (t + 1) % 500 for i, t in enumerate(sequence)]
+
+
+def run_slots(engine: BatchEngine, sequences: list, drafts: list | None = None, chunk_size: int = 4) -> None:
+    """run_batch's loop (admissions one at a time, prefill chunks between steps), with sequence j's forced drafts
+    drafts[j] (a token sequence indexed by position) written into its slot's row as it moves in."""
+    engine.capture()
+    waiting, prefilling, current = deque(enumerate(sequences)), None, None
+    while waiting or prefilling is not None or any(engine.active):
+        if prefilling is None and waiting and engine.free_slots():
+            current = waiting.popleft()
+            prefilling = engine.admit(current[1], chunk_size)
+        if prefilling is not None:
+            try:
+                next(prefilling)
+            except StopIteration:
+                prefilling = None
+                j, seq = current
+                if drafts is not None:
+                    engine.mtp.forced[seq.slot, : len(drafts[j])] = torch.tensor(drafts[j], dtype=torch.int32)
+        engine.step()
+        engine.read(wait=False)
+    engine.drain()
+    for seq in sequences:
+        if seq.error is not None:
+            raise seq.error
+
+
+def plain_tokens(model, prompt: torch.Tensor, new_tokens: int, **kwargs) -> list[int]:
+    out = model.generate(prompt[None].to(model.device), max_new_tokens=new_tokens, eos_token_id=[], **kwargs)
+    return out[0, prompt.shape[0]:].tolist()
+
+
+def check_slots_equal_plain(model, slots: int, count: int, k: int, forced: bool, adaptive: bool, seed: int,
+                            use_graph: bool = False, kv_dtype=torch.float32):
+    """count sequences (more than slots: later ones wait and join as others leave) with limits of 1 to 14 new
+    tokens, through one speculative engine of `slots` slots: each gets its solo plain greedy tokens. forced: each
+    sequence's drafts right, wrong or partly right (cycling through the three), asserted by its acceptance."""
+    prompts = slot_prompts(count, seed)
+    limits = [1 + (5 * j + seed) % 14 for j in range(count)]
+    device = model.device
+    plain = [plain_tokens(model, p, n + MAX_DRAFT_TOKENS + 1, kv_dtype=kv_dtype) for p, n in zip(prompts, limits)]
+    modes = [("perfect", "wrong", "partial")[j % 3] for j in range(count)]
+    drafts = [drafts_for(m, p.tolist() + t) for m, p, t in zip(modes, prompts, plain)] if forced else None
+    engine = BatchEngine(model, slots, 64, kv_dtype, use_graph,
+                         speculation=Speculation(k, adaptive=adaptive, forced_drafts=forced))
+    sequences = [Sequence(p.to(device), SamplingConfig(), 0, n, StopCondition(frozenset()))
+                 for p, n in zip(prompts, limits)]
+    run_slots(engine, sequences, drafts)
+    for j, seq in enumerate(sequences):
+        assert seq.tokens == plain[j][: limits[j]], f"sequence {j} ({modes[j] if forced else 'MTP drafts'})"
+        if forced and not adaptive and seq.stats.drafted:
+            stats = seq.stats
+            assert (stats.accepted == stats.drafted) == (modes[j] == "perfect"), (j, modes[j], stats)
+            assert (stats.accepted == 0) == (modes[j] == "wrong"), (j, modes[j], stats)
+    return engine
+
+
+@pytest.mark.parametrize("k", [1, 3, MAX_DRAFT_TOKENS])
+def test_slots_with_forced_drafts_equal_plain_greedy(model, k):
+    """Four slots, seven sequences joining at different steps (buckets 1, 2 and 4 as they come and go), each with
+    its own drafts: every sequence's tokens are its solo plain greedy run's, each slot accepting what its drafts
+    earn (all, none, some) whatever the others accept."""
+    check_slots_equal_plain(model, 4, 7, k, forced=True, adaptive=False, seed=k)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_slots_with_the_blocks_drafts_equal_plain_greedy(model, k):
+    """The MTP block's own drafts, adaptive k (one for all slots, from the pooled acceptance), three slots."""
+    engine = check_slots_equal_plain(model, 3, 6, k, forced=False, adaptive=True, seed=10 + k)
+    assert engine.mtp.policy.steps > 0
+
+
+def test_sampled_slots_equal_their_solo_speculative_runs(model):
+    """Sampling with a fixed k: each sequence's tokens depend on its own logits rows, drafts and seed only, so in a
+    batch of speculative slots they are its solo speculative run's (other sequences, their acceptance, when they
+    joined: none of it reaches a slot's rows)."""
+    cfg = SamplingConfig(do_sample=True, temperature=1.2, top_k=20)
+    prompts = slot_prompts(5, 21)
+    limits = [9, 4, 12, 7, 10]
+
+    def sequences():
+        return [Sequence(p, cfg, 100 + j, n, StopCondition(frozenset())) for j, (p, n) in enumerate(zip(prompts, limits))]
+
+    speculation = Speculation(2, adaptive=False)
+    together = sequences()
+    run_slots(BatchEngine(model, 3, 64, torch.float32, False, speculation=speculation), together)
+    for j, seq in enumerate(sequences()):
+        run_slots(BatchEngine(model, 1, 64, torch.float32, False, speculation=speculation), [seq])
+        assert together[j].tokens == seq.tokens, f"sequence {j}"
+    assert len({tuple(seq.tokens) for seq in together}) == len(together)
+
+
+def test_slots_read_behind_keep_the_rules_states(model):
+    """keep_state sequences of several slots, read 3 launches behind (the GPU's read-ahead, simulated): a slot
+    whose sequence has launched all its tokens runs on in the others' steps without selecting, its recurrent states
+    junk (idle steps); at its end the state is rolled back to its reply but the last token, as the rule says (the
+    MTP part bit for bit, the GDN states as model(ids, state=s) leaves them, to float rounding), and continuing it
+    gives plain greedy's next tokens."""
+    prompts = slot_prompts(5, 31)
+    limits = [3, 9, 5, 11, 2]
+    engine = BatchEngine(model, 3, 64, torch.float32, False, speculation=Speculation(2))
+    engine.read_ahead = 3
+    sequences = [Sequence(p, SamplingConfig(), 0, n, StopCondition(frozenset()), keep_state=True)
+                 for p, n in zip(prompts, limits)]
+    run_slots(engine, sequences)
+    assert any(seq._idle_steps for seq in sequences), "no slot ran idle: the test does not test it"
+    for p, n, seq in zip(prompts, limits, sequences):
+        history = p.tolist() + seq.tokens
+        assert seq.tokens == plain_tokens(model, p, n)
+        assert_mtp_part_is_the_rules(model, seq.snapshot, history)
+        reference = model.new_state(64, torch.float32)
+        model(torch.tensor([history[:-1]]), state=reference)
+        state = model.new_state(64, torch.float32)
+        state.restore(seq.snapshot)
+        torch.testing.assert_close(state.gdn_recurrent, reference.gdn_recurrent, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state.gdn_conv, reference.gdn_conv, rtol=0, atol=0)
+
+
+def test_slot_policy_pools_acceptance_and_times_each_bucket():
+    """One k for all slots: each slot's outcome is a trial of the pooled acceptance, a step's time counts once
+    and for its bucket only; the prior of a bucket prices the verify's B*(k+1) rows (the rows kernel's cost)."""
+    policy = DraftPolicy(3, adaptive=True)
+    for _ in range(20):
+        for a in (0, 0, 1, 0):  # four slots: 1 acceptance in 5 trials a step
+            policy.record(3, a, 0.05 if a else None, slots=4)
+    assert policy.accepted / policy.trials == pytest.approx(0.2, abs=0.02)
+    assert policy.step_cost(4)[3] == pytest.approx(0.05, rel=0.2) and policy.seconds.keys() == {4}
+    assert policy.step_cost(1) == [prior_step_cost(k) for k in range(4)]
+    assert policy.next_k(4) < 3
+    assert prior_step_cost(3, 16) > prior_step_cost(3, 1)  # 64 verify rows cost more, relative to 16, than 4 to 1
 
 
 def mtp_part(state, position: int):
@@ -453,13 +603,14 @@ def test_cuda_bad_token_in_a_replayed_step_raises_at_sync(small_vocab_gpu_model)
 
     before = generations()
     engine = BatchEngine(model, 1, 64, torch.bfloat16, True, speculation=Speculation(3, adaptive=False))
+    engine.capture()
     plain, plain_step = one_sequence(model, prompt, cfg, 64, torch.bfloat16, use_graph=True)
     for bad in (503, -1):
         seq = Sequence(prompt, cfg, 0, 8, StopCondition(frozenset()))
-        for _ in engine.admit(seq, 4096):  # (captures the step graphs of cfg)
+        for _ in engine.admit(seq, 4096):
             pass
         engine.emitted.fill_(bad)  # emitted[0, accepted[0]]: the step's pending token
-        engine.mtp.graphs[(cfg, 3)].replay()
+        engine.mtp.graphs[(1, 3)][0].replay()  # the drafts and the verify
         torch.cuda.synchronize()
         with pytest.raises(RuntimeError, match=r"embedded a token id outside the vocabulary \[0, 503\)"):
             engine.slots.slot(0).sync_position()
@@ -471,3 +622,34 @@ def test_cuda_bad_token_in_a_replayed_step_raises_at_sync(small_vocab_gpu_model)
             plain.slots.slot(0).sync_position()
     del engine, plain, plain_step
     assert generations() == before  # the context is alive and the model's own engines unaffected
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", [1, 3, MAX_DRAFT_TOKENS])
+def test_cuda_slots_through_the_graphs_equal_plain_greedy(gpu_model, k):
+    """Many speculative slots through the graphs (drafts-and-verify and rollback per bucket and k, a selection per
+    slot and k), read behind: four slots, nine sequences joining at different steps, forced right, wrong and partly
+    right drafts; then the block's own drafts, adaptive, eight slots and twelve sequences: every sequence's tokens
+    are its solo plain greedy run's, token for token, on the int8 lane."""
+    check_slots_equal_plain(gpu_model, 4, 9, k, forced=True, adaptive=False, seed=k, use_graph=True)
+    check_slots_equal_plain(gpu_model, 8, 12, k, forced=False, adaptive=True, seed=20 + k, use_graph=True)
+
+
+@pytest.mark.cuda
+def test_cuda_sampled_slots_equal_their_solo_speculative_runs(gpu_model):
+    """test_sampled_slots_equal_their_solo_speculative_runs through the graphs: a sequence's sampled tokens in a
+    batch of speculative slots (fixed k) are its solo speculative run's, bit for bit."""
+    cfg = SamplingConfig(do_sample=True, temperature=1.2, top_k=20)
+    prompts = [p.to("cuda") for p in slot_prompts(6, 41)]
+    limits = [9, 4, 12, 7, 10, 3]
+
+    def sequences():
+        return [Sequence(p, cfg, 100 + j, n, StopCondition(frozenset())) for j, (p, n) in enumerate(zip(prompts, limits))]
+
+    speculation = Speculation(3, adaptive=False)
+    together = sequences()
+    run_slots(BatchEngine(gpu_model, 4, 64, torch.float32, True, speculation=speculation), together)
+    solo = BatchEngine(gpu_model, 1, 64, torch.float32, True, speculation=speculation)
+    for j, seq in enumerate(sequences()):
+        run_slots(solo, [seq])
+        assert together[j].tokens == seq.tokens, f"sequence {j}"
