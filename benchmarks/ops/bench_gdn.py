@@ -11,7 +11,9 @@ to hold against prefill's ~1.3 us per token per layer for the whole GDN core (b6
 gdn_recurrent runs a chunked kernel (threshold in csrc/cuda_bindings/gdn.cpp): at this shape the tensor-core
 one (kernel=mma, gdn_chunk_mma.cu, 32-token chunks; the default from 32 tokens), and the float32 one
 (kernel=fp32, gdn_prefill.cu, 16-token chunks); the recurrence and the three ops are timed with each, in the
-same run (ms_48_layers = us_per_layer x 48 / 1000: the whole model's GDN core on that chunk). The T = 8 row
+same run (ms_48_layers = us_per_layer x 48 / 1000: the whole model's GDN core on that chunk); at T = 512 and
+4096 also the recurrence with each of the tensor-core kernel's block sizes (kernel=mma rows=64|32|16, the
+TEMPORARY QWEN38_GDN_MMA_ROWS; skipped on a build without it). The T = 8 row
 against the decode rows at T = 1 and 4 (token by token) places the threshold. Verify (T = 1..8):
 gdn_recurrent as speculative decoding's verify runs it, with token_states (the per-token kernel for any T,
 writing T x 3.1 MB more a layer; a buffer per layer, so those writes reach memory as the model's would) and
@@ -56,6 +58,11 @@ PREFILL_REPLAYS = 3  # a T = 4096 replay of the per-token recurrence: ~0.25 s (2
 VERIFY_TOKENS = range(1, 9)  # a verify checks k + 1 <= 8 tokens
 PDL = "0" if os.environ.get("QWEN38_PDL", "").startswith("0") else "1"  # pdl.cuh's reading of it
 PREFILL_KERNEL_ENV = "QWEN38_GDN_PREFILL"  # =fp32|mma: that prefill kernel where it applies
+# TEMPORARY, with the knob (gdn_chunk_mma.cu): QWEN38_GDN_MMA_ROWS=64|32|16, the tensor-core kernel's state rows a
+# block; bench_prefill times gdn_recurrent with each at these T, where the build has the knob.
+MMA_ROWS_ENV = "QWEN38_GDN_MMA_ROWS"
+MMA_ROWS = (64, 32, 16)
+MMA_ROWS_TOKENS = (512, 4096)
 
 
 def make_layers(num_tokens: int):
@@ -78,18 +85,20 @@ def make_layers(num_tokens: int):
 
 
 @contextlib.contextmanager
-def prefill_kernel_env(value: str | None):
-    """QWEN38_GDN_PREFILL set to value (None: unset) inside the block: gdn_prefill_launch reads it at each launch,
-    so a graph captured inside runs that kernel."""
-    saved = os.environ.pop(PREFILL_KERNEL_ENV, None)
-    if value is not None:
-        os.environ[PREFILL_KERNEL_ENV] = value
+def prefill_kernel_env(value: str | None, rows: int | None = None):
+    """QWEN38_GDN_PREFILL set to value and QWEN38_GDN_MMA_ROWS to rows (None: unset) inside the block: the launcher
+    reads both at each launch, so a graph captured inside runs that kernel."""
+    saved = {name: os.environ.pop(name, None) for name in (PREFILL_KERNEL_ENV, MMA_ROWS_ENV)}
+    for name, setting in ((PREFILL_KERNEL_ENV, value), (MMA_ROWS_ENV, rows)):
+        if setting is not None:
+            os.environ[name] = str(setting)
     try:
         yield
     finally:
-        os.environ.pop(PREFILL_KERNEL_ENV, None)
-        if saved is not None:
-            os.environ[PREFILL_KERNEL_ENV] = saved
+        for name, setting in saved.items():
+            os.environ.pop(name, None)
+            if setting is not None:
+                os.environ[name] = setting
 
 
 def recurrent_kernel(fn) -> str:
@@ -132,6 +141,16 @@ def bench_prefill() -> list[dict]:
                 t = time_graph(fn, LAYERS, replays=PREFILL_REPLAYS, warmup=1)["median_s"]
             rows.append(dict(op=name, T=num_tokens, kernel=kernel, mode="graph", pdl=PDL, us_per_layer=t * 1e6,
                              us_per_token=t * 1e6 / num_tokens, ms_48_layers=t * 1e3 * LAYERS))
+        if num_tokens in MMA_ROWS_TOKENS:
+            for block_rows in MMA_ROWS:
+                with prefill_kernel_env("mma", block_rows):
+                    # the instance's name says whether this build reads the knob
+                    if f"gdn_prefill_mma_kernel<{block_rows}>" not in kernels_run_by(lambda: recurrent(0)):
+                        break
+                    t = time_graph(recurrent, LAYERS, replays=PREFILL_REPLAYS, warmup=1)["median_s"]
+                rows.append(dict(op="gdn_recurrent", T=num_tokens, kernel=f"mma rows={block_rows}", mode="graph",
+                                 pdl=PDL, us_per_layer=t * 1e6, us_per_token=t * 1e6 / num_tokens,
+                                 ms_48_layers=t * 1e3 * LAYERS))
         del L
         torch.cuda.empty_cache()
     return rows

@@ -27,23 +27,45 @@
 // at T = 100 (tests/ops/test_gdn.py runs it on the CPU); 7e-8 with exact float32 products: the TF32 split's
 // error dominates, K K^T's most, through T.
 //
-// Layout: one block of 8 warps per (value head, 64 state rows), grid Hv x dv / 64 (27B: 96 blocks), the state's
-// 64 x 128 rows in registers (accumulator layout, 32 floats a thread) and in shared memory as the B operand of
-// K S^T and Q S^T. Operands in shared memory are stored so that fragment loads are free of bank conflicts:
-// k-contiguous ones (the MMA's A row-major, B column-major) with rows 4 floats apart modulo 32 banks (16 for q, k
-// and the state, read a float4 per row for two k-steps), the others with rows 8 apart; K is staged both ways.
-// 205 KB of shared memory. Per chunk, 5 barriers:
-//   [top]  chunk c landed, chunk c + 1's copies issued (2 stages)
+// Layout: one block of 8 warps per (value head, kBV state rows), grid Hv x dv / kBV, kBV = 64, 32 or 16 (a
+// template parameter; every (head, row slice) is independent: a block recomputes its chunk's G, L, M and T, the
+// same for every slice of a head, and does only its own rows' share of X, Y, D, O and the update). The state's
+// kBV x 128 rows in registers (accumulator layout, kBV / 2 floats a thread) and in shared memory as the B operand
+// of K S^T and Q S^T. Operands in shared memory are stored so that fragment loads are free of bank conflicts:
+// k-contiguous ones (the MMA's A row-major, B column-major) with rows 16 floats apart modulo 32 banks (read as a
+// float4 a row for two k-steps), the others with rows 8 apart; the update reads K token-major at 16 apart, 2-way
+// (K is staged once, not twice as before: that copy's 34 KB kept two blocks off an SM).
+// Shared memory: K, beta and the decays in two stages (read until the update at the chunk's end), Q and V in one
+// (their last reads are Y and R, so chunk c + 1's copies go out after barrier [3] and land during D, O and the
+// update); G shares T's buffer (G's last read is [2], T's first write [3]). 140 KB at kBV = 64 (one block an SM),
+// 106 KB at 32 and 89 KB at 16 (two blocks an SM, so one block's serial phases overlap the other's MMAs).
+// Per chunk, 5 barriers:
+//   [top]  chunk c landed, chunk c + 1's K copies issued
 //   [1]    K K^T and Q K^T (16 x 8 tiles, three a sub-partition); warp 2: G (a column a lane) and the tail
 //          products, warp 3: gamma
 //   [2]    L^T and M from the Gram tiles and G
 //   [3]    warp 0: T by right-looking substitution (a column a lane), meanwhile warp 4 of its sub-partition
-//          keeps the tensor core busy; then every warp: X = K S^T, Y = Q S^T (16 x 16 tiles), R from X
-//   [4]    D = T R (16 x 16 tiles), D and D diag(tail) to shared memory
-//   [top]  O = gamma Y + M D stored; the state update (32 x 32 tiles), the state to shared memory
-// Tensor work a chunk: 3168 mma.sync (X, Y and the update 2304, the Gram tiles 576, D and O 288), 792 a
-// sub-partition.
+//          keeps the tensor core busy; then every warp: X = K S^T, Y = Q S^T (16 x 8 kBV / 32 tiles; at kBV = 16
+//          warps 0-3 X, 4-7 Y, 16 x 8 each), R from X
+//   [4]    chunk c + 1's Q, V copies issued; D = T R (X's tiles), D and D diag(tail) to shared memory
+//   [top]  O = gamma Y + M D stored (Y's tiles); the state update (kBV x 128 in 8 warp tiles), the state to
+//          shared memory
+// Tensor work a chunk and block (mma.sync; the busiest sub-partition's share): kBV = 64: 3168 (792), 32: 1872
+// (468), 16: 1224 (312); the Gram tiles' 576 (144) at every kBV.
+//
+// Cost model (benchmarks/NOTES.md, prefill round 3): issue-bound at low occupancy, not tensor-bound. ptxas's
+// SASS spends ~60% of a chunk's instructions on the 3xTF32 splits (cvt.rna.tf32.f32 is emulated: FSETP, IADD,
+// LOP3), and at 2 warps a sub-partition each warp's LDS -> split -> HMMA chains stall it: measured (kBV = 64,
+// 5e2d493) 13.5 us a chunk for ~9K instructions a sub-partition, an IPC near 0.35. So the splits round with two
+// integer operations (bitwise cvt.rna for finite x), and kBV = 32 puts two blocks (4 warps a sub-partition) on
+// an SM.
+//
+// TEMPORARY (to be removed once measured): QWEN38_GDN_MMA_ROWS=64|32|16, read at each launch, picks kBV; unset
+// or any other value: 32, the predicted best. The lead keeps one after measuring and deletes the knob.
 #include "gdn_prefill.h"
+
+#include <cstdlib>
+#include <cstring>
 
 #include <cuda_runtime.h>
 
@@ -55,43 +77,33 @@ namespace {
 
 constexpr int kC = kGdnPrefillMmaChunk;
 constexpr int kDk = 128;
-constexpr int kBV = 64;  // state rows (value channels) a block holds
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-// Row strides (floats): k-contiguous operands 4 banks apart (q, k and the state 16 apart: read as float4s), n- or
-// m-contiguous ones 8 apart.
+// Row strides (floats): k-contiguous operands 16 banks apart (read as float4s), n- or m-contiguous ones 8 apart.
 constexpr int kQKStride = kDk + 16;
-constexpr int kKNStride = kDk + 8;
-constexpr int kVStride = kBV + 8;
 constexpr int kCStride = kC + 4;
 constexpr int kLtStride = kC;  // L^T below the diagonal, row k from L_{k+1,k}; zeros past row n - 1
-static_assert(kC == 32 && kBV == 64 && kWarps == 8, "the warp tilings below are written for these sizes");
+static_assert(kC == 32 && kWarps == 8, "the warp tilings below are written for these sizes");
 
-// Shared memory, in floats.
-constexpr int kStageFloats = 2 * kC * kQKStride + kC * kKNStride + kC * kVStride + 2 * kC;
-constexpr int kStateFloats = kBV * kQKStride;
-constexpr int kFixedFloats = kStateFloats + kC * kLtStride /* L^T */ + 2 * kC * kCStride /* M, T */ +
-                             kC * kC /* G */ + 3 * kC * kVStride /* R, D, D diag(tail) */ + 2 * kC /* gamma, tail */;
-constexpr int kSmemBytes = (2 * kStageFloats + kFixedFloats) * (int)sizeof(float);
-
-struct Stage {
-  float* q;      // [n][kQKStride]: rows past T zero
-  float* k;      // [n][kQKStride]
-  float* kn;     // [n][kKNStride]: k again
-  float* v;      // [n][kVStride]: the block's 64 value channels
-  float* beta;   // [n]: zero past T
-  float* decay;  // [n]: one past T
+// Shared memory of a block of kBV state rows, offsets in floats.
+template <int kBV>
+struct Smem {
+  static_assert(kBV == 64 || kBV == 32 || kBV == 16, "the warp tilings below are written for these sizes");
+  static constexpr int kVStride = kBV + 8;
+  static constexpr int kKeyStage = kC * kQKStride + 2 * kC;  // k [n][kQKStride], beta [n], decay [n]
+  static constexpr int kQ = 2 * kKeyStage;                   // [n][kQKStride]: rows past T zero
+  static constexpr int kV = kQ + kC * kQKStride;             // [n][kVStride]: the block's kBV value channels
+  static constexpr int kState = kV + kC * kVStride;          // [kBV][kQKStride] S[a][d]
+  static constexpr int kLt = kState + kBV * kQKStride;       // [n][n] L^T shifted: lt[j * n + i - j - 1] = L_ij
+  static constexpr int kM = kLt + kC * kLtStride;            // [n][kCStride] M
+  static constexpr int kT = kM + kC * kCStride;              // [n][kCStride] T; before it [n][n] G_ij
+  static constexpr int kR = kT + kC * kCStride;              // [n][kVStride] R
+  static constexpr int kD = kR + kC * kVStride;              // [n][kVStride] D
+  static constexpr int kDt = kD + kC * kVStride;             // [n][kVStride] D_j G_{n-1,j}
+  static constexpr int kGamma = kDt + kC * kVStride;         // [n] gamma_i
+  static constexpr int kTail = kGamma + kC;                  // [n] G_{n-1,j}
+  static constexpr int kBytes = (kTail + kC) * (int)sizeof(float);
 };
-__device__ __forceinline__ Stage stage_at(float* smem, int index) {
-  Stage s;
-  s.q = smem + index * kStageFloats;
-  s.k = s.q + kC * kQKStride;
-  s.kn = s.k + kC * kQKStride;
-  s.v = s.kn + kC * kKNStride;
-  s.beta = s.v + kC * kVStride;
-  s.decay = s.beta + kC;
-  return s;
-}
 
 // ---- 3xTF32 mma.sync (PTX ISA, mma.m16n8k8 .tf32; lane = 4 g + t). A 16 x 8, row: a[r] = A(g + 8 (r & 1),
 // t + 4 (r >> 1)). B 8 x 8, col: b[r] = B(t + 4 r, g). C 16 x 8: c[r] = C(g + 8 (r >> 1), 2 t + (r & 1)).
@@ -102,9 +114,13 @@ struct FragB {
   uint32_t hi[2], lo[2];
 };
 
+// tf32(x) rounded to nearest, ties away from zero, on the magnitude bits: cvt.rna.tf32.f32's result for every
+// finite x in two integer operations (ptxas emulates the cvt in three, with a NaN/Inf test these operands never
+// need). tests/ops/test_gdn.py's tf32() is the same formula.
+__device__ __forceinline__ uint32_t tf32_rna(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(__fsub_rn(x, __uint_as_float(hi))));
+  hi = tf32_rna(x);
+  lo = tf32_rna(__fsub_rn(x, __uint_as_float(hi)));
 }
 
 // A(m, k) at p[m * ld + k] (kKMajor) or p[k * ld + m]; the fragment of rows m0.., columns k0...
@@ -173,35 +189,44 @@ struct Problem {
   int num_tokens, num_k_heads, num_v_heads, dv;
 };
 
-// Chunk `first / n` of this block's head into stage `st` (all threads; cp.async, committed by the caller).
-__device__ void stage_chunk(const Stage& st, const Problem& p, int first, int head, int row0) {
-  constexpr int kQuads = kDk / 4, kVQuads = kBV / 4;
-  const int valid = min(kC, p.num_tokens - first), key_head = head % p.num_k_heads;
-  constexpr int kCopies = 3 * kQuads + kVQuads;  // 16-byte copies a token
-  for (int idx = threadIdx.x; idx < kC * kCopies; idx += kThreads) {
-    const int i = idx / kCopies, col = idx % kCopies;  // a warp copies runs of 512 contiguous bytes
+// k, beta and the decays of the chunk from token `first` into a key stage (all threads; cp.async, committed by
+// the caller). Past T: zero k rows, beta = 0 and decay = 1, so those tokens leave the state as it is.
+__device__ void stage_keys(float* stage, const Problem& p, int first, int head) {
+  constexpr int kQuads = kDk / 4;
+  const int valid = min(kC, p.num_tokens - first);
+  const int64_t k_offset = (int64_t)(p.num_k_heads + head % p.num_k_heads) * kDk;
+  for (int idx = threadIdx.x; idx < kC * kQuads; idx += kThreads) {
+    const int i = idx / kQuads, quad = idx % kQuads;  // a warp copies runs of 512 contiguous bytes
     const bool fill = i < valid;
-    const float* row = p.qkv + (int64_t)(first + (fill ? i : 0)) * p.qkv_row_stride;
-    if (col < 3 * kQuads) {  // q, k, k again
-      const int which = col / kQuads, quad = col % kQuads;
-      const float* src = row + (int64_t)((which == 0 ? 0 : p.num_k_heads) + key_head) * kDk + 4 * quad;
-      float* dst = which == 0 ? st.q + i * kQKStride : which == 1 ? st.k + i * kQKStride : st.kn + i * kKNStride;
-      cp_async<16>(dst + 4 * quad, src, fill);
-    } else {
-      const int quad = col - 3 * kQuads;
-      const float* src = row + 2 * (int64_t)p.num_k_heads * kDk + (int64_t)head * p.dv + row0 + 4 * quad;
-      cp_async<16>(st.v + i * kVStride + 4 * quad, src, fill);
-    }
+    const float* src = p.qkv + (int64_t)(first + (fill ? i : 0)) * p.qkv_row_stride + k_offset + 4 * quad;
+    cp_async<16>(stage + i * kQKStride + 4 * quad, src, fill);
   }
-  // past T: beta = 0 and decay = 1, so those tokens leave the state as it is
   if (threadIdx.x < 2 * kC) {
     const int i = threadIdx.x % kC;
     const bool is_decay = threadIdx.x >= kC;
-    float* dst = (is_decay ? st.decay : st.beta) + i;
+    float* dst = stage + kC * kQKStride + (is_decay ? kC : 0) + i;
     if (i < valid)
       cp_async<4>(dst, (is_decay ? p.decay : p.beta) + (int64_t)(first + i) * p.num_v_heads + head, true);
     else
       *dst = is_decay ? 1.0f : 0.0f;
+  }
+}
+
+// q and the block's kBV value channels of the chunk from token `first` (all threads; cp.async, committed by the
+// caller); zero rows past T.
+template <int kBV>
+__device__ void stage_qv(float* q, float* v, const Problem& p, int first, int head, int row0) {
+  constexpr int kQuads = kDk / 4, kVQuads = kBV / 4, kCopies = kQuads + kVQuads;  // 16-byte copies a token
+  const int valid = min(kC, p.num_tokens - first);
+  for (int idx = threadIdx.x; idx < kC * kCopies; idx += kThreads) {
+    const int i = idx / kCopies, col = idx % kCopies;
+    const bool fill = i < valid;
+    const float* row = p.qkv + (int64_t)(first + (fill ? i : 0)) * p.qkv_row_stride;
+    if (col < kQuads)
+      cp_async<16>(q + i * kQKStride + 4 * col, row + (int64_t)(head % p.num_k_heads) * kDk + 4 * col, fill);
+    else
+      cp_async<16>(v + i * Smem<kBV>::kVStride + 4 * (col - kQuads),
+                   row + 2 * (int64_t)p.num_k_heads * kDk + (int64_t)head * p.dv + row0 + 4 * (col - kQuads), fill);
   }
 }
 
@@ -237,32 +262,47 @@ __device__ __forceinline__ void substitution_steps(float (&partial)[kC], const f
   }
 }
 
-// Grid (Hv, dv / kBV), kThreads threads.
-__global__ void __launch_bounds__(kThreads, 1)
+// Grid (Hv, dv / kBV), kThreads threads; two blocks an SM from kBV = 32 (shared memory and 128 registers allow).
+template <int kBV>
+__global__ void __launch_bounds__(kThreads, kBV <= 32 ? 2 : 1)
 gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
                        float* __restrict__ out,                // [T, Hv, dv]
                        float q_scale) {
+  using L = Smem<kBV>;
+  constexpr int kVStride = L::kVStride;
+  // X, Y, D and O (n x kBV) in 16 x 8 kNT tiles: every warp one of X and Y each, D from X's, O from Y's; at
+  // kBV = 16 there are 4 such tiles, so warps 0-3 hold X (then R, D) and warps 4-7 Y (then O), one warp of each
+  // a sub-partition.
+  constexpr int kNT = kBV >= 32 ? kBV / 32 : 1;
+  constexpr bool kSplitXY = kBV == 16;
+  // The state (kBV x 128) in warp tiles of kSM 16-row by kSN 8-key tiles: 32 x 32, 16 x 32, 16 x 16.
+  constexpr int kSM = kBV == 64 ? 2 : 1;
+  constexpr int kKeyWarps = kWarps / (kBV / (16 * kSM));
+  constexpr int kSN = kDk / (8 * kKeyWarps);
   extern __shared__ __align__(16) float smem[];
-  float* s_sh = smem + 2 * kStageFloats;  // [kBV][kQKStride] the state, S[a][d]
-  float* lt = s_sh + kStateFloats;        // [n][n] L^T shifted: lt[j * n + i - j - 1] = L_ij
-  float* m_sh = lt + kC * kLtStride;            // [n][kCStride] M
-  float* t_sh = m_sh + kC * kCStride;     // [n][kCStride] T
-  float* g_sh = t_sh + kC * kCStride;     // [n][n] G_ij, zero above the diagonal
-  float* r_sh = g_sh + kC * kC;           // [n][kVStride] R
-  float* d_sh = r_sh + kC * kVStride;     // [n][kVStride] D
-  float* dt_sh = d_sh + kC * kVStride;    // [n][kVStride] D_j G_{n-1,j}
-  float* gamma_sh = dt_sh + kC * kVStride;
-  float* tail_sh = gamma_sh + kC;  // G_{n-1,j}
+  float* q_sh = smem + L::kQ;
+  float* v_sh = smem + L::kV;
+  float* s_sh = smem + L::kState;
+  float* lt = smem + L::kLt;
+  float* m_sh = smem + L::kM;
+  float* t_sh = smem + L::kT;
+  float* g_sh = t_sh;
+  float* r_sh = smem + L::kR;
+  float* d_sh = smem + L::kD;
+  float* dt_sh = smem + L::kDt;
+  float* gamma_sh = smem + L::kGamma;
+  float* tail_sh = smem + L::kTail;
 
   const int head = blockIdx.x, row0 = blockIdx.y * kBV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // 16 x 16 tiles of X, Y, D, O (n x kBV): rows tm.., columns tn..; 32 x 32 tiles of the state: rows sm.., keys sn..
-  const int tm = (warp >> 2) * 16, tn = (warp & 3) * 16;
-  const int sm = (warp >> 2) * 32, sn = (warp & 3) * 32;
+  const int tm = (kSplitXY ? (warp >> 1) & 1 : warp >> 2) * 16;
+  const int tn = (kSplitXY ? warp & 1 : warp & 3) * 8 * kNT;
+  const bool has_x = !kSplitXY || warp < 4, has_y = !kSplitXY || warp >= 4;
+  const int sm = warp / kKeyWarps * 16 * kSM, sn = warp % kKeyWarps * 8 * kSN;
   // Gram jobs, 16 x 8 tiles of the lower half of A = K K^T and P = Q K^T, three a sub-partition (warps w and
   // w + 4 share one): warps 4-7 A and P at rows 16.., columns gn; warps 0-3 one of them (even warps A) at rows 0...
   const bool both = warp >= 4, only_p = !both && (warp & 1);
-  const int gn = both ? 8 * (warp - 4) : 8 * (warp >> 1);
+  const int gm = both ? 16 : 0, gn = both ? 8 * (warp - 4) : 8 * (warp >> 1);
   float* state_rows = state + ((int64_t)head * p.dv + row0) * kDk;
 
   pdl_wait_for_predecessor();  // qkv, the gates or this state may be the predecessor's output
@@ -271,11 +311,11 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
   // Entries no chunk writes: L's and M's tiles above the diagonal blocks, L^T's padding.
   for (int idx = threadIdx.x; idx < kC * kLtStride; idx += kThreads) lt[idx] = 0.0f;
   for (int idx = threadIdx.x; idx < kC * kC; idx += kThreads) m_sh[idx / kC * kCStride + idx % kC] = 0.0f;
-  float s[2][4][4];  // S[sm + 16 i + g + 8 (r >> 1)][sn + 8 j + 2 t + (r & 1)]
+  float s[kSM][kSN][4];  // S[sm + 16 i + g + 8 (r >> 1)][sn + 8 j + 2 t + (r & 1)]
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kSM; ++i) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kSN; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int a = sm + 16 * i + g + 8 * h, d = sn + 8 * j + 2 * t;
@@ -290,16 +330,19 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
   const int num_chunks = (p.num_tokens + kC - 1) / kC;
   const int64_t out_token_stride = (int64_t)p.num_v_heads * p.dv;
   float* out_cols = out + (int64_t)head * p.dv + row0;
-  stage_chunk(stage_at(smem, 0), p, 0, head, row0);
+  stage_keys(smem, p, 0, head);
+  stage_qv<kBV>(q_sh, v_sh, p, 0, head, row0);
   cp_async_commit();
 
   for (int c = 0; c < num_chunks; ++c) {
     const int first = c * kC;
     cp_async_wait<0>();
-    __syncthreads();  // chunk c and the state for every thread; chunk c - 1's stage is free
-    if (c + 1 < num_chunks) stage_chunk(stage_at(smem, (c + 1) & 1), p, first + kC, head, row0);
+    __syncthreads();  // chunk c and the state for every thread; chunk c - 1's key stage is free
+    if (c + 1 < num_chunks) stage_keys(smem + ((c + 1) & 1) * L::kKeyStage, p, first + kC, head);
     cp_async_commit();
-    const Stage st = stage_at(smem, c & 1);
+    const float* k_sh = smem + (c & 1) * L::kKeyStage;
+    const float* beta_sh = k_sh + kC * kQKStride;
+    const float* decay_sh = beta_sh + kC;
 
     // [1] K K^T, Q K^T (the Gram jobs); then warp 2: G and the tail products, warp 3: gamma
     float gram0[4] = {}, gram1[4] = {};  // warps 4-7: A, P; warps 0-3: A or P in gram0
@@ -307,12 +350,12 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
     for (int k0 = 0; k0 < kDk; k0 += 16) {
       FragB kb[2];
       FragA a[2];
-      load_b_pair(kb, st.k, kQKStride, gn, k0, g, t);
-      load_a_pair(a, only_p ? st.q : st.k, kQKStride, tm, k0, g, t);
+      load_b_pair(kb, k_sh, kQKStride, gn, k0, g, t);
+      load_a_pair(a, only_p ? q_sh : k_sh, kQKStride, gm, k0, g, t);
 #pragma unroll
       for (int h = 0; h < 2; ++h) mma3(gram0, a[h], kb[h]);
       if (both) {
-        load_a_pair(a, st.q, kQKStride, tm, k0, g, t);
+        load_a_pair(a, q_sh, kQKStride, gm, k0, g, t);
 #pragma unroll
         for (int h = 0; h < 2; ++h) mma3(gram1, a[h], kb[h]);
       }
@@ -322,7 +365,7 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
       float product = 1.0f;
 #pragma unroll
       for (int i = 0; i < kC; ++i) {
-        if (i > j) product *= st.decay[i];
+        if (i > j) product *= decay_sh[i];
         g_sh[i * kC + j] = i >= j ? product : 0.0f;
       }
       tail_sh[j] = product;
@@ -331,7 +374,7 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
       float product = 1.0f;
 #pragma unroll
       for (int l = 0; l < kC; ++l)
-        if (l <= i) product *= st.decay[l];
+        if (l <= i) product *= decay_sh[l];
       gamma_sh[i] = product;
     }
     __syncthreads();
@@ -339,18 +382,18 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
     // [2] L^T and M
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int i = tm + g + 8 * (r >> 1), j = gn + 2 * t + (r & 1);
+      const int i = gm + g + 8 * (r >> 1), j = gn + 2 * t + (r & 1);
       const float gij = g_sh[i * kC + j];
-      if (!only_p && j < i) lt[j * kLtStride + i - j - 1] = st.beta[i] * gij * gram0[r];
+      if (!only_p && j < i) lt[j * kLtStride + i - j - 1] = beta_sh[i] * gij * gram0[r];
       if (both || only_p) m_sh[i * kCStride + j] = gij * (both ? gram1[r] : gram0[r]);  // G is zero above the diagonal
     }
     __syncthreads();
 
-    // [3] T = (I + L)^-1 (warp 0, while the other warps of its sub-partition keep the tensor core busy with
-    // their X and Y), lane j its column: T_kj = [k == j] - sum_{l<k} L_kl T_lj, each T_kj added into the
-    // partial sums of the rows below it as soon as it is known (independent FMAs, not a chain). The partial
-    // sums shift down a register each step (partial[m] is row k + m's), so a step is one loop body with
-    // register indices fixed, not 32 unrolled copies (those took ptxas to 255 registers and spills).
+    // [3] T = (I + L)^-1 (warp 0, while the other warp of its sub-partition keeps the tensor core busy with its
+    // X and Y), lane j its column: T_kj = [k == j] - sum_{l<k} L_kl T_lj, each T_kj added into the partial sums
+    // of the rows below it as soon as it is known (independent FMAs, not a chain). The partial sums shift down a
+    // register each step (partial[m] is row k + m's), so a step is one loop body with register indices fixed,
+    // not 32 unrolled copies (those took ptxas to 255 registers and spills).
     if (warp == 0) {
       const int j = lane;
       float partial[kC];
@@ -363,48 +406,61 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
     }
 
     // X = K S^T, Y = Q S^T, then R = beta (V - gamma X)
-    float x[2][4] = {}, y[2][4] = {};
+    float x[kNT][4] = {}, y[kNT][4] = {};
 #pragma unroll 2
     for (int k0 = 0; k0 < kDk; k0 += 16) {
-      FragA ka[2], qa[2];
-      FragB s0[2], s1[2];
-      load_a_pair(ka, st.k, kQKStride, tm, k0, g, t);
-      load_a_pair(qa, st.q, kQKStride, tm, k0, g, t);
-      load_b_pair(s0, s_sh, kQKStride, tn, k0, g, t);
-      load_b_pair(s1, s_sh, kQKStride, tn + 8, k0, g, t);
+      FragB sb[kNT][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mma3(x[0], ka[h], s0[h]);
-        mma3(x[1], ka[h], s1[h]);
-        mma3(y[0], qa[h], s0[h]);
-        mma3(y[1], qa[h], s1[h]);
+      for (int nt = 0; nt < kNT; ++nt) load_b_pair(sb[nt], s_sh, kQKStride, tn + 8 * nt, k0, g, t);
+      if (has_x) {
+        FragA ka[2];
+        load_a_pair(ka, k_sh, kQKStride, tm, k0, g, t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) mma3(x[nt], ka[h], sb[nt][h]);
+        }
+      }
+      if (has_y) {
+        FragA qa[2];
+        load_a_pair(qa, q_sh, kQKStride, tm, k0, g, t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) mma3(y[nt], qa[h], sb[nt][h]);
+        }
       }
     }
+    if (has_x) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+      for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = tm + g + 8 * h, a = tn + 8 * nt + 2 * t;
-        const float2 v = *reinterpret_cast<const float2*>(st.v + i * kVStride + a);
-        const float b = st.beta[i], gm = gamma_sh[i];
-        *reinterpret_cast<float2*>(r_sh + i * kVStride + a) =
-            make_float2(b * fmaf(-gm, x[nt][2 * h], v.x), b * fmaf(-gm, x[nt][2 * h + 1], v.y));
+        for (int h = 0; h < 2; ++h) {
+          const int i = tm + g + 8 * h, a = tn + 8 * nt + 2 * t;
+          const float2 v = *reinterpret_cast<const float2*>(v_sh + i * kVStride + a);
+          const float b = beta_sh[i], gm_i = gamma_sh[i];
+          *reinterpret_cast<float2*>(r_sh + i * kVStride + a) =
+              make_float2(b * fmaf(-gm_i, x[nt][2 * h], v.x), b * fmaf(-gm_i, x[nt][2 * h + 1], v.y));
+        }
       }
     }
     __syncthreads();
 
-    // [4] D = T R (T lower triangular: columns past this tile's rows are zero)
-    {
-      float dacc[2][4] = {};
+    // [4] q and v are free: chunk c + 1's copies land during D, O and the update
+    if (c + 1 < num_chunks) stage_qv<kBV>(q_sh, v_sh, p, first + kC, head, row0);
+    cp_async_commit();
+    // D = T R (T lower triangular: columns past this tile's rows are zero)
+    if (has_x) {
+      float dacc[kNT][4] = {};
 #pragma unroll
       for (int k0 = 0; k0 < kC; k0 += 8) {
         if (k0 >= tm + 16) break;
         const FragA ta = load_a<true>(t_sh, kCStride, tm, k0, g, t);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) mma3(dacc[nt], ta, load_b<false>(r_sh, kVStride, tn + 8 * nt, k0, g, t));
+        for (int nt = 0; nt < kNT; ++nt) mma3(dacc[nt], ta, load_b<false>(r_sh, kVStride, tn + 8 * nt, k0, g, t));
       }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+      for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int i = tm + g + 8 * h, a = tn + 8 * nt + 2 * t;
@@ -418,48 +474,49 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
     __syncthreads();
 
     // O = gamma Y + M D (M lower triangular), scaled, stored for the chunk's tokens
-    {
-      float o[2][4] = {};
+    if (has_y) {
+      float o[kNT][4] = {};
 #pragma unroll
       for (int k0 = 0; k0 < kC; k0 += 8) {
         if (k0 >= tm + 16) break;
         const FragA ma = load_a<true>(m_sh, kCStride, tm, k0, g, t);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) mma3(o[nt], ma, load_b<false>(d_sh, kVStride, tn + 8 * nt, k0, g, t));
+        for (int nt = 0; nt < kNT; ++nt) mma3(o[nt], ma, load_b<false>(d_sh, kVStride, tn + 8 * nt, k0, g, t));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = tm + g + 8 * h;
         if (first + i >= p.num_tokens) continue;
-        const float gm = gamma_sh[i];
+        const float gm_i = gamma_sh[i];
         float* dst = out_cols + (int64_t)(first + i) * out_token_stride + tn + 2 * t;
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
+        for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) dst[8 * nt + e] = fmaf(gm, y[nt][2 * h + e], o[nt][2 * h + e]) * q_scale;
+          for (int e = 0; e < 2; ++e) dst[8 * nt + e] = fmaf(gm_i, y[nt][2 * h + e], o[nt][2 * h + e]) * q_scale;
         }
       }
     }
 
-    // S = gamma_{n-1} S + (D diag(tail))^T K: A(a, j) = dt[j][a], B(j, d) = kn[j][d]
+    // S = gamma_{n-1} S + (D diag(tail))^T K: A(a, j) = dt[j][a], B(j, d) = k[j][d]
     {
-      float acc[2][4][4] = {};
+      float acc[kSM][kSN][4] = {};
 #pragma unroll 1
       for (int k0 = 0; k0 < kC; k0 += 8) {
-        const FragA a0 = load_a<false>(dt_sh, kVStride, sm, k0, g, t);
-        const FragA a1 = load_a<false>(dt_sh, kVStride, sm + 16, k0, g, t);
+        FragA da[kSM];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const FragB kb = load_b<false>(st.kn, kKNStride, sn + 8 * j, k0, g, t);
-          mma3(acc[0][j], a0, kb);
-          mma3(acc[1][j], a1, kb);
+        for (int i = 0; i < kSM; ++i) da[i] = load_a<false>(dt_sh, kVStride, sm + 16 * i, k0, g, t);
+#pragma unroll
+        for (int j = 0; j < kSN; ++j) {
+          const FragB kb = load_b<false>(k_sh, kQKStride, sn + 8 * j, k0, g, t);
+#pragma unroll
+          for (int i = 0; i < kSM; ++i) mma3(acc[i][j], da[i], kb);
         }
       }
       const float decay_all = gamma_sh[kC - 1];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < kSM; ++i) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kSN; ++j) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) s[i][j][r] = fmaf(decay_all, s[i][j][r], acc[i][j][r]);
 #pragma unroll
@@ -473,9 +530,9 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
   }
 
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kSM; ++i) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kSN; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int a = sm + 16 * i + g + 8 * h, d = sn + 8 * j + 2 * t;
@@ -485,24 +542,49 @@ gdn_prefill_mma_kernel(Problem p, float* __restrict__ state,  // [Hv, dv, dk]
   }
 }
 
+template <int kBV>
+cudaError_t launch_rows(const GdnRecurrentArgs& a, cudaStream_t stream) {
+  constexpr int kBytes = Smem<kBV>::kBytes;
+  cudaError_t err =
+      cudaFuncSetAttribute(gdn_prefill_mma_kernel<kBV>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  // the whole unified L1 as shared memory: two blocks of kBV <= 32 need 2 x (106 KB + 1 KB reserved)
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(gdn_prefill_mma_kernel<kBV>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+  if (err != cudaSuccess) return err;
+  const Problem p{a.qkv, a.qkv_row_stride, a.beta, a.decay, a.num_tokens, a.num_k_heads, a.num_v_heads,
+                  a.head_v_dim};
+  const float q_scale = 1.0f / sqrtf((float)kDk);
+  return launch_pdl(gdn_prefill_mma_kernel<kBV>, dim3(a.num_v_heads, a.head_v_dim / kBV), dim3(kThreads), kBytes,
+                    stream, p, a.state, a.out, q_scale);
+}
+
+// TEMPORARY: QWEN38_GDN_MMA_ROWS=64|32|16 (read at each launch, so one process times every variant); otherwise 32.
+int rows_per_block() {
+  const char* env = std::getenv("QWEN38_GDN_MMA_ROWS");
+  if (env != nullptr && std::strcmp(env, "64") == 0) return 64;
+  if (env != nullptr && std::strcmp(env, "16") == 0) return 16;
+  return 32;
+}
+
 }  // namespace
 
 bool gdn_prefill_mma_supported(const GdnRecurrentArgs& a) {
-  return a.token_states == nullptr && a.num_k_heads > 0 && a.head_k_dim == kDk && a.head_v_dim % kBV == 0 &&
+  return a.token_states == nullptr && a.num_k_heads > 0 && a.head_k_dim == kDk && a.head_v_dim % 64 == 0 &&
          a.qkv_row_stride % 4 == 0 && aligned16(a.qkv) && aligned16(a.state);
 }
 
 cudaError_t gdn_prefill_mma_launch(const GdnRecurrentArgs& a, cudaStream_t stream) {
   if (a.num_tokens <= 0 || a.num_v_heads <= 0) return cudaSuccess;
   if (!gdn_prefill_mma_supported(a)) return cudaErrorInvalidValue;
-  const cudaError_t err =
-      cudaFuncSetAttribute(gdn_prefill_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
-  const Problem p{a.qkv, a.qkv_row_stride, a.beta, a.decay, a.num_tokens, a.num_k_heads, a.num_v_heads,
-                  a.head_v_dim};
-  const float q_scale = 1.0f / sqrtf((float)kDk);
-  return launch_pdl(gdn_prefill_mma_kernel, dim3(a.num_v_heads, a.head_v_dim / kBV), dim3(kThreads), kSmemBytes,
-                    stream, p, a.state, a.out, q_scale);
+  switch (rows_per_block()) {
+    case 64:
+      return launch_rows<64>(a, stream);
+    case 16:
+      return launch_rows<16>(a, stream);
+    default:
+      return launch_rows<32>(a, stream);
+  }
 }
 
 }  // namespace qwen38

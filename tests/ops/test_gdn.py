@@ -5,7 +5,8 @@ the delta rule on HF's [dk, dv] state layout), the per-token states of the refer
 calls, and the chunk form the prefill kernel computes, in float32, against the reference. CUDA (-m cuda):
 every kernel against the reference in float64, on random inputs, outputs poisoned first, at odd sizes and
 the 27B shapes; gdn_recurrent's chunked prefill paths (T >= its threshold, csrc/cuda_bindings/gdn.cpp: the
-tensor-core kernel at dk = 128 from 32 tokens, the float32 one elsewhere, QWEN38_GDN_PREFILL=fp32|mma forcing one) at rel L2 <= 1e-5
+tensor-core kernel at dk = 128 from 32 tokens, the float32 one elsewhere, QWEN38_GDN_PREFILL=fp32|mma forcing one;
+the tensor-core kernel at each block size of the temporary QWEN38_GDN_MMA_ROWS) at rel L2 <= 1e-5
 with gates at their edges; per-token states (speculative verify) and T <= 7 without them bit
 for bit equal to T calls of one token; gdn_gates past 2^31 elements; two runs give the same bits; a captured
 graph replays bit for bit like eager; bad arguments raise.
@@ -650,6 +651,26 @@ def test_recurrent_prefill_27b_kernels(kernel, initial, gates, T, monkeypatch):
         state.zero_()
     probe_out = torch.empty(T, hv, dv, device="cuda")
     assert recurrent_kernel(lambda: ops.gdn_recurrent(qkv, beta, decay, state.clone(), probe_out)) == kernel
+    exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
+    out, new_state = run_recurrent_padded(qkv, beta, decay, state)
+    assert_float32_error(out, new_state, exp_out, exp_state)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [64, 32, 16])
+@pytest.mark.parametrize("gates", ["uniform", "edge", "collinear"])
+@pytest.mark.parametrize("T", [33, 4127])
+def test_recurrent_prefill_mma_rows(rows, gates, T, monkeypatch):
+    """Each block size of the tensor-core kernel (state rows a block, the TEMPORARY QWEN38_GDN_MMA_ROWS of
+    gdn_chunk_mma.cu, read at each launch) at the 27B shape against the float64 reference at rel L2 <= 1e-5: the
+    instance the knob names runs (its name in the profiler), a chunk and a token, 128 chunks and 31 tokens."""
+    monkeypatch.setenv("QWEN38_GDN_PREFILL", "mma")
+    monkeypatch.setenv("QWEN38_GDN_MMA_ROWS", str(rows))
+    hk, hv, dk, dv = SHAPE_27B
+    qkv, beta, decay, state = make_recurrent_inputs(T, hk, hv, dk, dv, device="cuda", seed=T + rows, gates=gates)
+    probe_out = torch.empty(T, hv, dv, device="cuda")
+    names = kernels_run_by(lambda: ops.gdn_recurrent(qkv, beta, decay, state.clone(), probe_out))
+    assert f"gdn_prefill_mma_kernel<{rows}>" in names, names
     exp_out, exp_state = recurrent_expected(qkv, beta, decay, state)
     out, new_state = run_recurrent_padded(qkv, beta, decay, state)
     assert_float32_error(out, new_state, exp_out, exp_state)
