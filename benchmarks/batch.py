@@ -8,7 +8,8 @@ Without --model the 27B shape with synthetic Q8_0 weights (benchmarks/decode.py)
   from 8 rows): the engine's step as it runs in serving (the bucket's step graph, then each row's
   greedy selection graph), caches and states filled synthetically at that depth: seconds a step,
   aggregate and per-sequence tok/s, bytes a step must move (the weights once, each row's GDN state read and
-  written, its KV rows) and their rate over the probe;
+  written, its KV rows) and their rate over the probe; at the first context, the step graph's GPU time by part
+  and kernel (decode.kernel_split, the profiler over replays);
 - the token's Q8_0 GEMVs alone at T = 1 .. 64 rows (the rowwise form the batched step runs: every row
   the bits of a T = 1 call), each against T = 1, beside the int8 tensor-core GEMM at the same T (the
   prefill's kernel, which does not keep a row's bits across T);
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.decode import build_model, fill_caches, q8_linears
+from benchmarks.decode import build_model, fill_caches, kernel_split, q8_linears
 from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, time_graph, write_json
 from qwen38_model.config import GDN
 from qwen38_model.engine import BatchEngine
@@ -129,6 +130,10 @@ def main(argv=None) -> dict:
                 r = dict(step_s=t, tok_s=b / t, per_sequence_tok_s=1 / t, bytes=moved,
                          probe_ratio=moved / t / 1e9 / roofline)
                 results["engine"][f"{'invariant' if invariant else 'gemm'}_B{b}_ctx{context}"] = r
+                if context == contexts[0]:  # where a step's time goes, by part (the step graph alone)
+                    r["split"] = kernel_split(engine.step_graphs[b].replay)
+                    print(f"B = {b} ({'invariant' if invariant else 'gemm'}): step graph, critical-path ms by part "
+                          f"{r['split']['critical_ms']}, span {r['split']['span_ms']} ms")
                 rows.append(dict(mode="invariant" if invariant else "gemm", B=b, context=context, tok_s=b / t,
                                  per_seq=1 / t, ms=t * 1e3, GBps=moved / t / 1e9, probe=r["probe_ratio"]))
         results["memory_allocated_gb"] = torch.cuda.memory_allocated() / 1e9

@@ -625,14 +625,15 @@ def test_cuda_bad_token_in_a_replayed_step_raises_at_sync(small_vocab_gpu_model)
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("use_graph", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("k", [1, 3, MAX_DRAFT_TOKENS])
-def test_cuda_slots_through_the_graphs_equal_plain_greedy(gpu_model, k):
-    """Many speculative slots through the graphs (drafts-and-verify and rollback per bucket and k, a selection per
-    slot and k), read behind: four slots, nine sequences joining at different steps, forced right, wrong and partly
-    right drafts; then the block's own drafts, adaptive, eight slots and twelve sequences: every sequence's tokens
-    are its solo plain greedy run's, token for token, on the int8 lane."""
-    check_slots_equal_plain(gpu_model, 4, 9, k, forced=True, adaptive=False, seed=k, use_graph=True)
-    check_slots_equal_plain(gpu_model, 8, 12, k, forced=False, adaptive=True, seed=20 + k, use_graph=True)
+def test_cuda_slots_equal_plain_greedy(gpu_model, k, use_graph):
+    """Many speculative slots on the GPU, through the graphs (drafts-and-verify and rollback per bucket and k, a
+    selection per slot and k) and eager, read behind: four slots, nine sequences joining at different steps, forced
+    right, wrong and partly right drafts; then the block's own drafts, adaptive, eight slots and twelve sequences:
+    every sequence's tokens are its solo plain greedy run's, token for token, on the int8 lane."""
+    check_slots_equal_plain(gpu_model, 4, 9, k, forced=True, adaptive=False, seed=k, use_graph=use_graph)
+    check_slots_equal_plain(gpu_model, 8, 12, k, forced=False, adaptive=True, seed=20 + k, use_graph=use_graph)
 
 
 @pytest.mark.cuda
