@@ -671,9 +671,22 @@ class BatchStats:
     def tok_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
+    # With the MTP step (every sequence's stats a SpeculativeStats): the drafts of all sequences, and those accepted.
+    @property
+    def drafted(self) -> int:
+        return sum(s.drafted for s in self.sequences if isinstance(s, SpeculativeStats))
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.accepted for s in self.sequences if isinstance(s, SpeculativeStats))
+
     def __str__(self) -> str:
-        return (f"{len(self.sequences)} sequences: {self.prompt_tokens} prompt tokens, {self.new_tokens} new tokens in "
+        text = (f"{len(self.sequences)} sequences: {self.prompt_tokens} prompt tokens, {self.new_tokens} new tokens in "
                 f"{self.wall_s:.3f} s, {self.tok_s:.1f} tok/s aggregate")
+        if any(isinstance(s, SpeculativeStats) for s in self.sequences):
+            rate = f"{self.accepted / self.drafted:.1%}" if self.drafted else "n/a"
+            text += f" | speculative (MTP): {self.accepted}/{self.drafted} drafts accepted ({rate})"
+        return text
 
 
 def run_batch(engine: BatchEngine, sequences: list[Sequence], chunk_size: int, progress=None) -> None:

@@ -304,7 +304,8 @@ class Qwen38ForCausalLM(nn.Module):
         end are cached. Either way the output is that of the whole history from scratch (self.last_generation_stats.prompt_tokens counts
         the tokens prefilled). speculative="mtp": the checkpoint's MTP block drafts up to num_draft_tokens
         tokens per step and one pass verifies them (greedy: the same tokens as without; sampling: the same
-        distribution); the draft count adapts to the acceptance seen so far. draft_vocab_size=n: drafts only
+        distribution); the draft count adapts to the acceptance seen so far. It takes B > 1 rows too (each row
+        drafts from its own history; one draft count a step for all: _generate_batch). draft_vocab_size=n: drafts only
         from token ids below n (a cheaper draft head; the verify still scores every token).
         frequency_penalty (vLLM / OpenAI): subtract it times each token's count among the generated tokens.
         logit_bias {token id: bias}: added to the logits before every processor (vLLM / OpenAI)."""
@@ -312,9 +313,12 @@ class Qwen38ForCausalLM(nn.Module):
         bias = check_logit_bias(logit_bias, self.config.vocab_size)
         check_ids_dtype_holds(input_ids.dtype, self.config.vocab_size)
         check_token_count("num_return_sequences", num_return_sequences, 1)
+        if speculative not in (None, "mtp"):
+            raise ValueError(f"speculative must be None or 'mtp', found {speculative!r}")
+        speculation = Speculation(num_draft_tokens, draft_vocab_size) if speculative else None
         if input_ids.shape[0] > 1 or num_return_sequences > 1 or attention_mask is not None:
             for name, value in (("streamer", streamer), ("conversation", conversation),
-                                ("prefix_cache", prefix_cache), ("speculative", speculative)):
+                                ("prefix_cache", prefix_cache)):
                 if value is not None:
                     raise ValueError(f"{name} is for one sequence; with {input_ids.shape[0]} rows x "
                                      f"num_return_sequences {num_return_sequences} (or an attention_mask) pass none")
@@ -323,7 +327,7 @@ class Qwen38ForCausalLM(nn.Module):
                 use_graph, seed, generator, eos_token_id, stop_strings, tokenizer, prefill_progress,
                 SamplingConfig(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                min_new_tokens, frequency_penalty=frequency_penalty, logit_bias=bias is not None),
-                logit_bias=bias)
+                logit_bias=bias, speculation=speculation)
         check_token_count("max_new_tokens", max_new_tokens, 1)
         if max_seq_len is not None:
             check_token_count("max_seq_len", max_seq_len, 1)
@@ -336,8 +340,6 @@ class Qwen38ForCausalLM(nn.Module):
                              min_new_tokens, eos, frequency_penalty=frequency_penalty, logit_bias=bias is not None)
         history = (conversation.tokens if conversation is not None else []) + input_ids[0].tolist()
         start = self._start_snapshot(history, conversation, prefix_cache)
-        if speculative not in (None, "mtp"):
-            raise ValueError(f"speculative must be None or 'mtp', found {speculative!r}")
         needed, limit = len(history) + max_new_tokens, self.config.max_position_embeddings
         if needed > limit:
             raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the model's context of {limit}")
@@ -352,7 +354,6 @@ class Qwen38ForCausalLM(nn.Module):
         on_token = None if streamer is None else (lambda token: streamer.put(torch.tensor([token])))
         seq = Sequence(ids, cfg, seed, max_new_tokens, stop, start=start, keep_state=keep_state,
                        snapshot_prompt=prefix_cache is not None, on_token=on_token, logit_bias=bias)
-        speculation = Speculation(num_draft_tokens, draft_vocab_size) if speculative else None
         engine = self._batch_engine(1, size, kv_dtype, use_graph, exact=max_seq_len is not None, speculation=speculation)
         run_batch(engine, [seq], PREFILL_CHUNK, prefill_progress)
         tokens, self.last_generation_stats = seq.tokens, seq.stats
@@ -375,12 +376,17 @@ class Qwen38ForCausalLM(nn.Module):
 
     def _generate_batch(self, input_ids, attention_mask, pad_token_id, num_return_sequences: int, max_new_tokens: int,
                         max_seq_len, kv_dtype, use_graph, seed, generator, eos_token_id, stop_strings, tokenizer,
-                        prefill_progress, cfg: SamplingConfig, logit_bias=None) -> torch.Tensor:
+                        prefill_progress, cfg: SamplingConfig, logit_bias=None,
+                        speculation: Speculation | None = None) -> torch.Tensor:
         """generate() for B rows x num_return_sequences samples: every sequence in a slot of one BatchEngine,
         decoded together; row b's sample i (sequence j = b * num_return_sequences + i) samples with seed
         seed + j. The samples of a row share its prompt's state and last logits, prefilled once. Per-row
         stopping; rows that stop early are padded with pad_token_id (default the first eos id) after their stop
-        token, as transformers pads. self.last_generation_stats: a BatchStats (per sequence and in total)."""
+        token, as transformers pads. self.last_generation_stats: a BatchStats (per sequence and in total).
+        speculation: the engine's MTP step drafts and verifies for every slot (greedy: each row's tokens are its
+        plain greedy ones). One draft count serves all slots of a step and adapts to the acceptance pooled over
+        them, so a sampled row follows the model's distribution but may draw other tokens than its solo run
+        (which drafts as its own acceptance says)."""
         check_token_count("max_new_tokens", max_new_tokens, 1)
         check_new_token_bounds(cfg.min_new_tokens, max_new_tokens)
         check_seed(seed)
@@ -405,7 +411,7 @@ class Qwen38ForCausalLM(nn.Module):
         kv_dtype = kv_dtype or default_kv_dtype(self.device)
         count = len(prompts) * num_return_sequences
         engine = self._batch_engine(min(count, BATCH_LIMIT), max_seq_len or longest, kv_dtype, use_graph,
-                                    exact=max_seq_len is not None)
+                                    exact=max_seq_len is not None, speculation=speculation)
         sequences = []
         for b, prompt in enumerate(prompts):
             start, start_logits = (run_to_end(engine.share_prompt(prompt, None, PREFILL_CHUNK))
@@ -432,7 +438,7 @@ class Qwen38ForCausalLM(nn.Module):
                       speculation: Speculation | None = None) -> BatchEngine:
         """The model's one engine (self._engine), kept between calls while it fits (its graphs are captured
         once); exact: the caller asked for max_seq_len (generate()'s max_seq_len: the KV cache size).
-        speculation: its step drafts with the MTP block (one sequence), or None (plain decode)."""
+        speculation: its step drafts with the MTP block, or None (plain decode)."""
         engine = getattr(self, "_engine", None)
         if (engine is None or engine.max_batch < max_batch or engine.max_seq_len < max_seq_len
                 or (exact and engine.max_seq_len != max_seq_len) or engine.speculation != speculation

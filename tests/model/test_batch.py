@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qwen38_model import Qwen38ForCausalLM
+from qwen38_model.conversation import PrefixCache
 from qwen38_model.default_model import default_model_path
 from qwen38_model.engine import BatchEngine, Sequence, run_batch
 from qwen38_model.generation import StopCondition
@@ -160,8 +161,8 @@ def test_bad_attention_masks_are_clear_errors(model, mask, message):
 def test_batched_generate_refuses_single_sequence_options(model):
     with pytest.raises(ValueError, match="streamer is for one sequence"):
         model.generate(torch.tensor([[1, 2], [3, 4]]), streamer=object())
-    with pytest.raises(ValueError, match="speculative is for one sequence"):
-        model.generate(torch.tensor([[1, 2]]), num_return_sequences=2, speculative="mtp")
+    with pytest.raises(ValueError, match="prefix_cache is for one sequence"):
+        model.generate(torch.tensor([[1, 2]]), num_return_sequences=2, prefix_cache=PrefixCache(1 << 20))
 
 
 @pytest.mark.cuda

@@ -9,8 +9,10 @@ only valid ids whatever the engine holds (issue 20: it read the -1 placeholder),
 device is a RuntimeError at the state's next sync. Many slots: sequences joining and leaving a speculative engine
 at different times, each with its own drafts (forced right, wrong or partly right, or the block's own), get plain
 greedy's tokens; sampled with a fixed k, their solo speculative runs' tokens; their states at the end are the rule's,
-read behind too. `-m cuda`: the step graphs, on the GGUF model and on the issue's dense small-vocabulary HF
-checkpoint, one slot and many."""
+read behind too. generate(speculative="mtp") over left-padded rows: greedy, plain batched greedy's output; sampled
+with a fixed k, each row's solo speculative run. `-m cuda`: the step graphs, on the GGUF model and on the issue's
+dense small-vocabulary HF checkpoint, one slot and many."""
+import functools
 from collections import deque
 
 import pytest
@@ -18,13 +20,14 @@ import torch
 from test_speculative_sampling import chi_square_p
 
 from qwen38_model import Qwen38ForCausalLM, convert, synthetic
+from qwen38_model import model as model_module
 from qwen38_model.conversation import Conversation
 from qwen38_model.engine import BatchEngine, Sequence, run_batch
 from qwen38_model.generation import StopCondition
 from qwen38_model.sampling import SamplerState, SamplingConfig, process_logits
 from qwen38_model.scratch import Scratch
-from qwen38_model.speculative import (MAX_DRAFT_TOKENS, DraftPolicy, Speculation, best_draft_count, expected_tokens,
-                                      prior_step_cost)
+from qwen38_model.speculative import (MAX_DRAFT_TOKENS, DraftPolicy, Speculation, SpeculativeStats, best_draft_count,
+                                      expected_tokens, prior_step_cost)
 from qwen38_model.state import BAD_POSITION
 from qwen38_ops.embedding import BAD_TOKEN
 
@@ -386,6 +389,71 @@ def test_sampled_slots_equal_their_solo_speculative_runs(model):
         run_slots(BatchEngine(model, 1, 64, torch.float32, False, speculation=speculation), [seq])
         assert together[j].tokens == seq.tokens, f"sequence {j}"
     assert len({tuple(seq.tokens) for seq in together}) == len(together)
+
+
+def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T] (int64, pad 0) and attention_mask of prompts of different lengths, left padded."""
+    width = max(p.shape[0] for p in prompts)
+    ids, mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[0]:], mask[b, width - p.shape[0]:] = p, 1
+    return ids, mask
+
+
+def pin_draft_count(monkeypatch) -> None:
+    """generate()'s Speculation with adaptive=False: every step drafts num_draft_tokens, whatever the batch."""
+    monkeypatch.setattr(model_module, "Speculation", functools.partial(Speculation, adaptive=False))
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed-k"])
+def test_batched_generate_greedy_equals_plain_batched_and_solo(model, monkeypatch, adaptive):
+    """generate(speculative="mtp") over four left-padded rows of different lengths, one end token for all (two
+    rows stop at it, at different steps; the others run to max_new_tokens): the output is plain batched greedy's
+    bit for bit, padding after each stop included, and each row is its solo speculative run; last_generation_stats
+    counts each row's drafts and their sum."""
+    if not adaptive:
+        pin_draft_count(monkeypatch)
+    prompts = [p.long() for p in slot_prompts(4, 51)]
+    ids, mask = left_padded(prompts)
+    width, new_tokens = ids.shape[1], 10
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[])[:, width:]
+    stop = int(free[1, 4])  # row 1 stops at its fifth token; any other row holding it stops there too
+    stops = [row.tolist().index(stop) + 1 if stop in row.tolist() else new_tokens for row in free]
+    assert stops[1] == 5 and new_tokens in stops, stops
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[stop], pad_token_id=0)
+    plain = model.generate(ids, **kwargs)
+    out = model.generate(ids, speculative="mtp", num_draft_tokens=3, **kwargs)
+    stats = model.last_generation_stats
+    assert torch.equal(out, plain)
+    assert [s.new_tokens for s in stats.sequences] == stops
+    assert all(isinstance(s, SpeculativeStats) for s in stats.sequences)
+    assert stats.drafted == sum(s.drafted for s in stats.sequences) > 0
+    assert stats.accepted == sum(s.accepted for s in stats.sequences)
+    assert "drafts accepted" in str(stats)
+    for b, p in enumerate(prompts):
+        solo = model.generate(p[None], max_new_tokens=new_tokens, eos_token_id=[stop], speculative="mtp",
+                              num_draft_tokens=3)
+        assert out[b, width : width + stops[b]].tolist() == solo[0, p.shape[0]:].tolist(), f"row {b}"
+
+
+def test_batched_generate_sampled_rows_equal_their_solo_runs(model, monkeypatch):
+    """Sampled, a fixed draft count: three left-padded rows x two samples (sequence j samples with seed + j, the
+    samples of a row sharing its prefill) are each the solo speculative run of its row with seed + j. (An adaptive
+    count is one for all the slots of a step, from their pooled acceptance: a sampled row may then draw other
+    tokens than alone, from the same distribution.)"""
+    pin_draft_count(monkeypatch)
+    prompts = [p.long() for p in slot_prompts(3, 52)]
+    ids, mask = left_padded(prompts)
+    sampling = dict(max_new_tokens=9, eos_token_id=[], do_sample=True, temperature=1.5, top_k=0, speculative="mtp",
+                    num_draft_tokens=2)
+    out = model.generate(ids, attention_mask=mask, num_return_sequences=2, seed=7, **sampling)
+    assert model.last_generation_stats.drafted > 0
+    width = ids.shape[1]
+    for j in range(out.shape[0]):
+        p = prompts[j // 2]
+        solo = model.generate(p[None], seed=7 + j, **sampling)
+        assert out[j, width:].tolist() == solo[0, p.shape[0]:].tolist(), f"sequence {j}"
+    assert len({tuple(row) for row in out[:, width:].tolist()}) == out.shape[0]
 
 
 def test_slots_read_behind_keep_the_rules_states(model):
