@@ -13,7 +13,7 @@ one (kernel=mma, gdn_chunk_mma.cu, 32-token chunks; the default from 32 tokens),
 (kernel=fp32, gdn_prefill.cu, 16-token chunks); the recurrence and the three ops are timed with each, in the
 same run (ms_48_layers = us_per_layer x 48 / 1000: the whole model's GDN core on that chunk); at T = 512 and
 4096 also the recurrence with each of the tensor-core kernel's block sizes (kernel=mma rows=64|32|16, the
-TEMPORARY QWEN38_GDN_MMA_ROWS; skipped on a build without it). The T = 8 row
+QWEN38_GDN_MMA_ROWS; skipped on a build without it). The T = 8 row
 against the decode rows at T = 1 and 4 (token by token) places the threshold. Verify (T = 1..8):
 gdn_recurrent as speculative decoding's verify runs it, with token_states (the per-token kernel for any T,
 writing T x 3.1 MB more a layer; a buffer per layer, so those writes reach memory as the model's would) and
@@ -58,7 +58,7 @@ PREFILL_REPLAYS = 3  # a T = 4096 replay of the per-token recurrence: ~0.25 s (2
 VERIFY_TOKENS = range(1, 9)  # a verify checks k + 1 <= 8 tokens
 PDL = "0" if os.environ.get("QWEN38_PDL", "").startswith("0") else "1"  # pdl.cuh's reading of it
 PREFILL_KERNEL_ENV = "QWEN38_GDN_PREFILL"  # =fp32|mma: that prefill kernel where it applies
-# TEMPORARY, with the knob (gdn_chunk_mma.cu): QWEN38_GDN_MMA_ROWS=64|32|16, the tensor-core kernel's state rows a
+# QWEN38_GDN_MMA_ROWS=64|32|16 (gdn_chunk_mma.cu), the tensor-core kernel's state rows a
 # block; bench_prefill times gdn_recurrent with each at these T, where the build has the knob.
 MMA_ROWS_ENV = "QWEN38_GDN_MMA_ROWS"
 MMA_ROWS = (64, 32, 16)

@@ -57,11 +57,10 @@
 // SASS spends ~60% of a chunk's instructions on the 3xTF32 splits (cvt.rna.tf32.f32 is emulated: FSETP, IADD,
 // LOP3), and at 2 warps a sub-partition each warp's LDS -> split -> HMMA chains stall it: measured (kBV = 64,
 // 5e2d493) 13.5 us a chunk for ~9K instructions a sub-partition, an IPC near 0.35. So the splits round with two
-// integer operations (bitwise cvt.rna for finite x), and kBV = 32 puts two blocks (4 warps a sub-partition) on
-// an SM.
-//
-// TEMPORARY (to be removed once measured): QWEN38_GDN_MMA_ROWS=64|32|16, read at each launch, picks kBV; unset
-// or any other value: 32, the predicted best. The lead keeps one after measuring and deletes the knob.
+// integer operations (bitwise cvt.rna for finite x; with K staged once and Q, V copies overlapped, 48 layers at
+// T = 4096 went from 75 to 60 ms), and kBV = 32 was to put two blocks (4 warps a sub-partition) on an SM: it
+// measured slower than 64 (rows_per_block), so 64 is the default and QWEN38_GDN_MMA_ROWS=32|16 picks the others
+// (benchmarks, tests).
 #include "gdn_prefill.h"
 
 #include <cstdlib>
@@ -559,12 +558,15 @@ cudaError_t launch_rows(const GdnRecurrentArgs& a, cudaStream_t stream) {
                     stream, p, a.state, a.out, q_scale);
 }
 
-// TEMPORARY: QWEN38_GDN_MMA_ROWS=64|32|16 (read at each launch, so one process times every variant); otherwise 32.
+// QWEN38_GDN_MMA_ROWS=32|16 (read at each launch, so one process times every variant; tests and bench_gdn run
+// each); otherwise 64, measured best (H200, 8debcf9, 48 layers: 7.8 / 9.6 / 14.4 ms at T = 512 and 60 / 75 / 114 ms
+// at 4096 for 64 / 32 / 16 rows): the two blocks an SM of 32 and 16 rows did not make up for recomputing the
+// chunk's G, L, M and T in twice or four times as many blocks.
 int rows_per_block() {
   const char* env = std::getenv("QWEN38_GDN_MMA_ROWS");
-  if (env != nullptr && std::strcmp(env, "64") == 0) return 64;
+  if (env != nullptr && std::strcmp(env, "32") == 0) return 32;
   if (env != nullptr && std::strcmp(env, "16") == 0) return 16;
-  return 32;
+  return 64;
 }
 
 }  // namespace
@@ -578,12 +580,12 @@ cudaError_t gdn_prefill_mma_launch(const GdnRecurrentArgs& a, cudaStream_t strea
   if (a.num_tokens <= 0 || a.num_v_heads <= 0) return cudaSuccess;
   if (!gdn_prefill_mma_supported(a)) return cudaErrorInvalidValue;
   switch (rows_per_block()) {
-    case 64:
-      return launch_rows<64>(a, stream);
+    case 32:
+      return launch_rows<32>(a, stream);
     case 16:
       return launch_rows<16>(a, stream);
     default:
-      return launch_rows<32>(a, stream);
+      return launch_rows<64>(a, stream);
   }
 }
 

@@ -6,7 +6,7 @@ calls, and the chunk form the prefill kernel computes, in float32, against the r
 every kernel against the reference in float64, on random inputs, outputs poisoned first, at odd sizes and
 the 27B shapes; gdn_recurrent's chunked prefill paths (T >= its threshold, csrc/cuda_bindings/gdn.cpp: the
 tensor-core kernel at dk = 128 from 32 tokens, the float32 one elsewhere, QWEN38_GDN_PREFILL=fp32|mma forcing one;
-the tensor-core kernel at each block size of the temporary QWEN38_GDN_MMA_ROWS) at rel L2 <= 1e-5
+the tensor-core kernel at each block size of QWEN38_GDN_MMA_ROWS) at rel L2 <= 1e-5
 with gates at their edges; per-token states (speculative verify) and T <= 7 without them bit
 for bit equal to T calls of one token; gdn_gates past 2^31 elements; two runs give the same bits; a captured
 graph replays bit for bit like eager; bad arguments raise.
@@ -661,7 +661,7 @@ def test_recurrent_prefill_27b_kernels(kernel, initial, gates, T, monkeypatch):
 @pytest.mark.parametrize("gates", ["uniform", "edge", "collinear"])
 @pytest.mark.parametrize("T", [33, 4127])
 def test_recurrent_prefill_mma_rows(rows, gates, T, monkeypatch):
-    """Each block size of the tensor-core kernel (state rows a block, the TEMPORARY QWEN38_GDN_MMA_ROWS of
+    """Each block size of the tensor-core kernel (state rows a block, QWEN38_GDN_MMA_ROWS of
     gdn_chunk_mma.cu, read at each launch) at the 27B shape against the float64 reference at rel L2 <= 1e-5: the
     instance the knob names runs (its name in the profiler), a chunk and a token, 128 chunks and 31 tokens."""
     monkeypatch.setenv("QWEN38_GDN_PREFILL", "mma")
