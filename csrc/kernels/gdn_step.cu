@@ -54,6 +54,13 @@ constexpr int kMaxTaps = kGdnMaxConvTaps;
 constexpr int kNormItems = kMaxDim / (4 * 32);  // float4s of a head a lane holds in the gated norm
 
 
+// From this many sequences a launch runs the instance capped at 64 registers, two blocks an SM: a block's phases
+// are a serial chain of latencies (7 us a layer at one sequence), so with one block an SM the batch's blocks
+// ran in waves that added those latencies up (B = 16: 117 us a layer, 5x its state traffic at the read probe;
+// H200, 8debcf9, benchmarks.batch's split). Two blocks an SM overlap them, for some spills (150-200 bytes a
+// thread at the 27B shape); one sequence keeps the spill-free instance. Registers change no bits.
+constexpr int kGdnStepManySeqs = 4;
+
 // Blocks a value head's state rows are spread over: 2 (twice the SMs) where the cluster of a key head's
 // value heads stays within the portable cluster size, 8 blocks.
 constexpr int gdn_step_split(int group) { return 2 * group <= 8 ? 2 : 1; }
@@ -72,8 +79,8 @@ __device__ __forceinline__ float4 load_cluster_shared(const float* p, int rank) 
   return v;
 }
 
-template <int kVec, int kChunks, int kSplit>
-__global__ void __launch_bounds__(kThreads, 1) gdn_step_kernel(const GdnStepArgs a) {
+template <int kVec, int kChunks, int kSplit, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) gdn_step_kernel(const GdnStepArgs a) {
   // State rows a warp holds at once: <= 32 floats a lane in one block a head, so that a pass of 16 warps
   // covers dv = 128 at dk = 128; half as many in two (the same pass covers the block's 64 rows).
   constexpr int kRows = (kVec * kChunks <= 4 ? 8 : 4) / kSplit;
@@ -324,8 +331,10 @@ template <int kVec, int kChunks>
 cudaError_t launch(const GdnStepArgs& a, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   const int split = gdn_step_split(a.Hv / a.Hk);
+  const bool many = a.num_seqs >= kGdnStepManySeqs;
   void (*const kernel)(GdnStepArgs) =
-      split == 2 ? gdn_step_kernel<kVec, kChunks, 2> : gdn_step_kernel<kVec, kChunks, 1>;
+      split == 2 ? (many ? gdn_step_kernel<kVec, kChunks, 2, 2> : gdn_step_kernel<kVec, kChunks, 2, 1>)
+                 : (many ? gdn_step_kernel<kVec, kChunks, 1, 2> : gdn_step_kernel<kVec, kChunks, 1, 1>);
   config.gridDim = dim3(a.Hv * split, a.num_seqs);  // clusters along x only: a sequence's blocks share none
   config.blockDim = dim3(kThreads);
   config.stream = stream;
