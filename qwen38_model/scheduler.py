@@ -2,7 +2,7 @@
 join the running batch as slots free up, in arrival order, their prompts prefilled in chunks between decode
 steps; each sequence samples with its own settings and seed; tokens go back to the request's event loop as
 they are read; a request cancelled (its client gone) frees its slot at the next iteration. With
---speculative, one request at a time through generate() instead."""
+--speculative the engine's step is the MTP step (speculative.py), over its slots all the same."""
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +24,7 @@ from .state import StateSnapshot, available_memory, state_bytes
 
 
 class Cancelled(Exception):
-    """The request was cancelled (the client is gone): what its coroutine gets, and what the streamer of a
-    generate() run raises in the scheduler thread."""
+    """The request was cancelled (the client is gone): what its coroutine gets."""
 
 
 # Prompt tokens of a joining sequence prefilled between two decode steps. One thread runs both, so the
@@ -90,38 +89,16 @@ class Job:
         self.push(i, token if logprobs is None else (token, logprobs))
 
 
-class TokenPusher:
-    """The streamer of a model.generate() run (the speculative path): its tokens to job as choice 0; raises
-    Cancelled at the next token once the request is cancelled."""
-
-    def __init__(self, job: Job):
-        self.job, self.seen_prompt = job, False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.job.cancelled:
-            raise Cancelled
-        if not self.seen_prompt:  # generate() passes the prompt first
-            self.seen_prompt = True
-            return
-        for token in value.reshape(-1).tolist():
-            self.job.push(0, token)
-
-    def end(self) -> None:
-        pass
-
-
 class Scheduler:
     """The one thread that runs the model: continuous batching on one BatchEngine. Jobs are submitted from the
     event loop; the thread admits their sequences into free slots in arrival order (one prefill chunk of a
     joining sequence between two decode steps), steps every active sequence at once, hands each token to its
     job as it is read, fills the prefix cache as sequences finish, releases the slots of stopped or cancelled
-    ones at its next iteration, and sleeps while there is nothing to do. With generate_kwargs (the speculative
-    path) it runs one request at a time through model.generate() instead."""
+    ones at its next iteration, and sleeps while there is nothing to do."""
 
-    def __init__(self, model, engine, cache: PrefixCache, tokenizer, max_queue: int, generate_kwargs=None):
+    def __init__(self, model, engine, cache: PrefixCache, tokenizer, max_queue: int):
         self.model, self.engine, self.cache, self.tokenizer = model, engine, cache, tokenizer
-        self.max_batch = engine.max_batch if engine is not None else 1
-        self.max_queue, self.generate_kwargs = max_queue, generate_kwargs
+        self.max_batch, self.max_queue = engine.max_batch, max_queue
         self.eos = tuple(model.config.eos_token_ids)
         self.cond = threading.Condition()
         # Under cond (the event loop's side):
@@ -176,8 +153,6 @@ class Scheduler:
 
     # --- the scheduler thread -----------------------------------------------------------------------------
     def busy(self) -> bool:
-        if self.engine is None:
-            return bool(self.queue)
         return bool(self.queue) or self.admitting is not None or any(self.engine.active)
 
     def run(self) -> None:
@@ -204,10 +179,7 @@ class Scheduler:
                         self.abandon(job, Cancelled())
                     else:
                         self.stop_choice(job, choice)
-                if self.engine is None:
-                    self.generate_one()
-                else:
-                    self.tick()
+                self.tick()
             except Exception as e:  # a fault of the scheduler itself: every request in it fails, serving goes on
                 for job in list(self.jobs):
                     self.abandon(job, e)
@@ -381,29 +353,6 @@ class Scheduler:
             self.claimed -= len(left)
             self.end_job(job)
         job.push(-1, reason)
-
-    def generate_one(self) -> None:
-        """The speculative path: the next request through model.generate() (one sequence, the prefix cache
-        shared), its tokens streamed; a cancelled request stops at its next token."""
-        if not self.queue:
-            return
-        job = self.queue.popleft()
-        job.started = True
-        with self.cond:
-            self.waiting -= 1
-            self.running += 1
-        kwargs = {k: v for k, v in job.kwargs.items() if k not in ("n", "seed")}
-        try:
-            self.model.generate(torch.tensor([job.ids]), streamer=TokenPusher(job), prefix_cache=self.cache,
-                                seed=job.seed, tokenizer=self.tokenizer, **kwargs, **self.generate_kwargs)
-        except Exception as e:  # Cancelled included
-            self.abandon(job, e)
-            return
-        # One sequence at a time in this thread: the model's statistics are this request's.
-        job.cached = len(job.ids) - self.model.last_generation_stats.prompt_tokens
-        self.cache_state = (self.cache.nbytes, self.cache.host_nbytes, len(self.cache.entries))
-        self.sequence_ended(job, 0)
-        job.push(0, None)
 
 
 def default_max_batch(model, max_context: int, kv_dtype: torch.dtype, cache_bytes: int) -> int:

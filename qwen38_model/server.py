@@ -43,6 +43,7 @@ from .generation import resolve_seed
 from .model import default_kv_dtype
 from .sampling import TOP_LOGPROBS, SamplingConfig
 from .scheduler import PREFILL_INTERLEAVE, Job, Scheduler, default_max_batch
+from .speculative import Speculation
 from .structured import ANY_OBJECT, JsonConstraints
 
 # A request's sampling fields left out take the checkpoint's settings, else these: OpenAI's temperature and
@@ -214,9 +215,10 @@ class Server:
         origins ("*": any); log: where one line per request goes (stderr). max_batch: the BatchEngine's slots
         (sequences decoded at once; default default_max_batch), each of max_context tokens, KV in kv_dtype
         (default: the model's device's), use_graph as generate() takes it; its step graphs are captured here,
-        before serving. speculative="mtp" (num_draft_tokens, draft_vocab_size as generate() takes them): one
-        sequence at a time through generate() instead (max_batch 1). engine: a ready engine (tests). With
-        neither a model nor an engine nothing runs (the request checks only)."""
+        before serving. speculative="mtp" (num_draft_tokens, draft_vocab_size as generate() takes them): the
+        engine's step is the MTP step over all its slots (default max_batch 1 then: each slot also holds the
+        verify's per-token GDN states). engine: a ready engine (tests). With neither a model nor an engine
+        nothing runs (the request checks only)."""
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.api_key, self.allowed_origins, self.log = api_key, list(allowed_origins), log or sys.stderr
         self.sampling = {**REQUEST_DEFAULTS, **(sampling or {})}
@@ -229,20 +231,18 @@ class Server:
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # the logits' width: the bitmask's
         self.json_constraints = JsonConstraints(tokenizer, vocab, self.eos_ids) if isinstance(vocab, int) else None
         self.message_start = self.template_message_start() if tokenizer is not None else None
+        if speculative not in (None, "mtp"):
+            raise ValueError(f"speculative must be None or 'mtp', found {speculative!r}")
+        self.speculative = speculative is not None
         self.scheduler = None
-        if speculative is not None:
-            if max_batch not in (None, 1):
-                raise ValueError(f"speculative decoding runs one sequence at a time: max_batch must be 1 with it, "
-                                 f"found {max_batch}")
-            self.scheduler = Scheduler(model, None, self.cache, tokenizer, max_queue, dict(
-                max_seq_len=max_context, kv_dtype=kv_dtype, use_graph=use_graph, speculative=speculative,
-                num_draft_tokens=num_draft_tokens, draft_vocab_size=draft_vocab_size))
-        elif engine is not None or model is not None:
+        if engine is not None or model is not None:
             if engine is None:
                 kv_dtype = kv_dtype or default_kv_dtype(model.device)
                 if max_batch is None:
-                    max_batch = default_max_batch(model, max_context, kv_dtype, cache_bytes)
-                engine = BatchEngine(model, max_batch, max_context, kv_dtype, use_graph, name="--max-context")
+                    max_batch = 1 if speculative else default_max_batch(model, max_context, kv_dtype, cache_bytes)
+                speculation = Speculation(num_draft_tokens, draft_vocab_size) if speculative else None
+                engine = BatchEngine(model, max_batch, max_context, kv_dtype, use_graph, name="--max-context",
+                                     speculation=speculation)
                 with torch.no_grad():
                     engine.capture()  # every bucket's step graph (CUDA), while no sequence is active
             self.scheduler = Scheduler(model, engine, self.cache, tokenizer, max_queue)
@@ -359,9 +359,9 @@ class Server:
                                         f"{len(prompts) * kwargs['n']} sequences, more than the {self.max_batch} "
                                         "this server decodes at once", "prompt")
             logprobs = request_logprobs(body, chat)
-            if logprobs is not None and self.scheduler is not None and self.scheduler.engine is None:
-                raise RequestError(400, "logprobs are not available with --speculative (one sequence at a time "
-                                        "through generate(), which reports none)", "logprobs")
+            if logprobs is not None and self.speculative:
+                raise RequestError(400, "logprobs are not available with --speculative (the MTP step reports none)",
+                                   "logprobs")
             cfg = self.sampling_config(kwargs, logprobs is not None)
             constraints = self.constraints(body, prompt, kwargs["n"]) if chat else None
             if constraints:
@@ -675,9 +675,9 @@ class Server:
         if schema is None and not forced:
             return None
         field = "response_format" if schema is not None else "tool_choice"
-        if self.scheduler is not None and self.scheduler.engine is None:
-            raise RequestError(400, f"{field} is not available with --speculative (one sequence at a time through "
-                                    "generate(), which constrains nothing)", field)
+        if self.speculative:
+            raise RequestError(400, f"{field} is not available with --speculative (the MTP step takes no token "
+                                    "mask: it constrains nothing)", field)
         if self.json_constraints is None:
             raise RequestError(503, "this server has no model to run")
         json_constraints = self.json_constraints

@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
                    "max_tokens of a request must fit")
     v.add_argument("--max-batch", type=int, metavar="N", help="sequence slots: the sequences decoded at once, each "
                    "holding --max-context tokens of state (default: as many as fit the device's memory beside the "
-                   "prefix cache, at most 64; 4 on the CPU; 1 with --speculative, which decodes one at a time)")
+                   "prefix cache, at most 64; 4 on the CPU; 1 with --speculative, whose slots also hold the verify's "
+                   "per-token states)")
     v.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait for a slot (a "
                    "request of n choices counts n)")
     v.add_argument("--cache-gb", type=float, default=4.0, metavar="GB", help="prefix cache budget")
@@ -65,9 +66,6 @@ def run(args: argparse.Namespace) -> None:
                              f"found {getattr(args, name)}")
     if args.max_batch is not None and args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, found {args.max_batch}")
-    if args.speculative and args.max_batch not in (None, 1):
-        raise ValueError(f"--speculative decodes one sequence at a time: --max-batch must be 1 with it, found "
-                         f"{args.max_batch}")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], found {args.port}")
     if not args.cache_gb > 0:
@@ -89,7 +87,7 @@ def run(args: argparse.Namespace) -> None:
         model = load_model(args, source)
         check_max_context(args, source, model.device, model)
         cache_bytes = int(args.cache_gb * 1e9)
-        if args.speculative:
+        if args.max_batch is None and args.speculative:
             max_batch = 1
         elif args.max_batch is None:
             max_batch = default_max_batch(model, args.max_context, kv_dtype(args, model.device), cache_bytes)
@@ -100,14 +98,14 @@ def run(args: argparse.Namespace) -> None:
         server = Server(model, source.tokenizer, name, args.max_context, args.max_queue, cache_bytes,
                         sampling=sampling, api_key=args.api_key,
                         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
-                        max_batch=None if args.speculative else max_batch, kv_dtype=KV_DTYPES.get(args.kv_dtype),
+                        max_batch=max_batch, kv_dtype=KV_DTYPES.get(args.kv_dtype),
                         use_graph=False if args.eager else None, speculative=args.speculative,
                         num_draft_tokens=args.num_draft_tokens, draft_vocab_size=args.draft_vocab)
         if sampling:
             settings = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
             sys.stderr.write(f"sampling fields a request leaves out: the checkpoint's {settings}\n")
-        slots = "one sequence at a time (speculative)" if args.speculative else \
-            f"{max_batch} sequence slot{'s' if max_batch > 1 else ''} of {args.max_context} tokens"
+        slots = f"{max_batch} sequence slot{'s' if max_batch > 1 else ''} of {args.max_context} tokens" + \
+            (" (MTP speculative decoding)" if args.speculative else "")
         sys.stderr.write(f"serving {name} on http://{args.host}:{args.port}/v1: {slots}\n")
         # SIGTERM: uvicorn stops accepting, gives requests in flight SHUTDOWN_GRACE_S to finish, then cancels
         # them (their slots are freed at the scheduler's next iteration), and raises the signal again once it has restored the
@@ -123,16 +121,21 @@ def run(args: argparse.Namespace) -> None:
 def check_max_batch(args: argparse.Namespace, config, device) -> None:
     """--max-batch slots of --max-context tokens (and the engine's staging state, where a sequence is prefilled
     before it takes its slot) within the device's available memory: one line naming the option, before anything
-    is allocated. Called before the load (the whole memory) and after (what the weights leave)."""
-    if args.max_batch is None or args.speculative:
+    is allocated. Called before the load (the whole memory) and after (what the weights leave). With --speculative
+    each slot also holds its GDN states after each of the verify's K+1 tokens (slots.SlotStates.keep_token_states)."""
+    if args.max_batch is None:
         return
     dtype = kv_dtype(args, device)
     needed = (args.max_batch + 1) * state_bytes(config, args.max_context, dtype, mtp=False)
+    holds = f"KV caches and GDN states, KV in {dtype}, and a staging state"
+    if args.speculative:
+        needed += args.max_batch * (args.num_draft_tokens + 1) * state_bytes(config, 0, dtype, mtp=False)
+        holds += f", and the verify's GDN states after each of its {args.num_draft_tokens + 1} tokens"
     available = available_memory(device)
     if available is not None and needed > available:
         raise ValueError(f"--max-batch {args.max_batch}: {args.max_batch} slots of --max-context {args.max_context} "
-                         f"tokens (KV caches and GDN states, KV in {dtype}, and a staging state) need "
-                         f"{needed / 1e9:.2f} GB, {device} has {available / 1e9:.2f} GB available")
+                         f"tokens ({holds}) need {needed / 1e9:.2f} GB, {device} has {available / 1e9:.2f} GB "
+                         "available")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

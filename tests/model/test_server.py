@@ -2,7 +2,8 @@
 streamed and not, the prefix cache across requests, malformed requests answered as JSON errors; continuous
 batching: concurrent clients (greedy and sampled side by side) each get the text of their solo run, n choices,
 a client that goes away freeing its slot, the bounded queue (429) beyond the slots; logprobs (both endpoints,
-streamed and not), logit_bias and frequency_penalty, and their 400s. On the GPU (`-m cuda`):
+streamed and not), logit_bias and frequency_penalty, and their 400s; --speculative mtp on three slots: five
+concurrent clients each get their solo run's text. On the GPU (`-m cuda`):
 100 sequential streamed requests leave the GPU memory where it was."""
 import contextlib
 import http.client
@@ -475,9 +476,12 @@ def test_a_request_asking_for_logprobs_beside_others_changes_none_of_their_texts
     assert solo[1] == client.completions.create(model=MODEL, prompt=requests[1][0], **requests[1][1]).choices[0].text
 
 
-def test_speculative_serves_one_sequence_at_a_time(client):
-    """--speculative mtp: requests run one at a time through generate() (greedy: the batch engine's text, which
-    the module server gives); n > 1 is a 400 there."""
+def test_speculative_serves_concurrent_clients_through_one_engine(client):
+    """--speculative mtp --max-batch 3: one BatchEngine whose step is the MTP step over its slots. Five concurrent
+    greedy clients (different prompts, lengths, a stop string, a logit bias) on three slots, two of them waiting
+    for a slot, each get the text of their solo run (the module server's: greedy speculative output is plain
+    greedy's), streamed or not; n up to the slots; the prefix cache is shared; what the MTP step cannot do
+    (logprobs, a constrained reply) is a 400 naming the field."""
     from qwen38_model import Qwen38ForCausalLM
     from qwen38_model.default_model import default_model_path
     from qwen38_model.server import Server
@@ -486,29 +490,36 @@ def test_speculative_serves_one_sequence_at_a_time(client):
     path = default_model_path()
     model = Qwen38ForCausalLM.from_pretrained(path, device="cpu")
     server = Server(model, load_tokenizer(path), MODEL, max_context=512, max_queue=2, cache_bytes=1 << 26,
-                    speculative="mtp", num_draft_tokens=2, log=sys.stdout)
-    args = dict(model=MODEL, prompt="Marbles rolling downhill", max_tokens=12, temperature=0)
-    expected = client.completions.create(**args)
+                    max_batch=3, speculative="mtp", num_draft_tokens=2, log=sys.stdout)
+    assert server.scheduler.engine.mtp is not None and server.max_batch == 3
+    requests = [("Marbles rolling downhill", dict(max_tokens=12)), ("Quiet harbour at dawn", dict(max_tokens=5)),
+                ("Yellow kites over fields", dict(max_tokens=9, stop=[" the"])),
+                ("Copper wires humming", dict(max_tokens=11, logit_bias={"300": 2.0}, frequency_penalty=0.8)),
+                ("Frost on windows", dict(max_tokens=7))]
+    requests = [(prompt, dict(kwargs, temperature=0)) for prompt, kwargs in requests]
+    solo = [client.completions.create(model=MODEL, prompt=prompt, **kwargs).choices[0].text
+            for prompt, kwargs in requests]
     with in_process(server) as url:
         speculative = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        together = concurrently([lambda p=p, k=k: streamed_text(speculative, p, **k) for p, k in requests])
+        assert [text for text, _, _ in together] == solo
+        assert overlapped([(first, last) for _, first, last in together])  # decoded at once, not one by one
+        assert server.scheduler.engine.mtp.policy.steps > 0  # (MTP steps ran)
+        args = dict(model=MODEL, prompt=requests[0][0], **requests[0][1])
         answer = speculative.completions.create(**args)
-        assert answer.choices[0].text == expected.choices[0].text
-        assert "".join(c.choices[0].text for c in speculative.completions.create(**args, stream=True)
-                       if c.choices) == expected.choices[0].text
-        longer = speculative.completions.create(**{**args, "prompt": args["prompt"] + " and away"})
-        assert longer.usage.prompt_tokens_details.cached_tokens >= answer.usage.prompt_tokens - 1  # the prefix cache
+        assert answer.choices[0].text == solo[0]
+        assert answer.usage.prompt_tokens_details.cached_tokens >= answer.usage.prompt_tokens - 1  # the prefix cache
+        assert [c.text for c in speculative.completions.create(**args, n=3).choices] == [solo[0]] * 3
         with pytest.raises(openai.BadRequestError) as several:
-            speculative.completions.create(**args, n=2)
+            speculative.completions.create(**args, n=4)
         assert several.value.param == "n"
-        with pytest.raises(openai.BadRequestError) as no_logprobs:  # generate() reports none
+        with pytest.raises(openai.BadRequestError) as no_logprobs:  # the MTP step reports none
             speculative.completions.create(**args, logprobs=1)
         assert no_logprobs.value.param == "logprobs"
-        with pytest.raises(openai.BadRequestError) as unconstrained:  # generate() applies no grammar
+        with pytest.raises(openai.BadRequestError) as unconstrained:  # the MTP step takes no token mask
             speculative.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                                 response_format={"type": "json_object"})
         assert unconstrained.value.param == "response_format"
-        biased = {**args, "logit_bias": {"42": 3.0}, "frequency_penalty": 0.8}  # through generate()'s arguments
-        assert speculative.completions.create(**biased).choices[0].text == client.completions.create(**biased).choices[0].text
 
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*)\} (\S+)$')
@@ -591,8 +602,8 @@ def test_serve_mistakes_are_one_line_before_the_load(capsys):
 
 
 def test_max_batch_sets_the_slots_and_a_mistake_is_one_line(capsys, built_servers):
-    """--max-batch N: the engine's N slots (default on the CPU: 4); one that does not fit the memory, 0, or more
-    than 1 with --speculative is one line before the load (exit 2)."""
+    """--max-batch N: the engine's N slots (default on the CPU: 4; 1 with --speculative, N when given); one that
+    does not fit the memory, or 0, is one line before the load (exit 2)."""
     from qwen38_model import cli
 
     servers, port = built_servers
@@ -607,13 +618,18 @@ def test_max_batch_sets_the_slots_and_a_mistake_is_one_line(capsys, built_server
     assert code == 2 and err.startswith("error: --max-batch 1000000: 1000000 slots of --max-context 8192 tokens "), err
     assert err.endswith(" GB available"), err
     assert error("--max-batch", "0") == (2, "error: --max-batch must be >= 1, found 0")
-    assert error("--speculative", "mtp", "--max-batch", "2") == \
-        (2, "error: --speculative decodes one sequence at a time: --max-batch must be 1 with it, found 2")
+    code, err = error("--speculative", "mtp", "--max-batch", "1000000")
+    assert code == 2 and err.endswith(" GB available") and "the verify's GDN states after each of its 4 tokens" in err
     assert not servers
     assert cli.main(["serve", "--port", port, "--device", "cpu", "--max-batch", "2", "--max-context", "256"]) == 0
     assert servers[-1].max_batch == 2 and "2 sequence slots of 256 tokens" in capsys.readouterr().err
     assert cli.main(["serve", "--port", port, "--device", "cpu", "--max-context", "256"]) == 0
     assert servers[-1].max_batch == 4
+    serve = ["serve", "--port", port, "--device", "cpu", "--max-context", "256", "--speculative", "mtp"]
+    assert cli.main(serve) == 0 and servers[-1].max_batch == 1
+    assert cli.main([*serve, "--max-batch", "3"]) == 0
+    assert servers[-1].max_batch == 3 and servers[-1].scheduler.engine.mtp is not None
+    assert "3 sequence slots of 256 tokens (MTP speculative decoding)" in capsys.readouterr().err
 
 
 def test_fields_a_request_leaves_out_take_the_checkpoint_settings():
