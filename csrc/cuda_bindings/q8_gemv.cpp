@@ -71,11 +71,19 @@ void run_gemm(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& 
               ": x_d's rows must start 8-byte aligned (scale pairs), found address ", text(a.x_d), " row stride ",
               a.x_d_stride);
   const c10::cuda::CUDAGuard guard(weight_q.device());
-  const cudaError_t err = q8_0_gemm_launch(act, a, current_stream());
+  const int splits = q8_0_gemm_splits(act, a);
+  int forced_splits;
+  QWEN38_CHECK(splits >= 1 && splits <= 64, op, ": QWEN38_Q8_GEMM_SPLITS must be 1 .. 64, found ", splits);
+  // the splits' partial sums: from the caching allocator (inside a graph capture, the graph's pool)
+  const at::Tensor partial = splits > 1 ? at::empty({splits * static_cast<int64_t>(a.T) * a.N},
+                                                    weight_q.options().dtype(at::kFloat))
+                                        : at::Tensor();
+  const cudaError_t err = q8_0_gemm_launch(act, a, splits > 1 ? partial.data_ptr<float>() : nullptr, current_stream());
   Q8GemmKernel kernel;
   int tile;
   launch_or_throw(op, err,
-                  q8_0_gemm_kernel_from_env(&kernel)
+                  q8_0_gemm_splits_from_env(&forced_splits) ? " (QWEN38_Q8_GEMM_SPLITS forced)"
+                  : q8_0_gemm_kernel_from_env(&kernel)
                       ? " (QWEN38_Q8_GEMM_KERNEL must be mma, wgmma or wgmma_iadd; the wgmma kernels need an sm_90a "
                         "build, QWEN38_CUDA_ARCH=90a, on an sm_90 device, and 16-byte aligned operands, and take "
                         "QWEN38_Q8_GEMM_TILE 64 or 128 (int8), 64 (int8x2))"

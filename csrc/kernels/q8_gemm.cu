@@ -24,6 +24,7 @@
 //   GEMV's double accumulation would halve the FP rate this kernel is bound by.
 #include "q8_gemm.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -80,15 +81,21 @@ struct Tile {
   static constexpr int kSmemBytes = S::kDepth * kStageBytes;
 };
 
+// Grid z: the K splits (q8_0_gemm_splits). Split z takes a contiguous run of stages and, with more than one,
+// stores its raw float sums to partial[z][T][N] for reduce_splits_kernel; with one (partial == nullptr), the output.
 template <bool kTwoWord, int kMTiles, int kBlocks>
-__global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kernel(const Q8GemvArgs a) {
+__global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2)
+    q8_0_gemm_kernel(const Q8GemvArgs a, float* __restrict__ partial) {
   using T = Tile<kTwoWord, kMTiles, kBlocks>;
   using S = Stage<kBlocks>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tok0 = blockIdx.x * T::kTokens;
   const int row0 = blockIdx.y * kTileRows;
   const int blocks_per_row = a.K / 32;
-  const int8_t* x = static_cast<const int8_t*>(a.x);
+  const int stages_per_split = (a.K / S::kBytesK + gridDim.z - 1) / gridDim.z;
+  const int k_first = blockIdx.z * stages_per_split;  // this split's first stage
+  const int num_k = min(a.K / S::kBytesK - k_first, stages_per_split);
+  const int8_t* x = static_cast<const int8_t*>(a.x) + static_cast<int64_t>(k_first) * S::kBytesK;
 
   // Each thread copies the same chunks at every stage, only K advances: the addresses, predicates and
   // shared-memory offsets are computed once here (per-stage recomputation was most of the kernel's integer
@@ -107,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
     x_fill[i] = x_copy[i] && tok0 + r < a.T;
     const int64_t tok = x_fill[i] ? tok0 + r : 0;  // any legal address: nothing is read when not filling
     x_src[i] = x + tok * a.x_stride + part;
-    x_lo_src[i] = kTwoWord ? a.x_lo + tok * a.x_lo_stride + part : nullptr;
+    x_lo_src[i] = kTwoWord ? a.x_lo + tok * a.x_lo_stride + static_cast<int64_t>(k_first) * S::kBytesK + part : nullptr;
     x_dst[i] = r * S::kPitch + part;
   }
   const int8_t* w_src[kWCopies];
@@ -118,14 +125,16 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
     const int c = threadIdx.x + i * kThreads;
     const int r = c / S::kChunksPerRow, part = (c % S::kChunksPerRow) * 16;
     w_fill[i] = row0 + r < a.N;
-    w_src[i] = a.weight_q + (w_fill[i] ? row0 + r : 0) * static_cast<int64_t>(a.K) + part;
+    w_src[i] = a.weight_q + (w_fill[i] ? row0 + r : 0) * static_cast<int64_t>(a.K) +
+               static_cast<int64_t>(k_first) * S::kBytesK + part;
     w_dst[i] = T::kWOffset + r * S::kPitch + part;
   }
   const int scale_row = threadIdx.x;  // threads < kTokens copy x_d runs, threads < kTileRows weight_d runs
   const bool xd_copy = scale_row < T::kTokens, xd_fill = xd_copy && tok0 + scale_row < a.T;
-  const float* xd_src = a.x_d + (xd_fill ? tok0 + scale_row : 0) * a.x_d_stride;
+  const float* xd_src = a.x_d + (xd_fill ? tok0 + scale_row : 0) * a.x_d_stride + kBlocks * k_first;
   const bool wd_copy = scale_row < kTileRows, wd_fill = wd_copy && row0 + scale_row < a.N;
-  const __half* wd_src = a.weight_d + (wd_fill ? row0 + scale_row : 0) * static_cast<int64_t>(blocks_per_row);
+  const __half* wd_src =
+      a.weight_d + (wd_fill ? row0 + scale_row : 0) * static_cast<int64_t>(blocks_per_row) + kBlocks * k_first;
 
   auto load_stage = [&](int kt) {
     unsigned char* s = smem + (kt % S::kDepth) * T::kStageBytes;
@@ -225,7 +234,6 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
     }
   };
 
-  const int num_k = a.K / S::kBytesK;
 #pragma unroll
   for (int kt = 0; kt < S::kDepth - 1; ++kt) {
     if (kt < num_k) load_stage(kt);
@@ -247,14 +255,28 @@ __global__ void __launch_bounds__(kThreads, kMTiles == 4 ? 1 : 2) q8_0_gemm_kern
       for (int e = 0; e < 4; ++e) {
         const int tok = tok0 + warp_tok + mi * 16 + group + 8 * (e >> 1);
         const int row = row0 + warp_row + ni * 8 + 2 * quad + (e & 1);
-        if (tok < a.T && row < a.N)
+        if (tok >= a.T || row >= a.N) continue;
+        if (partial != nullptr)
+          partial[(static_cast<int64_t>(blockIdx.z) * a.T + tok) * a.N + row] = acc[mi][ni][e];
+        else
           a.out[static_cast<int64_t>(tok) * a.out_stride + row] = kTwoWord ? acc[mi][ni][e] / 127.0f : acc[mi][ni][e];
       }
 }
 
+// out = the splits' partial sums added in split order (the same bits every run), the two-word lane's 1/127 last.
+template <bool kTwoWord>
+__global__ void __launch_bounds__(256) reduce_splits_kernel(const Q8GemvArgs a, const float* __restrict__ partial,
+                                                            int splits) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, plane = static_cast<int64_t>(a.T) * a.N;
+  if (i >= plane) return;
+  float sum = partial[i];
+  for (int z = 1; z < splits; ++z) sum += partial[z * plane + i];
+  a.out[(i / a.N) * a.out_stride + i % a.N] = kTwoWord ? sum / 127.0f : sum;
+}
+
 // No PDL (pdl.cuh): the kernel has no griddepcontrol.wait.
 template <bool kTwoWord, int kMTiles, int kBlocks>
-cudaError_t launch(const Q8GemvArgs& a, cudaStream_t stream) {
+cudaError_t launch(const Q8GemvArgs& a, int splits, float* partial, cudaStream_t stream) {
   using T = Tile<kTwoWord, kMTiles, kBlocks>;
   auto kernel = q8_0_gemm_kernel<kTwoWord, kMTiles, kBlocks>;
   static const cudaError_t attr_err =
@@ -262,17 +284,20 @@ cudaError_t launch(const Q8GemvArgs& a, cudaStream_t stream) {
   if (attr_err != cudaSuccess) return attr_err;
   const unsigned grid_x = static_cast<unsigned>((a.T + T::kTokens - 1) / T::kTokens);
   const unsigned grid_y = static_cast<unsigned>((a.N + kTileRows - 1) / kTileRows);
-  if (grid_y > 65535u) return cudaErrorInvalidValue;
-  kernel<<<dim3(grid_x, grid_y), kThreads, T::kSmemBytes, stream>>>(a);
+  if (grid_y > 65535u || splits < 1 || (splits > 1 && partial == nullptr)) return cudaErrorInvalidValue;
+  kernel<<<dim3(grid_x, grid_y, splits), kThreads, T::kSmemBytes, stream>>>(a, splits > 1 ? partial : nullptr);
+  if (splits == 1) return cudaGetLastError();
+  const int64_t plane = static_cast<int64_t>(a.T) * a.N;
+  reduce_splits_kernel<kTwoWord><<<static_cast<unsigned>((plane + 255) / 256), 256, 0, stream>>>(a, partial, splits);
   return cudaGetLastError();
 }
 
 template <bool kTwoWord, int kBlocks>
-cudaError_t dispatch(const Q8GemvArgs& a, int tile_tokens, cudaStream_t stream) {
+cudaError_t dispatch(const Q8GemvArgs& a, int tile_tokens, int splits, float* partial, cudaStream_t stream) {
   switch (tile_tokens) {
-    case 32: return launch<kTwoWord, 1, kBlocks>(a, stream);
-    case 64: return launch<kTwoWord, 2, kBlocks>(a, stream);
-    case 128: return launch<kTwoWord, 4, kBlocks>(a, stream);
+    case 32: return launch<kTwoWord, 1, kBlocks>(a, splits, partial, stream);
+    case 64: return launch<kTwoWord, 2, kBlocks>(a, splits, partial, stream);
+    case 128: return launch<kTwoWord, 4, kBlocks>(a, splits, partial, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -331,6 +356,53 @@ int q8_0_gemm_default_tile(Q8Act act, const Q8GemvArgs& a) {
   return c64 <= c128 ? 64 : 128;  // ties: 64 (two blocks per SM, twice the warps to hide latency)
 }
 
+// Small T: a token tile of K times the N / 128 weight-row tiles leaves most SMs idle or ends in a thin second wave
+// (T = 16: 40 blocks for the 5120-row projections, 272 for the 34816-row one on 132 SMs x 2 resident; the trunk's
+// matrices ran at 3.0x the T = 1 GEMV's time, H200, db5657b). So up to kSplitMaxTokens rows of x the K range is
+// cut into the splits that minimise the modelled time: the weight stream stretched by its wave quantization
+// (ceil(blocks / slots) whole waves for blocks / slots of work), plus the partial sums' round trip (8 bytes per
+// split and output), each split at least kSplitMinStages stages so its pipeline fills. Prefill-sized T is never
+// split: its bits stay those of one block order.
+constexpr int kSplitMaxTokens = 64;
+constexpr int kSplitMinStages = 8;
+constexpr int kMaxSplits = 16;
+
+int q8_0_gemm_default_splits(Q8Act act, const Q8GemvArgs& a, int tile_tokens) {
+  const bool four = four_blocks_per_stage(a), two_word = act == Q8Act::Int8x2;
+  const int stages = a.K / (four ? 128 : 64);
+  if (a.T > kSplitMaxTokens || stages < 2 * kSplitMinStages) return 1;
+  const int resident = tile_tokens == 32   ? resident_blocks<1>(two_word, four)
+                       : tile_tokens == 64 ? resident_blocks<2>(two_word, four)
+                                           : resident_blocks<4>(two_word, four);
+  const double blocks = static_cast<double>((a.T + tile_tokens - 1) / tile_tokens) * ((a.N + kTileRows - 1) / kTileRows);
+  const double slots = static_cast<double>(multiprocessors()) * resident;
+  const double weight_bytes_per_row = a.K * (1.0 + 2.0 / 32);  // quants and scales of one weight row
+  int best = 1;
+  double best_cost = 0.0;
+  for (int splits = 1; splits <= kMaxSplits && splits * kSplitMinStages <= stages; ++splits) {
+    const double work = blocks * splits / slots;  // in waves
+    const double cost = weight_bytes_per_row * std::ceil(work) / work + (splits > 1 ? 8.0 * splits * a.T : 0.0);
+    if (splits == 1 || cost < best_cost) best = splits, best_cost = cost;
+  }
+  return best;
+}
+
+bool q8_0_gemm_splits_from_env(int* splits) {
+  const char* env = std::getenv("QWEN38_Q8_GEMM_SPLITS");
+  if (env == nullptr || env[0] == '\0') return false;
+  *splits = std::atoi(env);
+  return true;
+}
+
+int q8_0_gemm_splits(Q8Act act, const Q8GemvArgs& args) {
+  if (q8_0_gemm_kernel() != Q8GemmKernel::MmaSync || args.N == 0 || args.T == 0) return 1;
+  int splits = 0;
+  if (q8_0_gemm_splits_from_env(&splits)) return splits;
+  int tile_tokens = 0;
+  if (!q8_0_gemm_tile_from_env(&tile_tokens)) tile_tokens = q8_0_gemm_default_tile(act, args);
+  return q8_0_gemm_default_splits(act, args, tile_tokens);
+}
+
 bool q8_0_gemm_tile_from_env(int* tile) {
   const char* env = std::getenv("QWEN38_Q8_GEMM_TILE");
   if (env == nullptr || env[0] == '\0') return false;
@@ -353,7 +425,7 @@ Q8GemmKernel q8_0_gemm_kernel() {
   return q8_0_gemm_kernel_from_env(&kernel) ? kernel : Q8GemmKernel::MmaSync;
 }
 
-cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream) {
+cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, float* partial, cudaStream_t stream) {
   if (args.N == 0 || args.T == 0) return cudaSuccess;
   if (args.K <= 0 || args.K % 64 != 0 || act == Q8Act::F32) return cudaErrorInvalidValue;
   int tile_tokens = 0;
@@ -365,10 +437,13 @@ cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t str
   }
   if (kernel != Q8GemmKernel::MmaSync) return cudaErrorInvalidValue;
   if (!tile_from_env) tile_tokens = q8_0_gemm_default_tile(act, args);
+  const int splits = q8_0_gemm_splits(act, args);
   const bool two_word = act == Q8Act::Int8x2;
   if (four_blocks_per_stage(args))
-    return two_word ? dispatch<true, 4>(args, tile_tokens, stream) : dispatch<false, 4>(args, tile_tokens, stream);
-  return two_word ? dispatch<true, 2>(args, tile_tokens, stream) : dispatch<false, 2>(args, tile_tokens, stream);
+    return two_word ? dispatch<true, 4>(args, tile_tokens, splits, partial, stream)
+                    : dispatch<false, 4>(args, tile_tokens, splits, partial, stream);
+  return two_word ? dispatch<true, 2>(args, tile_tokens, splits, partial, stream)
+                  : dispatch<false, 2>(args, tile_tokens, splits, partial, stream);
 }
 
 }  // namespace qwen38

@@ -43,9 +43,17 @@ int q8_0_gemm_sm90_default_tile(Q8Act act, const Q8GemvArgs& args);
 cudaError_t q8_0_gemm_sm90_launch(Q8Act act, const Q8GemvArgs& args, int tile_tokens, bool reset_from_shared,
                                   cudaStream_t stream);
 
+// K splits of the mma.sync kernel for a call: 1 above 64 rows of x and for the wgmma kernel; below, the count that
+// keeps the GPU's resident blocks busy (q8_gemm.cu). With more than one, each split sums its share of K's blocks
+// in order and a second kernel adds the splits in order: the same bits every run, but not the unsplit bits.
+// Testing and benchmarking knob: QWEN38_Q8_GEMM_SPLITS=n forces n (read at every call; 1: no split).
+int q8_0_gemm_splits(Q8Act act, const Q8GemvArgs& args);
+bool q8_0_gemm_splits_from_env(int* splits);
+
 // act is Int8 or Int8x2; the kernel is q8_0_gemm_kernel's, the mma.sync kernel's tile q8_0_gemm_default_tile's (or
-// the QWEN38_Q8_GEMM_TILE override). Launches on `stream` without PDL (neither kernel has griddepcontrol.wait:
-// pdl.cuh); no allocation, no host sync.
-cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, cudaStream_t stream);
+// the QWEN38_Q8_GEMM_TILE override). partial: q8_0_gemm_splits(act, args) x T x N floats of scratch when that is
+// above 1 (the caller allocates it), else unused. Launches on `stream` without PDL (neither kernel has
+// griddepcontrol.wait: pdl.cuh); no allocation, no host sync.
+cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, float* partial, cudaStream_t stream);
 
 }  // namespace qwen38

@@ -3,7 +3,8 @@ prompt-sized T. Same arguments and references as the GEMV lanes (test_q8_gemv.py
 
 CPU (CI): opcheck. CUDA (-m cuda): the mma.sync kernel against the float64 reference, outputs poisoned with
 NaN, at T across every tile boundary (32/64/128 tokens, each tile forced), odd N and K, the 27B shapes at
-T = 512; strided activation rows; two runs give the same bits; graph replay == eager; bad arguments raise.
+T = 512; up to 64 rows the K splits (default and forced) at the 27B shapes; strided activation rows; two runs give
+the same bits; graph replay == eager; bad arguments raise.
 The sm_90a kernels (wgmma, and wgmma_iadd, its other accumulator reset; forced with QWEN38_Q8_GEMM_KERNEL): the
 same checks, and the same bits as the mma.sync kernel everywhere (same per-block arithmetic, same block order),
 at odd T and N, K % 256 != 0 (stages past K, which must add nothing), several tiles per persistent block, the 27B shapes at T = 512 and
@@ -42,7 +43,8 @@ def op_for(lane):
 
 
 def rel_bound(K):
-    return (2 * (K // 32) + 4) * 2.0**-24
+    """Two roundings a block, plus one a K split (up to 16, q8_gemm.cu) where the splits' sums are added."""
+    return (2 * (K // 32) + 4 + 16) * 2.0**-24
 
 
 def require_wgmma():
@@ -138,6 +140,7 @@ def test_cuda_wgmma_odd_shapes_bitwise_mma(lane, N, K, kernel, monkeypatch):
     """Each compiled token tile (QWEN38_Q8_GEMM_TILE with the kernel forced) against the reference and against
     the mma.sync kernel's bits (its 32-token tile: the two tile T differently)."""
     require_wgmma()
+    monkeypatch.setenv("QWEN38_Q8_GEMM_SPLITS", "1")  # the wgmma kernel does not split K; its bits are unsplit ones
     weight_q, weight_d = make_weights(N, K, device="cuda", seed=N + K)
     rows = sample_rows(N, count=1024)
     for T in WGMMA_T:
@@ -207,6 +210,38 @@ def test_cuda_wgmma_graph_replay_bitwise(lane, monkeypatch):
     assert torch.equal(out, eager), "graph replay differs from eager"
 
 
+SPLIT_T = (1, 8, 16, 33, 64)
+
+
+@cuda
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("N,K", SHAPES_27B, ids=[f"{n}x{k}" for n, k in SHAPES_27B])
+def test_cuda_small_t_splits(lane, N, K, monkeypatch):
+    """Up to 64 rows the K range is split (q8_0_gemm_splits): the default splits and forced 1, 3 and 16 against the
+    reference (outputs poisoned), the same bits twice, and the default in a captured graph (its partial sums from
+    the graph's pool) bit for bit like eager."""
+    weight_q, weight_d = make_weights(N, K, device="cuda", seed=11)
+    rows = sample_rows(N, count=512)
+    for T in SPLIT_T:
+        act = make_activation(lane, T, K, device="cuda", seed=T)
+        for splits in (None, "1", "3", "16"):
+            if splits is None:
+                monkeypatch.delenv("QWEN38_Q8_GEMM_SPLITS", raising=False)
+            else:
+                monkeypatch.setenv("QWEN38_Q8_GEMM_SPLITS", splits)
+            out = run_cuda(lane, act, weight_q, weight_d)
+            check_against_reference(lane, act, weight_q, weight_d, out, rows=rows, rel_bound=rel_bound(K))
+            assert torch.equal(run_cuda(lane, act, weight_q, weight_d), out), (T, splits, "two runs differ")
+        monkeypatch.delenv("QWEN38_Q8_GEMM_SPLITS")
+        out = torch.empty(T, N, device="cuda")
+        eager = run_cuda(lane, act, weight_q, weight_d, out).clone()
+        graph = capture_graph(lambda: op_for(lane)(*act, weight_q, weight_d, out))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), (T, "graph replay differs from eager")
+
+
 def check_bad_arguments():
     N, K, T = 64, 256, 40
     weight_q, weight_d = make_weights(N, K, device="cuda")
@@ -229,6 +264,10 @@ def check_bad_arguments():
     with pytest.raises(RuntimeError, match="QWEN38_Q8_GEMM_TILE 64 or 128"):
         ops.q8_0_gemm_int8(x_q, x_d, weight_q, weight_d, out)
     del os.environ["QWEN38_Q8_GEMM_KERNEL"], os.environ["QWEN38_Q8_GEMM_TILE"]
+    os.environ["QWEN38_Q8_GEMM_SPLITS"] = "0"
+    with pytest.raises(RuntimeError, match="QWEN38_Q8_GEMM_SPLITS must be 1 .. 64, found 0"):
+        ops.q8_0_gemm_int8(x_q, x_d, weight_q, weight_d, out)
+    del os.environ["QWEN38_Q8_GEMM_SPLITS"]
 
 
 @cuda
