@@ -331,6 +331,15 @@ def plain_tokens(model, prompt: torch.Tensor, new_tokens: int, **kwargs) -> list
     return out[0, prompt.shape[0]:].tolist()
 
 
+def solo_plain_tokens(model, prompt: torch.Tensor, new_tokens: int, kv_dtype) -> list[int]:
+    """Plain greedy of one sequence alone in a one-slot engine, prefilled in run_slots' chunks: the solo run a slot
+    must equal bit for bit. (generate() prefills in one chunk; on CUDA a prompt of 8 rows or more then runs the
+    int8 GEMM, whose float order differs from the GEMV's of 4-row chunks, and a near tie can flip.)"""
+    seq = Sequence(prompt.to(model.device), SamplingConfig(), 0, new_tokens, StopCondition(frozenset()))
+    run_slots(BatchEngine(model, 1, 64, kv_dtype, False), [seq])
+    return seq.tokens
+
+
 def check_slots_equal_plain(model, slots: int, count: int, k: int, forced: bool, adaptive: bool, seed: int,
                             use_graph: bool = False, kv_dtype=torch.float32):
     """count sequences (more than slots: later ones wait and join as others leave) with limits of 1 to 14 new
@@ -339,7 +348,7 @@ def check_slots_equal_plain(model, slots: int, count: int, k: int, forced: bool,
     prompts = slot_prompts(count, seed)
     limits = [1 + (5 * j + seed) % 14 for j in range(count)]
     device = model.device
-    plain = [plain_tokens(model, p, n + MAX_DRAFT_TOKENS + 1, kv_dtype=kv_dtype) for p, n in zip(prompts, limits)]
+    plain = [solo_plain_tokens(model, p, n + MAX_DRAFT_TOKENS + 1, kv_dtype) for p, n in zip(prompts, limits)]
     modes = [("perfect", "wrong", "partial")[j % 3] for j in range(count)]
     drafts = [drafts_for(m, p.tolist() + t) for m, p, t in zip(modes, prompts, plain)] if forced else None
     engine = BatchEngine(model, slots, 64, kv_dtype, use_graph,
