@@ -209,7 +209,7 @@ class Server:
                  sampling: dict | None = None, api_key: str | None = None, allowed_origins=(), log=None,
                  max_batch: int | None = None, kv_dtype: torch.dtype | None = None, use_graph: bool | None = None,
                  speculative: str | None = None, num_draft_tokens: int = 3, draft_vocab_size: int | None = None,
-                 engine=None):
+                 batch_invariant: bool = True, engine=None):
         """sampling: the checkpoint's settings (sampling_defaults.checkpoint_sampling, checked), over
         REQUEST_DEFAULTS; api_key: every route but /health and /metrics needs it; allowed_origins: the CORS
         origins ("*": any); log: where one line per request goes (stderr). max_batch: the BatchEngine's slots
@@ -217,8 +217,9 @@ class Server:
         (default: the model's device's), use_graph as generate() takes it; its step graphs are captured here,
         before serving. speculative="mtp" (num_draft_tokens, draft_vocab_size as generate() takes them): the
         engine's step is the MTP step over all its slots (default max_batch 1 then: each slot also holds the
-        verify's per-token GDN states). engine: a ready engine (tests). With neither a model nor an engine
-        nothing runs (the request checks only)."""
+        verify's per-token GDN states). batch_invariant: the engine's (BatchEngine: False lets a step's rows
+        share the int8 GEMM, so a reply may depend on its batch). engine: a ready engine (tests). With neither a
+        model nor an engine nothing runs (the request checks only)."""
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.api_key, self.allowed_origins, self.log = api_key, list(allowed_origins), log or sys.stderr
         self.sampling = {**REQUEST_DEFAULTS, **(sampling or {})}
@@ -242,7 +243,7 @@ class Server:
                     max_batch = 1 if speculative else default_max_batch(model, max_context, kv_dtype, cache_bytes)
                 speculation = Speculation(num_draft_tokens, draft_vocab_size) if speculative else None
                 engine = BatchEngine(model, max_batch, max_context, kv_dtype, use_graph, name="--max-context",
-                                     speculation=speculation)
+                                     batch_invariant=batch_invariant, speculation=speculation)
                 with torch.no_grad():
                     engine.capture()  # every bucket's step graph (CUDA), while no sequence is active
             self.scheduler = Scheduler(model, engine, self.cache, tokenizer, max_queue)

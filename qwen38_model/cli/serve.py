@@ -49,6 +49,11 @@ def add_parser(sub) -> None:
     v.add_argument("--allowed-origins", metavar="ORIGINS", default="", help="comma-separated origins a browser "
                    "may call from (CORS; * for any); default: none")
     v.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the checkpoint's")
+    v.add_argument("--batch-invariant", choices=["on", "off"], default="on", help="on: every reply is bitwise what "
+                   "it would be alone, whatever else is in the batch (each row's matrix products keep the bits of a "
+                   "one-row call); off: from 8 rows a step's rows share the int8 GEMM, which sums in another order, "
+                   "so a reply can change with its batch, for throughput at many sequences (H200, 27B shape, "
+                   "benchmarks/batch.py: 888 against 615 tok/s at 16 sequences, 1610 against 670 at 64)")
     add_runtime_options(v)
 
 
@@ -100,12 +105,14 @@ def run(args: argparse.Namespace) -> None:
                         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
                         max_batch=max_batch, kv_dtype=KV_DTYPES.get(args.kv_dtype),
                         use_graph=False if args.eager else None, speculative=args.speculative,
-                        num_draft_tokens=args.num_draft_tokens, draft_vocab_size=args.draft_vocab)
+                        num_draft_tokens=args.num_draft_tokens, draft_vocab_size=args.draft_vocab,
+                        batch_invariant=args.batch_invariant == "on")
         if sampling:
             settings = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
             sys.stderr.write(f"sampling fields a request leaves out: the checkpoint's {settings}\n")
         slots = f"{max_batch} sequence slot{'s' if max_batch > 1 else ''} of {args.max_context} tokens" + \
-            (" (MTP speculative decoding)" if args.speculative else "")
+            (" (MTP speculative decoding)" if args.speculative else "") + \
+            (", not batch-invariant" if args.batch_invariant == "off" else "")
         sys.stderr.write(f"serving {name} on http://{args.host}:{args.port}/v1: {slots}\n")
         # SIGTERM: uvicorn stops accepting, gives requests in flight SHUTDOWN_GRACE_S to finish, then cancels
         # them (their slots are freed at the scheduler's next iteration), and raises the signal again once it has restored the

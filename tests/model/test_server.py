@@ -476,6 +476,31 @@ def test_a_request_asking_for_logprobs_beside_others_changes_none_of_their_texts
     assert solo[1] == client.completions.create(model=MODEL, prompt=requests[1][0], **requests[1][1]).choices[0].text
 
 
+def test_batch_invariant_off_reaches_the_engine_and_serves(client):
+    """Server(batch_invariant=False), as `serve --batch-invariant off` builds it: the engine's step scratches are not
+    rowwise (so from 8 rows the int8 GEMM runs on CUDA) and concurrent clients are served. On the CPU every product
+    is its reference, so the texts still equal the solo runs; on CUDA they may differ (the flag's point)."""
+    from qwen38_model import Qwen38ForCausalLM
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.server import Server
+    from qwen38_model.tokenizer import load_tokenizer
+
+    path = default_model_path()
+    model = Qwen38ForCausalLM.from_pretrained(path, device="cpu")
+    server = Server(model, load_tokenizer(path), MODEL, max_context=256, max_queue=2, cache_bytes=1 << 24,
+                    max_batch=2, batch_invariant=False, log=sys.stdout)
+    engine = server.scheduler.engine
+    assert not engine.batch_invariant and not any(s.rowwise for s in engine.scratch.values())
+    requests = [("Marbles rolling downhill", 6), ("Quiet harbour at dawn", 4), ("Frost on windows", 5)]
+    solo = [client.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0).choices[0].text
+            for p, n in requests]
+    with in_process(server) as url:
+        other = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        together = concurrently([lambda p=p, n=n: streamed_text(other, p, max_tokens=n, temperature=0)
+                                 for p, n in requests])
+    assert [text for text, _, _ in together] == solo
+
+
 def test_speculative_serves_concurrent_clients_through_one_engine(client):
     """--speculative mtp --max-batch 3: one BatchEngine whose step is the MTP step over its slots. Five concurrent
     greedy clients (different prompts, lengths, a stop string, a logit bias) on three slots, two of them waiting
@@ -699,6 +724,24 @@ def test_serve_reads_the_checkpoint_sampling_settings(capsys, built_servers, tmp
     assert cli.main(["serve", "--model", str(folder), "--port", port, "--device", "cpu"]) == 2
     assert capsys.readouterr().err.strip() == "error: top_p must be in (0, 1], found 0.0"
     assert len(servers) == 1  # refused before the load
+
+
+def test_serve_batch_invariant_option(capsys, built_servers, oracle_dir):
+    """`serve --batch-invariant off` builds a server whose engine is not batch-invariant and says so at start;
+    the default is on; another value is refused before the load."""
+    from qwen38_model import cli
+
+    servers, port = built_servers
+    common = ["serve", "--model", str(oracle_dir / "hf"), "--port", port, "--device", "cpu", "--max-batch", "2"]
+    assert cli.main(common) == 0
+    assert cli.main([*common, "--batch-invariant", "off"]) == 0
+    assert [s.scheduler.engine.batch_invariant for s in servers] == [True, False]
+    assert ", not batch-invariant\n" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([*common, "--batch-invariant", "maybe"])
+    assert len(servers) == 2
+    for s in servers:
+        s.close()
 
 
 def test_nothing_is_silently_ignored(client, server):
