@@ -4,7 +4,7 @@
 
     python -m benchmarks.serve [--model PATH] [--json PATH] [--clients 1,4,16,64] [--prompt-tokens 512]
                                [--new-tokens 256] [--join-decoders 15] [--join-prompt-tokens 4096]
-                               [--join-after 32] [--check-solo 4] [--tiny]
+                               [--join-after 32] [--check-solo 4] [--batch-invariant on|off] [--tiny]
 
 The server (qwen38_model.server.Server, one BatchEngine of max(clients, join decoders + 1) slots, CUDA graphs,
 bf16 KV, a 4 GB prefix cache as `qwen38 serve` has by default) runs in this process: uvicorn in a thread on a
@@ -273,6 +273,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--join-new", type=int, default=JOIN_NEW, help="the joining request's max_tokens")
     parser.add_argument("--check-solo", type=int, default=4, help=f"prompts of the N = {CHECK_AT} run also run "
                         "alone first, their greedy texts compared (0: no check)")
+    parser.add_argument("--batch-invariant", choices=["on", "off"], default="on", help="`qwen38 serve`'s option of "
+                        "the name (off: a step's rows share the int8 GEMM; the solo check may then find differences)")
     add_tiny_flag(parser, TINY)
     args = parse_with_tiny(parser, argv, TINY)
     args.clients = [int(c) for c in str(args.clients).split(",")]
@@ -309,7 +311,8 @@ def main(argv=None) -> dict:
               "memory", file=sys.stderr)
     start = time.perf_counter()
     server = Server(model, tokenizer, name, max_context=max_context, max_queue=max_batch, cache_bytes=cache_bytes,
-                    max_batch=max_batch, kv_dtype=kv_dtype, log=open(os.devnull, "w"))
+                    max_batch=max_batch, kv_dtype=kv_dtype, log=open(os.devnull, "w"),
+                    batch_invariant=args.batch_invariant == "on")
     server_s = time.perf_counter() - start
     results = dict(env=env, model=args.model or ("built-in default (tiny)" if args.tiny else "synthetic 27B shape"),
                    tiny=args.tiny, device=str(model.device), load_s=load_s, server_start_s=server_s,
