@@ -69,6 +69,17 @@ def run_cuda(lane, act, weight_q, weight_d, out=None):
     return out
 
 
+def assert_graph_replays_eager(lane, act, weight_q, weight_d):
+    """The op captured once into a CUDA graph and replayed into a poisoned output: the eager bits."""
+    out = torch.empty(act[0].shape[0], weight_q.shape[0], device="cuda")
+    eager = run_cuda(lane, act, weight_q, weight_d, out).clone()
+    graph = capture_graph(lambda: op_for(lane)(*act, weight_q, weight_d, out))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), f"T = {act[0].shape[0]}: graph replay differs from eager"
+
+
 @pytest.mark.parametrize("lane", LANES)
 def test_opcheck_cpu(lane):
     weight_q, weight_d = make_weights(6, 128)
@@ -123,13 +134,7 @@ def test_cuda_graph_replay_bitwise(lane):
     N, K, T = 1000, 1024, 100
     weight_q, weight_d = make_weights(N, K, device="cuda")
     act = make_activation(lane, T, K, device="cuda")
-    out = torch.empty(T, N, device="cuda")
-    eager = run_cuda(lane, act, weight_q, weight_d, out).clone()
-    graph = capture_graph(lambda: op_for(lane)(*act, weight_q, weight_d, out))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager), "graph replay differs from eager"
+    assert_graph_replays_eager(lane, act, weight_q, weight_d)
 
 
 @cuda
@@ -201,13 +206,7 @@ def test_cuda_wgmma_graph_replay_bitwise(lane, monkeypatch):
     N, K, T = 1000, 1024, 300
     weight_q, weight_d = make_weights(N, K, device="cuda")
     act = make_activation(lane, T, K, device="cuda")
-    out = torch.empty(T, N, device="cuda")
-    eager = run_cuda(lane, act, weight_q, weight_d, out).clone()
-    graph = capture_graph(lambda: op_for(lane)(*act, weight_q, weight_d, out))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager), "graph replay differs from eager"
+    assert_graph_replays_eager(lane, act, weight_q, weight_d)
 
 
 SPLIT_T = (1, 8, 16, 33, 64)
@@ -233,13 +232,7 @@ def test_cuda_small_t_splits(lane, N, K, monkeypatch):
             check_against_reference(lane, act, weight_q, weight_d, out, rows=rows, rel_bound=rel_bound(K))
             assert torch.equal(run_cuda(lane, act, weight_q, weight_d), out), (T, splits, "two runs differ")
         monkeypatch.delenv("QWEN38_Q8_GEMM_SPLITS")
-        out = torch.empty(T, N, device="cuda")
-        eager = run_cuda(lane, act, weight_q, weight_d, out).clone()
-        graph = capture_graph(lambda: op_for(lane)(*act, weight_q, weight_d, out))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager), (T, "graph replay differs from eager")
+        assert_graph_replays_eager(lane, act, weight_q, weight_d)
 
 
 def check_bad_arguments():
