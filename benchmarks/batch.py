@@ -1,8 +1,12 @@
 """Many sequences at once on one GPU: aggregate decode tok/s of the batch engine at B = 1 .. 64 rows.
 
     python -m benchmarks.batch [--model PATH] [--json PATH] [--batches 1,2,4,8,16,32,64] [--contexts 512,4096]
+                               [--mtp-batches 1,8]
 
-Without --model the 27B shape with synthetic Q8_0 weights (benchmarks/decode.py). Measured in ONE run:
+Without --model the 27B shape with synthetic Q8_0 weights (benchmarks/decode.py), with the MTP block (as the
+real checkpoint has it) unless --mtp-batches is empty: every plain step then also runs the block's MTP rule (its
+pair of the step's token: one more attention layer and eh_proj), as the real checkpoint's plain steps do, and the
+token's matrices below include the block's. Measured in ONE run:
 - the streaming-read probe (the roofline);
 - per B and context, in both modes of the engine (batch_invariant: the GEMV at every B; else the GEMM
   from 8 rows): the engine's step as it runs in serving (the bucket's step graph, then each row's
@@ -13,23 +17,40 @@ Without --model the 27B shape with synthetic Q8_0 weights (benchmarks/decode.py)
 - the token's Q8_0 GEMVs alone at T = 1 .. 64 rows (the rowwise form the batched step runs: every row
   the bits of a T = 1 call), each against T = 1, beside the int8 tensor-core GEMM at the same T (the
   prefill's kernel, which does not keep a row's bits across T);
+- at each B of --mtp-batches and k = 1 .. 4 drafts, the MTP step (speculative decoding; invariant mode, context
+  512) as the engine replays it: the drafts and the B*(k+1)-row verify, each slot's greedy acceptance, the
+  rollback. B random prompts of 512 tokens are admitted (prefilled) with their drafts forced to the tokens plain
+  greedy chose after them (benchmarks/speculative.py), so every draft is accepted (tokens_per_step, counted from
+  the positions the steps advanced, says k + 1 if so); the context grows by k + 1 a step over the 3 x 8 timed
+  steps (to 632 at k = 4). Per (B, k): ms a step, the step over the plain step at that B and context 512 (the
+  first item's, invariant mode), and the aggregate tok/s projected at 3.28 (thinking off) and 2.52 (thinking on)
+  tokens a step, issue 22's figures for the real checkpoint's MTP: B * min(tokens, k + 1) / the step's seconds
+  (k drafts emit at most k + 1 tokens). A projection, not a measurement of acceptance: the step computes every
+  row whatever is accepted, so its time is the same, only its tokens vary;
 - end to end: generate() on B random prompts of 128 tokens, 64 new tokens each, every row through the
   whole engine (prefill included), its aggregate tok/s.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
 
-from benchmarks.decode import build_model, fill_caches, kernel_split, q8_linears
+from benchmarks.decode import TIMING_RUNS, build_model, fill_caches, kernel_split, median_step_s, q8_linears
 from benchmarks.ops.common import default_result_path, env_info, print_table, read_probe_result, time_graph, write_json
+from benchmarks.speculative import CONTEXT, admit_all, decode_batch, mtp_step_replay, perfect_drafts, random_prompts
 from qwen38_model.config import GDN
 from qwen38_model.engine import BatchEngine
 from qwen38_model.sampling import SamplingConfig
+from qwen38_model.speculative import Speculation
 
 STEPS = 32
+MTP_STEPS = 8  # MTP steps a timing run: few, as each moves the context on by k + 1 tokens
+DRAFT_COUNTS = range(1, 5)
+# Mean tokens an MTP step emits on the real checkpoint (issue 22), with thinking off and on: the projections.
+TOKENS_A_STEP = {"thinking_off": 3.28, "thinking_on": 2.52}
 
 
 def step_bytes(model, rows: int, context: int, kv_bytes: int) -> int:
@@ -45,26 +66,59 @@ def step_bytes(model, rows: int, context: int, kv_bytes: int) -> int:
 
 
 def time_engine_step(engine: BatchEngine, rows: int, context: int) -> float:
-    """Seconds per step over `rows` active rows at `context` (median of 3 runs of STEPS steps)."""
+    """Seconds per step over `rows` active rows at `context` (median of TIMING_RUNS runs of STEPS steps)."""
     cfg = SamplingConfig()
-    times = []
-    for _ in range(3):
+
+    def prepare():
         for s in range(rows):
             fill_caches(engine.slots.slot(s), context)
         engine.slots.positions.fill_(context)
         engine.tokens.fill_(1)
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(STEPS):
-            engine.step_graphs[rows].replay()
-            for s in range(rows):
-                engine.select(s, cfg)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3 / STEPS)
-    times.sort()
-    return times[1]
+
+    def step():
+        engine.step_graphs[rows].replay()
+        for s in range(rows):
+            engine.select(s, cfg)
+
+    return median_step_s(step, STEPS, prepare)
+
+
+def projected_tok_s(rows: int, k: int, tokens_a_step: float, step_s: float) -> float:
+    """Aggregate tok/s of MTP steps of k drafts over `rows` sequences, each emitting tokens_a_step tokens a step
+    (at most k + 1), a step taking step_s seconds."""
+    return rows * min(tokens_a_step, k + 1) / step_s
+
+
+def mtp_steps(model, batches: list[int], plain_step_s: dict) -> tuple[dict, list]:
+    """The MTP step at each B and k in DRAFT_COUNTS (the module's docstring says how); plain_step_s: the plain
+    step's seconds at each B, context CONTEXT. Returns the results by "B{b}_k{k}" and the table's rows."""
+    # Plain greedy tokens for the forced drafts of every timed step (each moves on by k + 1), and room after them.
+    new_tokens = TIMING_RUNS * MTP_STEPS * (DRAFT_COUNTS[-1] + 1) + 8
+    max_seq_len = CONTEXT + new_tokens + 8
+    results, rows = {}, []
+    for b in batches:
+        prompts = random_prompts(model, b, CONTEXT, seed=b)
+        engine = BatchEngine(model, b, max_seq_len, torch.bfloat16, use_graph=True)
+        forced = perfect_drafts(prompts, decode_batch(engine, prompts, new_tokens)["tokens"])
+        del engine
+        for k in DRAFT_COUNTS:
+            engine = BatchEngine(model, b, max_seq_len, torch.bfloat16, use_graph=True,
+                                 speculation=Speculation(k, adaptive=False, forced_drafts=True))
+            engine.capture((b,))
+            admit_all(engine, prompts, new_tokens, forced)
+            start = engine.slots.positions[:b].clone()
+            step_s = median_step_s(mtp_step_replay(engine, b, k), MTP_STEPS)
+            tokens = (engine.slots.positions[:b] - start).sum().item() / (b * TIMING_RUNS * MTP_STEPS)
+            del engine
+            gc.collect()  # the engine and its MTP step refer to each other: only a collection frees their memory
+            torch.cuda.empty_cache()
+            projected = {name: projected_tok_s(b, k, t, step_s) for name, t in TOKENS_A_STEP.items()}
+            results[f"B{b}_k{k}"] = dict(step_ms=step_s * 1e3, plain_step_ms=plain_step_s[b] * 1e3,
+                                         vs_plain_step=step_s / plain_step_s[b], tokens_per_step=tokens,
+                                         projected_tok_s=projected)
+            rows.append(dict(B=b, k=k, step_ms=step_s * 1e3, vs_plain=step_s / plain_step_s[b], tokens_per_step=tokens,
+                             **{f"tok_s_{TOKENS_A_STEP[n]}": v for n, v in projected.items()}))
+    return results, rows
 
 
 def gemv_rows(model, rows: int) -> dict:
@@ -104,16 +158,26 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a real checkpoint instead of the synthetic 27B shape")
     parser.add_argument("--json", help="write the results here (default benchmarks/results/<date>-<gpu>-<commit>-batch.json)")
-    parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="row counts (default: %(default)s)")
-    parser.add_argument("--contexts", default="512,4096", help="cache depths in tokens (default: %(default)s)")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64",
+                        help="row counts, comma-separated (default: %(default)s)")
+    parser.add_argument("--contexts", default="512,4096",
+                        help="cache depths in tokens, comma-separated (default: %(default)s)")
+    parser.add_argument("--mtp-batches", default="1,8", metavar="BATCHES",
+                        help="row counts, comma-separated, of the MTP step at k = 1..4 (each among the batches; "
+                             "empty for none) (default: %(default)s)")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
+    mtp_batches = [int(b) for b in args.mtp_batches.split(",")] if args.mtp_batches else []
+    if mtp_batches and (not set(mtp_batches) <= set(batches) or CONTEXT not in contexts):
+        parser.error(f"--mtp-batches {args.mtp_batches}: each must be among --batches and --contexts must hold "
+                     f"{CONTEXT} (the MTP step is compared with the plain step there)")
     env = env_info()
     probe = read_probe_result()
     roofline = probe["best_gbps"]
-    model = build_model(args.model, "int8")
-    results = dict(env=env, read_probe=probe, steps=STEPS, kv_dtype="bfloat16", engine={}, gemv={}, end_to_end={})
+    model = build_model(args.model, "int8", mtp=bool(mtp_batches))
+    results = dict(env=env, read_probe=probe, steps=STEPS, kv_dtype="bfloat16", mtp_block=model.mtp is not None,
+                   engine={}, gemv={}, end_to_end={})
     rows = []
     max_seq_len = max(contexts) + STEPS * 3 + 8
     for invariant in (True, False):
@@ -141,6 +205,13 @@ def main(argv=None) -> dict:
         torch.cuda.empty_cache()
     print_table(rows, ["mode", "B", "context", "tok_s", "per_seq", "ms", "GBps", "probe"],
                 title=f"batch decode step on {env.get('gpu')} (read probe {roofline:.0f} GB/s, int8 lane, bf16 KV)")
+    if mtp_batches:
+        plain_step_s = {b: results["engine"][f"invariant_B{b}_ctx{CONTEXT}"]["step_s"] for b in mtp_batches}
+        results["mtp"], rows = mtp_steps(model, mtp_batches, plain_step_s)
+        print_table(rows, ["B", "k", "step_ms", "vs_plain", "tokens_per_step",
+                           *(f"tok_s_{t}" for t in TOKENS_A_STEP.values())],
+                    title=f"MTP step of k drafts, forced right (invariant, context {CONTEXT}); vs_plain: over the "
+                          "plain step; tok_s at 3.28 (thinking off) and 2.52 (thinking on) tokens a step, at most k + 1")
     base = None
     rows = []
     for t in sorted({1, *batches}):

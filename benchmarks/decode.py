@@ -174,11 +174,16 @@ def fill_state(engine: BatchEngine, context: int) -> None:
     engine.tokens[:1].fill_(1)
 
 
-def time_steps(engine: BatchEngine, run_step, steps: int, context: int) -> float:
-    """Seconds per decode step over `steps` steps starting at `context` (median of 3 runs)."""
+TIMING_RUNS = 3  # runs of median_step_s
+
+
+def median_step_s(run_step, steps: int, prepare=None) -> float:
+    """Seconds per run_step() over `steps` calls back to back, CUDA events around them: the median of TIMING_RUNS
+    runs, each after prepare() (if given)."""
     times = []
-    for _ in range(3):
-        fill_state(engine, context)
+    for _ in range(TIMING_RUNS):
+        if prepare is not None:
+            prepare()
         torch.cuda.synchronize()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -188,6 +193,11 @@ def time_steps(engine: BatchEngine, run_step, steps: int, context: int) -> float
         stop.synchronize()
         times.append(start.elapsed_time(stop) * 1e-3 / steps)
     return statistics.median(times)
+
+
+def time_steps(engine: BatchEngine, run_step, steps: int, context: int) -> float:
+    """Seconds per decode step over `steps` steps starting at `context` (median of TIMING_RUNS runs)."""
+    return median_step_s(run_step, steps, lambda: fill_state(engine, context))
 
 
 # Kernel name fragments -> the part of a token they belong to (first match wins).

@@ -87,14 +87,7 @@ def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor
     run_batch(engine, [seq], chunk_size=4096)
     stats = seq.stats
     # The step's graphs' own time, replayed back to back (what a step costs whatever it emits).
-    verify, finish = engine.mtp.graphs[(1, k)]
-    select = engine.mtp.select_graphs[(0, SamplingConfig())][k]
-
-    def replay():
-        verify.replay()
-        select.replay()
-        finish.replay()
-
+    replay = mtp_step_replay(engine, 1, k)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(12):
@@ -105,21 +98,57 @@ def speculative_run(model, prompt, new_tokens, kv_dtype, k, forced: torch.Tensor
     result = dict(tokens=seq.tokens, decode_tok_s=stats.decode_tok_s, tokens_per_step=stats.tokens_per_step,
                   steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted, step_s=step_s,
                   capture_s=stats.capture_s, kernel_split_ms=kernel_split(replay, steps=4))
-    del engine, verify, select, finish
+    del engine, replay
     torch.cuda.empty_cache()
     return result
 
 
-def decode_batch(engine: BatchEngine, prompts: list, new_tokens: int, forced: list | None = None) -> dict:
-    """Every prompt admitted into the engine (its graphs captured first), then decoded to new_tokens tokens each,
-    timed from the first step to the last token read; forced: each sequence's forced draft row."""
-    engine.capture(engine.buckets[: engine.buckets.index(engine.bucket(len(prompts))) + 1])
+def mtp_step_replay(engine: BatchEngine, rows: int, k: int):
+    """One MTP step of k drafts over slots 0..rows-1 as MTPStep.launch replays it (the drafts and verify, each
+    slot's greedy selection, the rollback), every slot selecting: their graphs captured, a sequence admitted in
+    each slot."""
+    verify, finish = engine.mtp.graphs[(rows, k)]
+    selects = [engine.mtp.select_graphs[(slot, SamplingConfig())][k] for slot in range(rows)]
+
+    def replay():
+        verify.replay()
+        for select in selects:
+            select.replay()
+        finish.replay()
+
+    return replay
+
+
+def random_prompts(model, count: int, length: int, seed: int) -> list[torch.Tensor]:
+    """`count` prompts of `length` random token ids, on the model's device, the same for the same seed."""
+    g = torch.Generator(model.device).manual_seed(seed)
+    V = model.config.vocab_size
+    return [torch.randint(0, V, (length,), dtype=torch.int32, device=model.device, generator=g) for _ in range(count)]
+
+
+def perfect_drafts(prompts: list, tokens: list) -> list[torch.Tensor]:
+    """Each prompt followed by its plain greedy tokens: the forced draft row (indexed by position) that makes
+    every draft of a greedy sequence right."""
+    return [torch.cat([p, torch.tensor(t, dtype=torch.int32, device=p.device)]) for p, t in zip(prompts, tokens)]
+
+
+def admit_all(engine: BatchEngine, prompts: list, new_tokens: int, forced: list | None = None) -> list[Sequence]:
+    """Every prompt admitted (greedy, new_tokens tokens each) into the slots 0.. of an engine whose graphs are
+    captured, its launches drained; forced: each sequence's forced draft row."""
     sequences = [Sequence(p, SamplingConfig(), 0, new_tokens, StopCondition(frozenset())) for p in prompts]
     for j, seq in enumerate(sequences):
         run_to_end(engine.admit(seq, 4096))
         if forced is not None:
             engine.mtp.forced[seq.slot, : forced[j].shape[0]].copy_(forced[j])
     engine.drain()
+    return sequences
+
+
+def decode_batch(engine: BatchEngine, prompts: list, new_tokens: int, forced: list | None = None) -> dict:
+    """Every prompt admitted into the engine (its graphs captured first), then decoded to new_tokens tokens each,
+    timed from the first step to the last token read; forced: each sequence's forced draft row."""
+    engine.capture(engine.buckets[: engine.buckets.index(engine.bucket(len(prompts))) + 1])
+    sequences = admit_all(engine, prompts, new_tokens, forced)
     torch.cuda.synchronize()
     steps, clock = 0, time.perf_counter()
     while any(engine.active):
@@ -138,15 +167,13 @@ def batch_table(model, batches: list[int], k: int, new_tokens: int, kv_dtype, dr
     V, results, rows = model.config.vocab_size, {}, []
     max_seq_len = 64 + new_tokens + 8
     for b in batches:
-        g = torch.Generator(model.device).manual_seed(b)
-        prompts = [torch.randint(0, V, (64,), dtype=torch.int32, device=model.device, generator=g) for _ in range(b)]
+        prompts = random_prompts(model, b, 64, seed=b)
         engine = BatchEngine(model, b, max_seq_len, kv_dtype, use_graph=True)
         plain = decode_batch(engine, prompts, new_tokens)
         del engine
         forced = None
         if drafts != "mtp":
-            forced = [torch.cat([p, torch.tensor(t, dtype=torch.int32, device=model.device)])
-                      for p, t in zip(prompts, plain["tokens"])]
+            forced = perfect_drafts(prompts, plain["tokens"])
             forced = forced if drafts == "perfect" else [(f + 1) % V for f in forced]
         speculation = Speculation(k, adaptive=drafts == "mtp", forced_drafts=forced is not None)
         engine = BatchEngine(model, b, max_seq_len, kv_dtype, use_graph=True, speculation=speculation)
@@ -201,11 +228,10 @@ def main(argv=None) -> dict:
     del state
     torch.cuda.empty_cache()
 
-    prompt = torch.randint(0, V, (64,), dtype=torch.int32, device=model.device,
-                           generator=torch.Generator(model.device).manual_seed(0))
+    prompt = random_prompts(model, 1, 64, seed=0)[0]
     plain_tokens, plain_tok_s = plain_greedy(model, prompt, args.new_tokens, kv_dtype)
     results["plain_tok_s"] = plain_tok_s
-    right = torch.cat([prompt, torch.tensor(plain_tokens, dtype=torch.int32, device=model.device)])
+    right = perfect_drafts([prompt], [plain_tokens])[0]
     wrong = (right + 1) % V
     runs = {}
     for name, forced, adaptive, vocab in (("perfect", right, False, None), ("zero_fixed_k", wrong, False, None),

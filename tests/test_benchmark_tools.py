@@ -1,7 +1,9 @@
 """The profiler arithmetic of benchmarks/ (CPU): the critical-path shares of overlapping kernels, and the decode
-benchmark's per-part split built on them, on made-up kernel intervals."""
+benchmark's per-part split built on them, on made-up kernel intervals; the batch benchmark's MTP projection and
+the options it needs."""
 import pytest
 
+import benchmarks.batch as batch
 import benchmarks.decode as decode
 from benchmarks.ops.common import critical_path_us
 
@@ -31,3 +33,16 @@ def test_kernel_split_adds_up(monkeypatch):
     assert split["busy_ms"] == pytest.approx(0.019)
     assert split["span_ms"] == pytest.approx(0.0605)  # 0 .. 121 us over 2 steps: the gaps are not busy
     assert split["kernels"]["produce_kernel<(Producer)2>"]["launches"] == 1
+
+
+def test_mtp_projection_is_capped_at_k_plus_one_tokens_a_step():
+    assert batch.projected_tok_s(8, 4, 3.28, 0.040) == pytest.approx(8 * 3.28 / 0.040)
+    assert batch.projected_tok_s(8, 2, 3.28, 0.040) == pytest.approx(8 * 3 / 0.040)  # 2 drafts: at most 3 tokens
+    assert batch.projected_tok_s(1, 1, 2.52, 0.010) == pytest.approx(2 / 0.010)
+
+
+@pytest.mark.parametrize("args", [["--batches", "1,2", "--mtp-batches", "1,8"], ["--contexts", "4096"]])
+def test_mtp_batches_need_the_plain_step_they_are_compared_with(args, capsys):
+    with pytest.raises(SystemExit) as exit:  # before any GPU work
+        batch.main(args)
+    assert exit.value.code == 2 and "--mtp-batches" in capsys.readouterr().err

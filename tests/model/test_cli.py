@@ -197,7 +197,8 @@ def test_generated_text_cannot_drive_the_terminal(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("module, list_options", [("decode", ["--lanes", "--contexts"]),
-                                                  ("prefill", ["--lengths", "--lanes", "--chunks"])])
+                                                  ("prefill", ["--lengths", "--lanes", "--chunks"]),
+                                                  ("batch", ["--batches", "--contexts", "--mtp-batches"])])
 def test_benchmark_help_works_without_a_gpu(module, list_options):
     """The README's `python -m benchmarks.decode` / `benchmarks.prefill`, from the source checkout."""
     result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"], cwd=REPO,
