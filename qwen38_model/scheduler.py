@@ -355,7 +355,7 @@ class Scheduler:
         job.push(-1, reason)
 
 
-def default_max_batch(model, max_context: int, kv_dtype: torch.dtype, cache_bytes: int) -> int:
+def default_max_batch(model, max_context: int, kv_dtype: torch.dtype, cache_bytes: int, token_states: int = 0) -> int:
     """As many slots of max_context tokens as the device's available memory holds beside the prefix cache's
     budget and some headroom (scratch, graphs), at most DEFAULT_BATCH_LIMIT (on the CPU CPU_BATCH_LIMIT: the
     reference ops gain nothing from many rows). A slot counts its state, and what each active sequence holds
@@ -363,7 +363,7 @@ def default_max_batch(model, max_context: int, kv_dtype: torch.dtype, cache_byte
     rewound to (the GDN states); the states at its message boundaries go into the cache as the prefill passes
     them (Scheduler.cache_breaks), under its budget. One more state than the slots is the engine's staging
     state, where a sequence is prefilled before it moves into its slot. With an MTP block each state holds its
-    cache too."""
+    cache too. token_states: the GDN states a slot keeps per verify token (speculative decoding: k + 1)."""
     limit = DEFAULT_BATCH_LIMIT if model.device.type == "cuda" else CPU_BATCH_LIMIT
     available = available_memory(model.device)
     if available is None:
@@ -371,7 +371,8 @@ def default_max_batch(model, max_context: int, kv_dtype: torch.dtype, cache_byte
     budget = available - cache_bytes - max(int(available * HEADROOM_FRACTION), HEADROOM_BYTES)
     mtp = model.mtp is not None
     state = state_bytes(model.config, max_context, kv_dtype, mtp=mtp)
-    per_slot = 2 * state + state_bytes(model.config, 0, kv_dtype, mtp=mtp)
+    gdn_states = state_bytes(model.config, 0, kv_dtype, mtp=False)  # a slot's conv and recurrent states
+    per_slot = 2 * state + state_bytes(model.config, 0, kv_dtype, mtp=mtp) + token_states * gdn_states
     return max(1, min(limit, (budget - state) // per_slot))
 
 

@@ -216,8 +216,8 @@ class Server:
         (sequences decoded at once; default default_max_batch), each of max_context tokens, KV in kv_dtype
         (default: the model's device's), use_graph as generate() takes it; its step graphs are captured here,
         before serving. speculative="mtp" (num_draft_tokens, draft_vocab_size as generate() takes them): the
-        engine's step is the MTP step over all its slots (default max_batch 1 then: each slot also holds the
-        verify's per-token GDN states). batch_invariant: the engine's (BatchEngine: False lets a step's rows
+        engine's step is the MTP step over all its slots (each slot also holds the verify's per-token GDN states,
+        which the default max_batch counts). batch_invariant: the engine's (BatchEngine: False lets a step's rows
         share the int8 GEMM, so a reply may depend on its batch). engine: a ready engine (tests). With neither a
         model nor an engine nothing runs (the request checks only)."""
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
@@ -240,7 +240,8 @@ class Server:
             if engine is None:
                 kv_dtype = kv_dtype or default_kv_dtype(model.device)
                 if max_batch is None:
-                    max_batch = 1 if speculative else default_max_batch(model, max_context, kv_dtype, cache_bytes)
+                    max_batch = default_max_batch(model, max_context, kv_dtype, cache_bytes,
+                                                  num_draft_tokens + 1 if speculative else 0)
                 speculation = Speculation(num_draft_tokens, draft_vocab_size) if speculative else None
                 engine = BatchEngine(model, max_batch, max_context, kv_dtype, use_graph, name="--max-context",
                                      batch_invariant=batch_invariant, speculation=speculation)

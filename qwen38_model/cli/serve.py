@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
                    "max_tokens of a request must fit")
     v.add_argument("--max-batch", type=int, metavar="N", help="sequence slots: the sequences decoded at once, each "
                    "holding --max-context tokens of state (default: as many as fit the device's memory beside the "
-                   "prefix cache, at most 64; 4 on the CPU; 1 with --speculative, whose slots also hold the verify's "
-                   "per-token states)")
+                   "prefix cache, at most 64; 4 on the CPU; with --speculative its slots also hold the verify's "
+                   "per-token GDN states)")
     v.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait for a slot (a "
                    "request of n choices counts n)")
     v.add_argument("--cache-gb", type=float, default=4.0, metavar="GB", help="prefix cache budget")
@@ -92,10 +92,9 @@ def run(args: argparse.Namespace) -> None:
         model = load_model(args, source)
         check_max_context(args, source, model.device, model)
         cache_bytes = int(args.cache_gb * 1e9)
-        if args.max_batch is None and args.speculative:
-            max_batch = 1
-        elif args.max_batch is None:
-            max_batch = default_max_batch(model, args.max_context, kv_dtype(args, model.device), cache_bytes)
+        if args.max_batch is None:
+            max_batch = default_max_batch(model, args.max_context, kv_dtype(args, model.device), cache_bytes,
+                                          args.num_draft_tokens + 1 if args.speculative else 0)
         else:
             max_batch = args.max_batch
             check_max_batch(args, model.config, model.device)  # the weights now take their share

@@ -627,7 +627,7 @@ def test_serve_mistakes_are_one_line_before_the_load(capsys):
 
 
 def test_max_batch_sets_the_slots_and_a_mistake_is_one_line(capsys, built_servers):
-    """--max-batch N: the engine's N slots (default on the CPU: 4; 1 with --speculative, N when given); one that
+    """--max-batch N: the engine's N slots (default on the CPU: 4, with --speculative too; N when given); one that
     does not fit the memory, or 0, is one line before the load (exit 2)."""
     from qwen38_model import cli
 
@@ -651,7 +651,7 @@ def test_max_batch_sets_the_slots_and_a_mistake_is_one_line(capsys, built_server
     assert cli.main(["serve", "--port", port, "--device", "cpu", "--max-context", "256"]) == 0
     assert servers[-1].max_batch == 4
     serve = ["serve", "--port", port, "--device", "cpu", "--max-context", "256", "--speculative", "mtp"]
-    assert cli.main(serve) == 0 and servers[-1].max_batch == 1
+    assert cli.main(serve) == 0 and servers[-1].max_batch == 4 and servers[-1].scheduler.engine.mtp is not None
     assert cli.main([*serve, "--max-batch", "3"]) == 0
     assert servers[-1].max_batch == 3 and servers[-1].scheduler.engine.mtp is not None
     assert "3 sequence slots of 256 tokens (MTP speculative decoding)" in capsys.readouterr().err
