@@ -8,7 +8,9 @@ of the same process; then the token: each shape's time times its count in the 27
 64 FFN layers and the LM head), against the token at T = 1. That is issue 22's measure ("T = 16 <= 1.25x the
 T = 1 time over one token's matrices") without building the model; benchmarks/batch.py times the real chain.
 QWEN38_Q8_GEMV_ROWS_FROM (read once per process) says from how many rows the rows kernel runs (default 7; 2 shows
-it at T = 2 .. 4 too).
+it at T = 2 .. 4 too). Every T is timed with each of the rows kernel's forms (QWEN38_Q8_GEMV_ROWS_KERNEL=smem|direct,
+read at each call, so set around each capture; rows labelled kernel=...), and the token table is given for each,
+against its own T = 1 (the same kernel either way: T = 1 never runs the rows kernel).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ TOKEN_SHAPES = [
     ((248320, 5120), "LM head", 1),
 ]
 ROWS = (1, 2, 4, 8, 16, 32, 64)
+KERNELS = ("smem", "direct")
 
 
 def bench_shape(N, K, probe_gbps, rows_of_x):
@@ -38,7 +41,7 @@ def bench_shape(N, K, probe_gbps, rows_of_x):
     n_sets = rotation(qbytes)
     sets = weight_sets(N, K, n_sets)
     calls = calls_for(qbytes / (probe_gbps * 1e9), n_sets)
-    times = {}
+    times = {kernel: {} for kernel in KERNELS}
     for T in rows_of_x:
         x_q, x_d = activation("int8", T, K)
         out = torch.empty(T, N, device="cuda")
@@ -46,7 +49,12 @@ def bench_shape(N, K, probe_gbps, rows_of_x):
         def step(i, x_q=x_q, x_d=x_d, out=out):
             torch.ops.qwen38.q8_0_gemv_int8(x_q, x_d, *sets[i % n_sets], out)
 
-        times[T] = time_graph(step, calls)["median_s"]
+        for kernel in KERNELS:
+            os.environ["QWEN38_Q8_GEMV_ROWS_KERNEL"] = kernel  # read at each call: the capture keeps this form
+            try:
+                times[kernel][T] = time_graph(step, calls)["median_s"]
+            finally:
+                os.environ.pop("QWEN38_Q8_GEMV_ROWS_KERNEL")
     del sets
     torch.cuda.empty_cache()
     return qbytes, times
@@ -67,18 +75,21 @@ def main(argv=None):
     probe = read_probe_result()
     gbps = probe["best_gbps"]
     print(f"streaming-read probe: {gbps:.0f} GB/s", flush=True)
-    table, token = [], {T: 0.0 for T in rows_of_x}
+    table, token = [], {kernel: {T: 0.0 for T in rows_of_x} for kernel in KERNELS}
     for (N, K), label, count in picked:
         qbytes, times = bench_shape(N, K, gbps, rows_of_x)
-        for T, t in times.items():
-            token[T] += count * t
-            table.append({"shape": f"{N}x{K}", "what": label, "T": T, "us": t * 1e6,
-                          "%probe": 100 * qbytes / t / 1e9 / gbps, "x_T1": t / times[1]})
-        print_table([r for r in table if r["shape"] == f"{N}x{K}"], ["shape", "what", "T", "us", "%probe", "x_T1"])
-    totals = [{"T": T, "token_ms": t * 1e3, "x_T1": t / token[1], "rows_per_ms": T / (t * 1e3)}
-              for T, t in token.items()]
-    print_table(totals, ["T", "token_ms", "x_T1", "rows_per_ms"],
-                title="the token's matrices (each shape times its count), against T = 1")
+        for kernel in KERNELS:
+            for T, t in times[kernel].items():
+                token[kernel][T] += count * t
+                table.append({"shape": f"{N}x{K}", "what": label, "kernel": kernel, "T": T, "us": t * 1e6,
+                              "%probe": 100 * qbytes / t / 1e9 / gbps, "x_T1": t / times[kernel][1]})
+        print_table([r for r in table if r["shape"] == f"{N}x{K}"],
+                    ["shape", "what", "kernel", "T", "us", "%probe", "x_T1"])
+    totals = [{"kernel": kernel, "T": T, "token_ms": t * 1e3, "x_T1": t / token[kernel][1], "rows_per_ms": T / (t * 1e3)}
+              for kernel in KERNELS for T, t in token[kernel].items()]
+    for kernel in KERNELS:
+        print_table([r for r in totals if r["kernel"] == kernel], ["kernel", "T", "token_ms", "x_T1", "rows_per_ms"],
+                    title=f"kernel={kernel}: the token's matrices (each shape times its count), against T = 1")
     write_json(args.json, {"env": info, "read_probe": probe, "shapes": table, "token": totals})
 
 

@@ -59,9 +59,13 @@ void run(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& weigh
   const c10::cuda::CUDAGuard guard(weight_q.device());
   const cudaError_t err = q8_0_gemv_launch(act, a, current_stream());
   Q8GemvConfig env;
-  launch_or_throw(op, err, q8_0_gemv_config_from_env(&env)
-                               ? " (QWEN38_Q8_GEMV_CONFIG must name a compiled \"trip,parts\" config, see q8_gemv.h)"
-                               : "");
+  Q8RowsKernel rows_kernel;
+  launch_or_throw(op, err,
+                  q8_0_gemv_rows_kernel_from_env(&rows_kernel) && rows_kernel == Q8RowsKernel::Unknown
+                      ? " (QWEN38_Q8_GEMV_ROWS_KERNEL must be smem or direct)"
+                  : q8_0_gemv_config_from_env(&env)
+                      ? " (QWEN38_Q8_GEMV_CONFIG must name a compiled \"trip,parts\" config, see q8_gemv.h)"
+                      : "");
 }
 
 // The GEMM's extra requirements (q8_gemm.h): K in whole 64-byte stages, 8-byte scale pairs.

@@ -65,6 +65,12 @@ int q8_0_gemv_rows_min_rows();
 // K a multiple of 512 (whole pieces, 16-byte scale copies), x rows, weights and scales 16-byte aligned, parts 1 or 4.
 bool q8_0_gemv_rows_supported(const Q8GemvArgs& args, int parts);
 cudaError_t q8_0_gemv_rows_launch(const Q8GemvArgs& args, int parts, cudaStream_t stream);
+// The rows kernel's two forms (q8_gemv_rows.cu), the same bits: Smem (x through the shared-memory ring with the
+// weights, 8 or 16 rows of x a block; the default) and Direct (all rows of x up to 64 in one block a weight tile, x
+// straight from global memory; not yet measured). Testing and benchmarking knob: QWEN38_Q8_GEMV_ROWS_KERNEL=
+// smem|direct, read at every call (Unknown for another value: the launch fails). Returns false when unset or empty.
+enum class Q8RowsKernel : int { Smem, Direct, Unknown };
+bool q8_0_gemv_rows_kernel_from_env(Q8RowsKernel* kernel);
 
 // Lane `act` with q8_0_gemv_default_config (or the QWEN38_Q8_GEMV_CONFIG override), on `stream`, with PDL when
 // pdl_enabled() (pdl.cuh: the launch may start while the previous kernel on the stream is still draining); no

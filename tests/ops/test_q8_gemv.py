@@ -348,23 +348,30 @@ def test_cuda_rows_bitwise_as_one_row_calls(lane, N, K):
         assert_int8_emulated(act, weights, singles, default_parts(lane, N), sample_rows(N))
 
 
+# The rows kernel's two forms (csrc/kernels/q8_gemv_rows.cu), QWEN38_Q8_GEMV_ROWS_KERNEL, read at each call.
+ROWS_KERNELS = ["smem", "direct"]
+
+
 @cuda
+@pytest.mark.parametrize("kernel", ROWS_KERNELS)
 @pytest.mark.parametrize("N,K", SHAPES_27B + ODD_SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES_27B + ODD_SHAPES])
-def test_cuda_int8_many_rows_bitwise_as_one_row_calls(N, K):
-    """A batched decode step relies on it: every row of a T-row int8 call, T up to 64 (the tensor-core form of
-    csrc/kernels/q8_gemv_rows.cu where K % 512 == 0, else passes of the T-row forms), eager and replayed in a
-    graph, is bit for bit the T = 1 call on that row, on order-sensitive data; and the T = 1 bits are the
-    kernel-order emulation's."""
+def test_cuda_int8_many_rows_bitwise_as_one_row_calls(N, K, kernel, monkeypatch):
+    """A batched decode step relies on it: every row of a T-row int8 call, T up to 80 (the tensor-core form of
+    csrc/kernels/q8_gemv_rows.cu where K % 512 == 0, either of its forms, else passes of the T-row forms), eager
+    and replayed in a graph, is bit for bit the T = 1 call on that row, on order-sensitive data; and the T = 1
+    bits are the kernel-order emulation's. The T cover each form's tiles: one and two n8 tiles, the direct form's
+    4 and 8 (PARTS = 1) and its blocks of 16 rows (PARTS = 4), and a second block of 64 rows (T = 80)."""
+    monkeypatch.setenv("QWEN38_Q8_GEMV_ROWS_KERNEL", kernel)
     weights = make_weights(N, K, device="cuda", seed=N + 3 * K)
-    act = make_activation("int8", 64, K, device="cuda", seed=K + 1)
+    act = make_activation("int8", 80, K, device="cuda", seed=K + 1)
     if K >= 64:
         weights, act = order_sensitive("int8", weights, act)
-    singles = torch.cat([run_cuda("int8", tuple(a[t : t + 1] for a in act), *weights) for t in range(64)])
+    singles = torch.cat([run_cuda("int8", tuple(a[t : t + 1] for a in act), *weights) for t in range(80)])
     assert_int8_emulated(first_rows(act, 9), weights, singles[:9], default_parts("int8", N), sample_rows(N))
-    for T in (2, 9, 16, 17, 33, 64):
+    for T in (2, 8, 9, 16, 17, 33, 64, 80):
         out = run_cuda("int8", first_rows(act, T), *weights)
         differ = (out != singles[:T]).any(1).nonzero().flatten().tolist()
-        assert not differ, f"T = {T}: rows {differ} differ from their T = 1 calls"
+        assert not differ, f"{kernel}, T = {T}: rows {differ} differ from their T = 1 calls"
     x, x_d = first_rows(act, 40)
     out = torch.full((40, N), float("nan"), device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -373,7 +380,23 @@ def test_cuda_int8_many_rows_bitwise_as_one_row_calls(N, K):
         torch.ops.qwen38.q8_0_gemv_int8(x, x_d, *weights, out)
     out.fill_(float("nan"))
     graph.replay()
-    assert torch.equal(out, singles[:40]), "the replayed 40-row call differs from the T = 1 calls"
+    assert torch.equal(out, singles[:40]), f"{kernel}: the replayed 40-row call differs from the T = 1 calls"
+
+
+@cuda
+def test_cuda_rows_kernel_unknown_raises(monkeypatch):
+    """QWEN38_Q8_GEMV_ROWS_KERNEL is read at each call: another value than smem or direct fails the call that
+    reaches the rows kernel, naming the variable (in this process: the failure is before any launch)."""
+    N, K, T = 64, 512, 16
+    weights = make_weights(N, K, device="cuda")
+    x_q, x_d = make_activation("int8", T, K, device="cuda")
+    out = torch.empty(T, N, device="cuda")
+    monkeypatch.setenv("QWEN38_Q8_GEMV_ROWS_KERNEL", "register")
+    with pytest.raises(RuntimeError, match="QWEN38_Q8_GEMV_ROWS_KERNEL must be smem or direct"):
+        ops.q8_0_gemv_int8(x_q, x_d, *weights, out)
+    monkeypatch.setenv("QWEN38_Q8_GEMV_ROWS_KERNEL", "direct")
+    ops.q8_0_gemv_int8(x_q, x_d, *weights, out)
+    check_against_reference("int8", (x_q, x_d), *weights, out)
 
 
 @cuda
