@@ -741,6 +741,8 @@ class Choice:
         if self.top is not None and logprobs is not None:
             self.logprobs.append((token, len(self.text), logprobs))
         self.text += self.decoder.feed(token)
+        if token in eos:  # the end token completes no character: what the decoder holds is the reply's, as
+            self.text += self.decoder.flush()  # decode(ids) gives it (the next turn's cached history renders it so)
         if token in eos or self.stopped():
             self.finish = "stop"
         return self.finish == "stop"

@@ -72,6 +72,7 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer):
         self.tokenizer, self.reply, self.active, self.script = tokenizer, "", [None], iter(())
+        self.reply_ids = None  # token ids to send instead of the reply's encoding (ids no text encodes to)
 
     def free_slots(self) -> int:
         return self.active.count(None)
@@ -80,7 +81,8 @@ class ScriptedEngine:
         from qwen38_model.generation import GenerationStats
 
         seq.stats = GenerationStats(prompt_tokens=seq.history.shape[0])
-        seq.slot, self.active[0], self.script = 0, seq, iter(self.tokenizer.encode(self.reply))
+        ids = self.reply_ids if self.reply_ids is not None else self.tokenizer.encode(self.reply)
+        seq.slot, self.active[0], self.script = 0, seq, iter(ids)
         yield from ()
 
     def step(self) -> None:
@@ -107,7 +109,7 @@ class ScriptedEngine:
 
 
 @contextlib.contextmanager
-def scripted_server(max_context: int):
+def scripted_server(max_context: int, eos: tuple[int, ...] = ()):
     """(scripted engine, tokenizer, URL) of an in-process server whose replies a test scripts (ScriptedEngine),
     on the built-in model's tokenizer."""
     from qwen38_model.default_model import default_model_path
@@ -116,6 +118,7 @@ def scripted_server(max_context: int):
 
     tokenizer = load_tokenizer(default_model_path())
     model = ScriptedEngine(tokenizer)
+    model.config = types.SimpleNamespace(eos_token_ids=list(eos))
     server = Server(model, tokenizer, "scripted", max_context=max_context, max_queue=1, cache_bytes=1 << 20,
                     log=sys.stdout, engine=model)
     with in_process(server) as url:
@@ -474,6 +477,32 @@ def test_a_request_asking_for_logprobs_beside_others_changes_none_of_their_texts
     together = concurrently([lambda p=p, k=k: streamed_text(client, p, **k) for p, k in requests])
     assert [text for text, _, _ in together] == solo
     assert solo[1] == client.completions.create(model=MODEL, prompt=requests[1][0], **requests[1][1]).choices[0].text
+
+
+def test_a_reply_ending_mid_character_keeps_its_last_bytes():
+    """A reply whose last token before its end token leaves a character unfinished (a lead byte): streamed and not,
+    its text ends in U+FFFD as decode(ids) renders it, which is also how the next turn's cached history renders
+    it (Scheduler.cache_next_turn); dropping the held bytes made the client's history miss that cache entry."""
+    from qwen38_model.default_model import default_model_path
+    from qwen38_model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    lead = next(i for i in range(tokenizer.tokenizer.get_vocab_size()) if tokenizer.token_bytes(i) == b"\xe4")
+    eos = tokenizer.eos_token_ids[0]
+    ids = tokenizer.encode("Hello there") + [lead, eos]
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert expected.endswith("\ufffd"), expected
+    with scripted_server(max_context=512, eos=(eos,)) as (model, _, url):
+        model.reply_ids = ids
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        args = dict(model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=32,
+                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        answer = client.chat.completions.create(**args)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True)
+                           if c.choices)
+        completion = client.completions.create(model="scripted", prompt="Hi", max_tokens=32)
+    assert answer.choices[0].finish_reason == "stop" and completion.choices[0].finish_reason == "stop"
+    assert answer.choices[0].message.content == streamed == completion.choices[0].text == expected
 
 
 def test_batch_invariant_off_reaches_the_engine_and_serves(client):
