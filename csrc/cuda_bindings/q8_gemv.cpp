@@ -82,7 +82,8 @@ void run_gemm(const char* op, Q8Act act, const Q8GemvArgs& a, const at::Tensor& 
   const at::Tensor partial = splits > 1 ? at::empty({splits * static_cast<int64_t>(a.T) * a.N},
                                                     weight_q.options().dtype(at::kFloat))
                                         : at::Tensor();
-  const cudaError_t err = q8_0_gemm_launch(act, a, splits > 1 ? partial.data_ptr<float>() : nullptr, current_stream());
+  const cudaError_t err = q8_0_gemm_launch(act, a, splits, splits > 1 ? partial.data_ptr<float>() : nullptr,
+                                             current_stream());
   Q8GemmKernel kernel;
   int tile;
   launch_or_throw(op, err,

@@ -425,19 +425,19 @@ Q8GemmKernel q8_0_gemm_kernel() {
   return q8_0_gemm_kernel_from_env(&kernel) ? kernel : Q8GemmKernel::MmaSync;
 }
 
-cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, float* partial, cudaStream_t stream) {
+cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, int splits, float* partial, cudaStream_t stream) {
   if (args.N == 0 || args.T == 0) return cudaSuccess;
   if (args.K <= 0 || args.K % 64 != 0 || act == Q8Act::F32) return cudaErrorInvalidValue;
   int tile_tokens = 0;
   const bool tile_from_env = q8_0_gemm_tile_from_env(&tile_tokens);
   const Q8GemmKernel kernel = q8_0_gemm_kernel();
   if (kernel == Q8GemmKernel::Wgmma || kernel == Q8GemmKernel::WgmmaIadd) {
+    if (splits != 1) return cudaErrorInvalidValue;  // the wgmma kernel does not split K (q8_0_gemm_splits)
     if (!tile_from_env) tile_tokens = q8_0_gemm_sm90_default_tile(act, args);
     return q8_0_gemm_sm90_launch(act, args, tile_tokens, kernel == Q8GemmKernel::Wgmma, stream);
   }
   if (kernel != Q8GemmKernel::MmaSync) return cudaErrorInvalidValue;
   if (!tile_from_env) tile_tokens = q8_0_gemm_default_tile(act, args);
-  const int splits = q8_0_gemm_splits(act, args);
   const bool two_word = act == Q8Act::Int8x2;
   if (four_blocks_per_stage(args))
     return two_word ? dispatch<true, 4>(args, tile_tokens, splits, partial, stream)

@@ -51,9 +51,9 @@ int q8_0_gemm_splits(Q8Act act, const Q8GemvArgs& args);
 bool q8_0_gemm_splits_from_env(int* splits);
 
 // act is Int8 or Int8x2; the kernel is q8_0_gemm_kernel's, the mma.sync kernel's tile q8_0_gemm_default_tile's (or
-// the QWEN38_Q8_GEMM_TILE override). partial: q8_0_gemm_splits(act, args) x T x N floats of scratch when that is
-// above 1 (the caller allocates it), else unused. Launches on `stream` without PDL (neither kernel has
-// griddepcontrol.wait: pdl.cuh); no allocation, no host sync.
-cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, float* partial, cudaStream_t stream);
+// the QWEN38_Q8_GEMM_TILE override). splits: q8_0_gemm_splits(act, args), which the caller asks once to size
+// partial, splits x T x N floats of scratch when splits > 1 (else unused). Launches on `stream` without PDL
+// (neither kernel has griddepcontrol.wait: pdl.cuh); no allocation, no host sync.
+cudaError_t q8_0_gemm_launch(Q8Act act, const Q8GemvArgs& args, int splits, float* partial, cudaStream_t stream);
 
 }  // namespace qwen38
