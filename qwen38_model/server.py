@@ -234,7 +234,6 @@ class Server:
         self.message_start = self.template_message_start() if tokenizer is not None else None
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', found {speculative!r}")
-        self.speculative = speculative is not None
         self.scheduler = None
         if engine is not None or model is not None:
             if engine is None:
@@ -259,6 +258,10 @@ class Server:
         """Stops the scheduler thread (after uvicorn has stopped: no request is in flight any more)."""
         if self.scheduler is not None:
             self.scheduler.close()
+
+    def speculative(self) -> bool:
+        """Whether the engine's step is the MTP step (--speculative): what it cannot do is a 400."""
+        return self.scheduler is not None and getattr(self.scheduler.engine, "mtp", None) is not None
 
     def app(self) -> Starlette:
         middleware = []  # the first is the outermost: CORS answers a preflight (no key) before ApiKey
@@ -361,7 +364,7 @@ class Server:
                                         f"{len(prompts) * kwargs['n']} sequences, more than the {self.max_batch} "
                                         "this server decodes at once", "prompt")
             logprobs = request_logprobs(body, chat)
-            if logprobs is not None and self.speculative:
+            if logprobs is not None and self.speculative():
                 raise RequestError(400, "logprobs are not available with --speculative (the MTP step reports none)",
                                    "logprobs")
             cfg = self.sampling_config(kwargs, logprobs is not None)
@@ -677,7 +680,7 @@ class Server:
         if schema is None and not forced:
             return None
         field = "response_format" if schema is not None else "tool_choice"
-        if self.speculative:
+        if self.speculative():
             raise RequestError(400, f"{field} is not available with --speculative (the MTP step takes no token "
                                     "mask: it constrains nothing)", field)
         if self.json_constraints is None:
